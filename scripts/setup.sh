@@ -11,8 +11,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 echo "[setup] building $venv ..." >&2
+# This machine's pip config lists local package mirrors that warn for every package they lack; hide that noise.
+quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true); }
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+pip=(quiet_pip "$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first, pinned to the CPU build: anything that pulls an unpinned torch first resolves to CUDA.
 "${pip[@]}" -c constraints-cpu.txt torch
 "${pip[@]}" -c constraints-cpu.txt -e ".[dev,megatron,smollm2]"

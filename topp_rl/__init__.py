@@ -1,0 +1,14 @@
+"""topp_rl: exact top-p / top-k / min-p log-probs for LLM RL post-training.
+
+Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import.
+"""
+
+__all__ = ["ToppLogProb"]
+
+
+def __getattr__(name: str):
+    if name == "ToppLogProb":
+        from topp_rl.hook import ToppLogProb
+
+        return ToppLogProb
+    raise AttributeError(f"module 'topp_rl' has no attribute {name!r}")
