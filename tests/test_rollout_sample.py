@@ -1,0 +1,126 @@
+"""`Sample` and `SamplingParams`: multi-turn appends, strict length checks, parameter validation."""
+
+import pytest
+
+from topp_rl.ops import Candidates
+from topp_rl.rollout import Sample, SampleStatus, SamplingParams
+
+
+def test_starts_empty():
+    s = Sample(prompt_ids=[1, 2])
+    assert s.response_length == 0 and s.candidates is None and s.status is SampleStatus.COMPLETED
+    assert s.tokens == [1, 2]
+
+
+def test_multi_turn_with_tool_output():
+    s = Sample(prompt_ids=[1], index=4)
+    s.append_response_tokens([5, 6], [-0.5, -0.25], Candidates.from_lists([[5, 2], [6]]))
+    s.append_response_tokens([9, 9, 9], trainable=False)
+    s.append_response_tokens([7], [-1.0], Candidates.from_lists([[7, 8, 3]]))
+    assert s.response_ids == [5, 6, 9, 9, 9, 7]
+    assert s.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert s.rollout_log_probs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert s.candidates.to_lists() == [[5, 2], [6], [], [], [], [7, 8, 3]]
+    assert s.candidates.offsets.tolist() == [0, 2, 3, 3, 3, 3, 6]
+
+
+def test_tool_output_first_then_candidates_backfills_empty_rows():
+    s = Sample(prompt_ids=[1])
+    s.append_response_tokens([3], trainable=False)
+    s.append_response_tokens([4], [-0.1], Candidates.from_lists([[4]]), raw_log_probs=[-2.0])
+    assert s.candidates.to_lists() == [[], [4]]
+    assert s.rollout_raw_log_probs == [0.0, -2.0]
+
+
+def test_run_without_candidates():
+    s = Sample(prompt_ids=[1])
+    s.append_response_tokens([3, 4], [-0.1, -0.2])
+    s.append_response_tokens([5], trainable=False)
+    assert s.candidates is None and s.loss_mask == [1, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("setup", "call", "message"),
+    [
+        (
+            None,
+            lambda s: s.append_response_tokens([3, 4], [-0.1]),
+            "2 trainable tokens need 2 log_probs, got 1",
+        ),
+        (None, lambda s: s.append_response_tokens([3]), "need 1 log_probs, got None"),
+        (
+            None,
+            lambda s: s.append_response_tokens([3], [-0.1], trainable=False),
+            "non-trainable tokens must not",
+        ),
+        (
+            None,
+            lambda s: s.append_response_tokens([3, 4], [-0.1, -0.2], Candidates.from_lists([[3]])),
+            "2 tokens but candidates have 1 rows",
+        ),
+        (
+            None,
+            lambda s: s.append_response_tokens([3], [-0.1], Candidates.from_lists([[2, 5]])),
+            "sampled token 3 at chunk position 0 is missing",
+        ),
+        (
+            lambda s: s.append_response_tokens([3], [-0.1], Candidates.from_lists([[3]])),
+            lambda s: s.append_response_tokens([4], [-0.1]),
+            "records candidate sets",
+        ),
+        (
+            lambda s: s.append_response_tokens([3], [-0.1]),
+            lambda s: s.append_response_tokens([4], [-0.1], Candidates.from_lists([[4]])),
+            "earlier trainable tokens have no candidate sets",
+        ),
+    ],
+)
+def test_append_errors_name_the_sample(setup, call, message):
+    s = Sample(prompt_ids=[1], index=7, group_index=2)
+    if setup:
+        setup(s)
+    before = s.response_length
+    with pytest.raises(ValueError, match=message) as err:
+        call(s)
+    assert "Sample(index=7, group=2)" in str(err.value)
+    assert s.response_length == before  # a rejected append changes nothing
+
+
+def test_constructor_length_mismatch():
+    with pytest.raises(
+        ValueError, match=r"Sample\(index=3, group=0\): response_length=2 but rollout_log_probs=1"
+    ):
+        Sample(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1, 1], rollout_log_probs=[0.0], index=3)
+    with pytest.raises(ValueError, match="candidates rows=1"):
+        Sample(
+            prompt_ids=[1],
+            response_ids=[2, 3],
+            loss_mask=[1, 1],
+            rollout_log_probs=[0.0, 0.0],
+            candidates=Candidates.from_lists([[2]]),
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p \(1.5\)"),
+        ({"temperature": 0.0}, r"temperature \(0.0\) must be > 0"),
+        ({"top_k": -1}, r"top_k \(-1\) must be >= 0"),
+        ({"min_p": 1.0}, r"min_p \(1.0\) must be in \[0, 1\)"),
+        ({"n": 0}, r"n \(0\) must be >= 1"),
+        ({"max_new_tokens": 0}, r"max_new_tokens \(0\) must be >= 1"),
+    ],
+)
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_truncates():
+    p = SamplingParams(stop_token_ids=[3, 4])
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (1.0, 1.0, 0, 0.0, 1)
+    assert p.stop_token_ids == (3, 4) and not p.truncates
+    assert SamplingParams(top_p=0.9).truncates and SamplingParams(top_k=5).truncates
+    assert SamplingParams(min_p=0.1).truncates

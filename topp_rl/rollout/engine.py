@@ -1,0 +1,34 @@
+"""The `RolloutEngine` protocol every backend implements (`EmbeddedEngine`, `SGLangEngine`).
+
+Contract (docs/ARCHITECTURE.md): `generate` returns `params.n` samples per prompt, prompt-major, each with
+`group_index` = the prompt's position; `update_weights` takes HF parameter names; engines are context
+managers that `close()` on exit.
+"""
+
+from collections.abc import Iterable
+from typing import Protocol, Self, runtime_checkable
+
+import torch
+
+from topp_rl.rollout.params import SamplingParams
+from topp_rl.rollout.sample import Sample
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    vocab_size: int
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
+    ) -> list[Sample]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+    # Default context-manager behaviour for engines that subclass the protocol explicitly.
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
