@@ -44,7 +44,9 @@ class GRPOLoss(PolicyLoss):
 
     def policy_term(self, inputs: LossInputs, *, advantages: Tensor) -> tuple[Tensor, Pairs]:
         ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
-        term, clipped = clipped_surrogate(ratio, advantages, low=1 - self.eps_clip, high=1 + self.eps_clip_high)
+        term, clipped = clipped_surrogate(
+            ratio, advantages, low=1 - self.eps_clip, high=1 + self.eps_clip_high
+        )
         return term, _ratio_pairs(ratio, clipped, inputs)
 
 
@@ -68,7 +70,9 @@ class GSPOLoss(PolicyLoss):
         log_ratio_sum = inputs.segment_sum((inputs.logprobs - inputs.old_logprobs) * m)
         seq_ratio = torch.exp(log_ratio_sum / inputs.segment_sum(m).clamp(min=1.0))
         ratio = seq_ratio[inputs.segments[0]]
-        term, clipped = clipped_surrogate(ratio, advantages, low=1 - self.eps_clip, high=1 + self.eps_clip_high)
+        term, clipped = clipped_surrogate(
+            ratio, advantages, low=1 - self.eps_clip, high=1 + self.eps_clip_high
+        )
         return term, _ratio_pairs(ratio, clipped, inputs)
 
 
@@ -125,5 +129,3 @@ def reverse_segment_cumsum(values: Tensor, inputs: LossInputs) -> Tensor:
     upto = torch.cumsum(x, 0)
     seg_end = torch.cumsum(inputs.segment_sum(x), 0)
     return (seg_end[ids] - upto + x).to(values.dtype)
-
-

@@ -20,7 +20,9 @@ def to_floats(pairs: Pairs) -> dict[str, tuple[float, float]]:
     """(sum, count) tensors -> floats with one device sync."""
     if not pairs:
         return {}
-    flat = torch.stack([torch.stack([s.detach().double(), torch.as_tensor(c).double()]) for s, c in pairs.values()])
+    flat = torch.stack(
+        [torch.stack([s.detach().double(), torch.as_tensor(c).double()]) for s, c in pairs.values()]
+    )
     return {name: (s, c) for name, (s, c) in zip(pairs, flat.tolist(), strict=True)}
 
 

@@ -38,7 +38,14 @@ class LossInputs:
                 "response tokens: flatten the packed micro-batch first"
             )
         r = self.logprobs.shape[0]
-        for name in ("old_logprobs", "advantages", "loss_mask", "seq_index", "ref_logprobs", "rollout_logprobs"):
+        for name in (
+            "old_logprobs",
+            "advantages",
+            "loss_mask",
+            "seq_index",
+            "ref_logprobs",
+            "rollout_logprobs",
+        ):
             t = getattr(self, name)
             if t is not None and t.shape != (r,):
                 raise ValueError(
@@ -46,7 +53,9 @@ class LossInputs:
                     "build every per-token field over the same response tokens"
                 )
         if self.seq_index.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"LossInputs.seq_index has dtype {self.seq_index.dtype}; pass integer sample ids")
+            raise ValueError(
+                f"LossInputs.seq_index has dtype {self.seq_index.dtype}; pass integer sample ids"
+            )
         if not self.num_loss_tokens_global > 0:
             raise ValueError(
                 f"LossInputs.num_loss_tokens_global is {self.num_loss_tokens_global}; it must be > 0 "

@@ -36,7 +36,9 @@ class KLPenalty:
         if coef < 0:
             raise ValueError(f"kl_coef={coef} must be >= 0; use 0 to disable the KL penalty")
         if estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={estimator!r} is not supported; choose one of {', '.join(KL_ESTIMATORS)}")
+            raise ValueError(
+                f"kl_estimator={estimator!r} is not supported; choose one of {', '.join(KL_ESTIMATORS)}"
+            )
         self.coef = coef
         self.estimator = estimator
         self.use_candidate_mask = use_candidate_mask
