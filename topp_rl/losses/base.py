@@ -21,7 +21,10 @@ def to_floats(pairs: Pairs) -> dict[str, tuple[float, float]]:
     if not pairs:
         return {}
     flat = torch.stack(
-        [torch.stack([s.detach().double(), torch.as_tensor(c).double()]) for s, c in pairs.values()]
+        [
+            torch.stack([s.detach().double(), torch.as_tensor(c, device=s.device).double()])
+            for s, c in pairs.values()
+        ]
     )
     return {name: (s, c) for name, (s, c) in zip(pairs, flat.tolist(), strict=True)}
 
