@@ -1,0 +1,188 @@
+"""`topp_rl.parallel`: CP index maps and response rows against naive per-sequence loops; layout validation."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from topp_rl.parallel import (
+    ParallelLayout,
+    cp_local_lengths,
+    cp_local_positions,
+    cp_padded_lengths,
+    cp_shard,
+    cu_seqlens,
+    response_rows,
+)
+
+
+def naive_positions(lengths: list[int], cp_size: int, cp_rank: int, mode: str) -> list[int]:
+    """The issue's wording, literally, one sequence at a time."""
+    if cp_size == 1:
+        return list(range(sum(lengths)))
+    if mode == "allgather":
+        stream = list(range(sum(lengths)))
+        while len(stream) % cp_size:
+            stream.append(-1)
+        n = len(stream) // cp_size
+        return stream[cp_rank * n : (cp_rank + 1) * n]
+    out, start = [], 0
+    for length in lengths:
+        seq = list(range(start, start + length))
+        while len(seq) % (2 * cp_size):
+            seq.append(-1)
+        c = len(seq) // (2 * cp_size)
+        out += seq[cp_rank * c : (cp_rank + 1) * c]
+        out += seq[(2 * cp_size - 1 - cp_rank) * c : (2 * cp_size - cp_rank) * c]
+        start += length
+    return out
+
+
+def naive_response_rows(positions: list[int], lengths: list[int], responses: list[int]):
+    predicted = {}  # packed position of a logit row -> candidate row of the token it predicts
+    start, cand = 0, 0
+    for length, resp in zip(lengths, responses, strict=True):
+        for j in range(resp):
+            predicted[start + length - resp - 1 + j] = cand
+            cand += 1
+        start += length
+    rows = [i for i, g in enumerate(positions) if g in predicted]
+    return rows, [predicted[positions[i]] for i in rows]
+
+
+lengths_st = st.lists(st.integers(0, 23), min_size=0, max_size=7)
+cp_st = st.sampled_from([(1, "zigzag"), (1, "allgather"), (2, "zigzag"), (2, "allgather"), (3, "zigzag"),
+                         (4, "allgather"), (4, "zigzag")])
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, cp=cp_st)
+def test_positions_match_naive_and_cover_every_position_once(lengths, cp):
+    cp_size, mode = cp
+    t = torch.tensor(lengths, dtype=torch.int64)
+    seen = []
+    for rank in range(cp_size):
+        pos = cp_local_positions(t, cp_size=cp_size, cp_rank=rank, mode=mode)
+        assert pos.dtype == torch.int64
+        assert pos.tolist() == naive_positions(lengths, cp_size, rank, mode)
+        local = cp_local_lengths(t, cp_size=cp_size, cp_rank=rank, mode=mode)
+        tail = pos.numel() - int(local.sum())
+        assert tail >= 0 and (pos[pos.numel() - tail :] == -1).all()
+        if mode == "zigzag":
+            assert tail == 0
+            # Sequence s owns a contiguous local piece of local[s] rows.
+            owner = torch.repeat_interleave(torch.arange(len(lengths)), local)
+            starts = torch.cumsum(t, 0) - t
+            real = pos >= 0
+            assert (pos[real] >= starts[owner[real]]).all() and (pos[real] < (starts + t)[owner[real]]).all()
+        seen += [g for g in pos.tolist() if g >= 0]
+    assert sorted(seen) == list(range(sum(lengths)))
+
+
+def test_cp_size_one_is_the_unpadded_stream_in_both_modes():
+    t = torch.tensor([3, 5, 1])
+    for mode in ("zigzag", "allgather"):
+        assert cp_local_positions(t, cp_size=1, cp_rank=0, mode=mode).tolist() == list(range(9))
+        assert cp_padded_lengths(t, cp_size=1, mode=mode).tolist() == [3, 5, 1]
+
+
+def test_zigzag_worked_example_and_lengths():
+    t = torch.tensor([5, 3])
+    assert cp_local_positions(t, cp_size=2, cp_rank=0, mode="zigzag").tolist() == [0, 1, -1, -1, 5, -1]
+    assert cp_local_positions(t, cp_size=2, cp_rank=1, mode="zigzag").tolist() == [2, 3, 4, -1, 6, 7]
+    assert cp_padded_lengths(t, cp_size=2, mode="zigzag").tolist() == [8, 4]
+    assert cp_local_lengths(t, cp_size=2, cp_rank=1, mode="zigzag").tolist() == [4, 2]
+    assert cp_local_lengths(t, cp_size=3, cp_rank=1, mode="allgather").tolist() == [2, 1]  # slice [3, 6)
+    assert cu_seqlens(t).tolist() == [0, 5, 8] and cu_seqlens(t).dtype == torch.int32
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), cp=cp_st)
+def test_response_rows_match_naive(data, cp):
+    cp_size, mode = cp
+    lengths = data.draw(st.lists(st.integers(1, 20), min_size=1, max_size=6))
+    responses = [data.draw(st.integers(0, length - 1)) for length in lengths]
+    t, r = torch.tensor(lengths), torch.tensor(responses)
+    all_cands = []
+    for rank in range(cp_size):
+        pos = cp_local_positions(t, cp_size=cp_size, cp_rank=rank, mode=mode)
+        rows, cand_rows = response_rows(pos, t, r)
+        want_rows, want_cands = naive_response_rows(pos.tolist(), lengths, responses)
+        assert rows.tolist() == want_rows and cand_rows.tolist() == want_cands
+        assert rows.dtype == cand_rows.dtype == torch.int64
+        all_cands += cand_rows.tolist()
+    assert sorted(all_cands) == list(range(sum(responses)))
+
+
+def test_response_rows_predict_the_next_token():
+    # Packed tokens are their own positions, so a row predicting packed position g + 1 must map there.
+    t, r = torch.tensor([6, 4, 7]), torch.tensor([3, 1, 4])
+    response_positions = torch.cat([torch.arange(o + n - k, o + n) for o, n, k in zip([0, 6, 10], t, r, strict=True)])
+    for cp_size, mode in ((1, "zigzag"), (2, "zigzag"), (2, "allgather")):
+        for rank in range(cp_size):
+            pos = cp_local_positions(t, cp_size=cp_size, cp_rank=rank, mode=mode)
+            rows, cand_rows = response_rows(pos, t, r)
+            assert (pos[rows] + 1 == response_positions[cand_rows]).all()
+
+
+def test_cp_shard_gathers_rows_pads_and_passes_gradients():
+    t = torch.tensor([5, 3])
+    x = torch.arange(16.0).view(8, 2).requires_grad_()
+    pos = cp_local_positions(t, cp_size=2, cp_rank=0, mode="zigzag")  # [0, 1, -1, -1, 5, -1]
+    out = cp_shard(x, pos, fill=-7.0)
+    assert out.tolist() == [[0, 1], [2, 3], [-7, -7], [-7, -7], [10, 11], [-7, -7]]
+    out.sum().backward()
+    assert x.grad[:, 0].tolist() == [1, 1, 0, 0, 0, 1, 0, 0]
+    assert cp_shard(torch.arange(8), pos, fill=0).tolist() == [0, 1, 0, 0, 5, 0]
+
+
+def test_single_layout_holds_the_whole_vocabulary_and_stream():
+    assert ParallelLayout(vocab_size=12).vocab_range() == (0, 12)
+    single = ParallelLayout.single(7)
+    assert (single.tp_size, single.cp_size, single.cp_mode, single.vocab_range()) == (1, 1, "zigzag", (0, 7))
+    assert single.local_positions(torch.tensor([2, 3])).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(vocab_size=0), r"vocab_size=0 must be an int >= 1"),
+        (dict(vocab_size=10, tp_size=0), r"tp_size=0 must be an int >= 1"),
+        (dict(vocab_size=10, cp_size=2, cp_rank=0), r"cp_size=2 needs cp_group"),
+        (dict(vocab_size=10, tp_size=2, tp_rank=1), r"tp_size=2 needs tp_group"),
+        (dict(vocab_size=10, tp_rank=1), r"tp_rank=1 must be an int in \[0, tp_size=1\)"),
+        (dict(vocab_size=10, cp_rank=-1), r"cp_rank=-1"),
+        (dict(vocab_size=10, cp_mode="ring"), r"cp_mode='ring' must be one of"),
+        (dict(vocab_size=10, tp_size=1.5), r"tp_size=1.5"),
+    ],
+)
+def test_layout_validation_names_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelLayout(**kwargs)
+
+
+def test_layout_rejects_vocab_not_divisible_by_tp_and_names_the_padded_size():
+    with pytest.raises(ValueError, match=r"vocab_size=10 is not divisible by tp_size=3.*e\.g\. 12"):
+        ParallelLayout(vocab_size=10, tp_size=3, tp_rank=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: cp_local_positions(torch.tensor([3, -1]), cp_size=1, cp_rank=0, mode="zigzag"), "must be >= 0"),
+        (lambda: cp_local_positions(torch.tensor([3.0]), cp_size=1, cp_rank=0, mode="zigzag"), "integer tensor"),
+        (lambda: cp_local_positions(torch.tensor([3]), cp_size=2, cp_rank=2, mode="zigzag"), r"cp_rank=2"),
+        (lambda: cp_local_positions(torch.tensor([3]), cp_size=0, cp_rank=0, mode="zigzag"), r"cp_size=0"),
+        (lambda: cp_local_positions(torch.tensor([3]), cp_size=2, cp_rank=0, mode="ring"), r"mode='ring'"),
+        (lambda: response_rows(torch.arange(5), torch.tensor([5]), torch.tensor([5])),
+         r"response_lengths\[0\]=5 with seq_lengths\[0\]=5"),
+        (lambda: response_rows(torch.arange(5), torch.tensor([5]), torch.tensor([-1])), r"response_lengths\[0\]=-1"),
+        (lambda: response_rows(torch.arange(5), torch.tensor([5]), torch.tensor([1, 1])), "shaped like seq_lengths"),
+        (lambda: response_rows(torch.arange(6), torch.tensor([5]), torch.tensor([1])), "positions reach 5"),
+        (lambda: response_rows(torch.arange(5).int(), torch.tensor([5]), torch.tensor([1])), "positions must be int64"),
+        (lambda: cp_shard(torch.zeros(3, 2), torch.arange(4)), "positions reach 3"),
+    ],
+)
+def test_bad_inputs_raise_value_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

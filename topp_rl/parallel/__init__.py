@@ -1,0 +1,23 @@
+"""Tensor- and context-parallel layout: `ParallelLayout`, the CP index map and the rows that predict responses."""
+
+from topp_rl.parallel.context import (
+    cp_local_lengths,
+    cp_local_positions,
+    cp_padded_lengths,
+    cp_shard,
+    cu_seqlens,
+)
+from topp_rl.parallel.layout import CP_MODES, CPMode, ParallelLayout
+from topp_rl.parallel.rows import response_rows
+
+__all__ = [
+    "CP_MODES",
+    "CPMode",
+    "ParallelLayout",
+    "cp_local_lengths",
+    "cp_local_positions",
+    "cp_padded_lengths",
+    "cp_shard",
+    "cu_seqlens",
+    "response_rows",
+]

@@ -1,0 +1,135 @@
+"""`ParallelLayout`: the tensor- and context-parallel coordinates of one rank, passed explicitly to the ops.
+
+Math code never reads parallel state from globals; it receives this frozen, validated record instead.
+`from_megatron` is the one place that reads megatron-core's `parallel_state` (imported lazily, so the
+library works without the `megatron` extra).
+
+Vocabulary rule: the vocabulary is split into `tp_size` equal contiguous shards, rank r owning
+[r * V / tp_size, (r + 1) * V / tp_size). A vocabulary not divisible by `tp_size` is rejected: pad it to a
+multiple first, as Megatron does with `make_vocab_size_divisible_by` (the padded ids then hold logits the
+model learns to push down, and no sampler ever keeps them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+CPMode = Literal["zigzag", "allgather"]
+CP_MODES: tuple[str, ...] = ("zigzag", "allgather")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """This rank's place in the TP x CP grid, with the process groups the ops reduce over.
+
+    `tp_group` / `cp_group` may be None only when the matching size is 1. `vocab_size` is the full
+    (TP-unsharded, already padded) vocabulary, i.e. `tp_size` times the width of this rank's logits.
+    """
+
+    vocab_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_mode: CPMode = "zigzag"
+    tp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "tp_size", "cp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelLayout {name}={value!r} must be an int >= 1; pass a positive size")
+        for dim in ("tp", "cp"):
+            _check_rank(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"))
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"ParallelLayout cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
+        if self.vocab_size % self.tp_size:
+            padded = -(-self.vocab_size // self.tp_size) * self.tp_size
+            raise ValueError(
+                f"ParallelLayout vocab_size={self.vocab_size} is not divisible by tp_size={self.tp_size}; "
+                f"pad the vocabulary to a multiple of tp_size (e.g. {padded}), as Megatron's "
+                "make_vocab_size_divisible_by does, and pass the padded size"
+            )
+        for dim in ("tp", "cp"):
+            _check_group(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"),
+                         getattr(self, f"{dim}_group"))
+
+    @classmethod
+    def single(cls, vocab_size: int) -> ParallelLayout:
+        """No tensor or context parallelism: one rank holds the whole vocabulary and every sequence."""
+        return cls(vocab_size=vocab_size)
+
+    @classmethod
+    def from_megatron(cls, vocab_size: int, *, cp_mode: CPMode = "zigzag") -> ParallelLayout:
+        """Read TP / CP sizes, ranks and groups from megatron-core after `initialize_model_parallel`.
+
+        `vocab_size` is Megatron's padded vocabulary (the output layer's full row count).
+        """
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError as err:
+            raise ImportError(
+                "ParallelLayout.from_megatron needs megatron-core; install the extra: pip install 'topp_rl[megatron]'"
+            ) from err
+        if not ps.model_parallel_is_initialized():
+            raise ValueError(
+                "ParallelLayout.from_megatron: megatron's model parallel state is not initialised; call "
+                "megatron.core.parallel_state.initialize_model_parallel(...) first"
+            )
+        return cls(
+            vocab_size=vocab_size,
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_mode=cp_mode,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+        )
+
+    @property
+    def vocab_shard_size(self) -> int:
+        return self.vocab_size // self.tp_size
+
+    def vocab_range(self) -> tuple[int, int]:
+        """This rank's [start, end) slice of the vocabulary (equal contiguous shards in rank order)."""
+        start = self.tp_rank * self.vocab_shard_size
+        return start, start + self.vocab_shard_size
+
+    def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
+        """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""
+        from topp_rl.parallel.context import cp_local_positions
+
+        return cp_local_positions(seq_lengths, cp_size=self.cp_size, cp_rank=self.cp_rank, mode=self.cp_mode)
+
+
+def _check_rank(dim: str, size: int, rank: object) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+        raise ValueError(
+            f"ParallelLayout {dim}_rank={rank!r} must be an int in [0, {dim}_size={size}); "
+            f"pass this rank's index inside its {dim.upper()} group"
+        )
+
+
+def _check_group(dim: str, size: int, rank: int, group: dist.ProcessGroup | None) -> None:
+    """A group is required for size > 1 and, when given, must match the declared size and rank."""
+    if group is None:
+        if size > 1:
+            raise ValueError(
+                f"ParallelLayout {dim}_size={size} needs {dim}_group (the process group of the {size} "
+                f"{dim.upper()} ranks); pass it, or use {dim}_size=1"
+            )
+        return
+    if not dist.is_initialized():
+        raise ValueError(f"ParallelLayout {dim}_group is set but torch.distributed is not initialised")
+    group_size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+    if (group_size, group_rank) != (size, rank):
+        raise ValueError(
+            f"ParallelLayout {dim}_group has size {group_size} and this process is its rank {group_rank}, "
+            f"but {dim}_size={size} and {dim}_rank={rank}; pass the sizes and ranks of the group you give"
+        )
