@@ -1,0 +1,12 @@
+"""Exact top-p / top-k / min-p log-probs: candidate sets, the sampler's rule, masks and restricted log-probs.
+
+Pure numerics (torch only, optional torch.distributed for the TP reductions); no Lightning or engine imports.
+"""
+
+from topp_rl.ops.candidates import Candidates
+from topp_rl.ops.head import candidate_head_logprobs
+from topp_rl.ops.logprob import token_logprobs
+from topp_rl.ops.mask import keep_mask
+from topp_rl.ops.sampling import sampling_candidates
+
+__all__ = ["Candidates", "candidate_head_logprobs", "keep_mask", "sampling_candidates", "token_logprobs"]

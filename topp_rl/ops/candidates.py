@@ -1,0 +1,142 @@
+"""`Candidates`: per-token candidate sets (the token ids a sampler kept) in CSR form.
+
+Row i holds `ids[offsets[i]:offsets[i + 1]]` (global vocab ids). The structure is checked on construction;
+the vocab range by `validate(vocab_size)`. In a packed batch an EMPTY row means "no recorded set, unrestricted";
+the log-prob ops reject empty rows, so callers drop them first (`nonempty_rows()` + `select`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """CSR candidate sets: `ids` int32 [K], `offsets` int32 [N + 1] (offsets[0] = 0, non-decreasing, [-1] = K)."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, t in (("ids", self.ids), ("offsets", self.offsets)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(
+                    f"Candidates.{name} is a {got}; it must be a 1-D int32 tensor (convert with .to(torch.int32))"
+                )
+        if self.offsets.numel() == 0:
+            raise ValueError("Candidates.offsets is empty; it must hold N + 1 entries (torch.zeros(1) for no rows)")
+        first, last = int(self.offsets[0]), int(self.offsets[-1])
+        if first != 0:
+            raise ValueError(f"Candidates.offsets[0] = {first}; it must be 0 (CSR offsets start at 0)")
+        if last != self.ids.numel():
+            raise ValueError(
+                f"Candidates.offsets[-1] = {last} but len(ids) = {self.ids.numel()}; "
+                "the last offset must equal the number of ids"
+            )
+        steps = self.offsets[1:] - self.offsets[:-1]
+        if steps.numel() and bool((steps < 0).any()):
+            row = int((steps < 0).nonzero()[0])
+            raise ValueError(
+                f"Candidates.offsets decrease at row {row} ({int(self.offsets[row])} -> "
+                f"{int(self.offsets[row + 1])}); offsets must be non-decreasing (row i = ids[offsets[i]:offsets[i+1]])"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.ids.device
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int]]) -> Candidates:
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        flat = [int(v) for r in rows for v in r]
+        return cls(ids=torch.tensor(flat, dtype=torch.int32), offsets=offsets.to(torch.int32))
+
+    @classmethod
+    def empty(cls, num_rows: int, *, device: torch.device | str | None = None) -> Candidates:
+        """`num_rows` empty (= unrestricted) rows."""
+        return cls(
+            ids=torch.zeros(0, dtype=torch.int32, device=device),
+            offsets=torch.zeros(num_rows + 1, dtype=torch.int32, device=device),
+        )
+
+    def to_lists(self) -> list[list[int]]:
+        ids, offsets = self.ids.tolist(), self.offsets.tolist()
+        return [ids[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+    @classmethod
+    def concat(cls, parts: Sequence[Candidates]) -> Candidates:
+        """Rows of all `parts`, in order."""
+        if not parts:
+            return cls.empty(0)
+        shifts = torch.tensor([0] + [p.ids.numel() for p in parts[:-1]], dtype=torch.int64).cumsum(0)
+        offsets = [parts[0].offsets[:1]] + [
+            (p.offsets[1:].long() + int(s)).to(torch.int32) for p, s in zip(parts, shifts, strict=True)
+        ]
+        return cls(ids=torch.cat([p.ids for p in parts]), offsets=torch.cat(offsets))
+
+    def validate(self, vocab_size: int) -> Candidates:
+        """Raise ValueError unless every id lies in [0, vocab_size); returns self for chaining."""
+        if self.ids.numel():
+            lo, hi = int(self.ids.min()), int(self.ids.max())
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"candidate id {bad} is outside the vocabulary [0, {vocab_size}); ids must be global token "
+                    "ids of this model (check the engine's vocab size and any TP shard offset)"
+                )
+        return self
+
+    def row_lengths(self) -> torch.Tensor:
+        """int64 [N]: size of every row."""
+        return (self.offsets[1:] - self.offsets[:-1]).long()
+
+    def row_of_ids(self) -> torch.Tensor:
+        """int64 [K]: the row each id belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_rows, device=self.device), self.row_lengths())
+
+    def nonempty_rows(self) -> torch.Tensor:
+        """int64 indices of the rows holding at least one id."""
+        return (self.row_lengths() > 0).nonzero().flatten()
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> Candidates:
+        """Rows `rows` (int64 indices, any order, repeats allowed) as a new `Candidates`; vectorised."""
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+            raise ValueError(
+                f"select rows span [{int(index.min())}, {int(index.max())}] but there are {self.num_rows} rows; "
+                "pass indices in [0, num_rows)"
+            )
+        offsets = self.offsets.long()
+        starts, lengths = offsets[index], offsets[index + 1] - offsets[index]
+        new_offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(lengths, 0, out=new_offsets[1:])
+        row_of = torch.repeat_interleave(torch.arange(index.numel(), device=self.device), lengths)
+        within = torch.arange(int(new_offsets[-1]), device=self.device) - new_offsets[:-1][row_of]
+        return Candidates(ids=self.ids[starts[row_of] + within], offsets=new_offsets.to(torch.int32))
+
+    def __getitem__(self, rows: slice) -> Candidates:
+        """A contiguous range of rows (step 1), sharing no storage with ids beyond the range."""
+        if not isinstance(rows, slice):
+            raise ValueError(f"Candidates[{rows!r}]: only slices index rows; use select() for an index tensor")
+        start, stop, step = rows.indices(self.num_rows)
+        if step != 1:
+            raise ValueError(f"Candidates slice step {step} is not 1; use select() for strided rows")
+        stop = max(start, stop)
+        a, b = int(self.offsets[start]), int(self.offsets[stop])
+        return Candidates(ids=self.ids[a:b], offsets=self.offsets[start : stop + 1] - a)
+
+    def to(self, device: torch.device | str) -> Candidates:
+        return Candidates(ids=self.ids.to(device), offsets=self.offsets.to(device))

@@ -1,0 +1,151 @@
+"""`sampling_candidates`: the set of token ids a top-p / top-k / min-p sampler keeps, per logits row.
+
+Two conventions:
+
+"sglang" (SGLang's torch sampler, the default): p = softmax(logits / temperature) in float32; rank tokens by p
+descending, ties broken by lower id first; keep rank r iff (top_k == 0 or r < top_k) and
+(cumsum(p)[r] - p[r]) <= top_p (the mass strictly before r, computed the way SGLang does) and p[r] >= min_p * p[0].
+The argmax is always kept. Worked example, p = [0.5, 0.3, 0.15, 0.05] (ids 0..3), top_p = 0.7: the masses before
+ranks 0..3 are 0, 0.5, 0.8, 0.95, so ids {0, 1} are kept (the token that crosses top_p is kept). With top_k = 1:
+{0}. With min_p = 0.5 (threshold 0.25): {0, 1}.
+
+"vllm" (vLLM's `apply_top_k_top_p` after its min-p processor): p = softmax(logits / temperature); drop tokens with
+p < min_p * p_max; sort the logits ascending (stable, so among equal logits the higher id ranks first); top-k keeps
+every logit >= the k-th largest (ties at the threshold are all kept); top-p renormalises over what is left, takes
+the ascending cumulative sum c and drops positions with c <= 1 - top_p, never the last (largest) one. Worked
+example, same p, top_p = 0.7: ascending c = [0.05, 0.2, 0.5, 1.0] <= 0.3 drops ids {3, 2}, keeps {0, 1}; with
+top_p = 0.5, c <= 0.5 also drops id 1: {0}. (SGLang keeps {0, 1} at top_p = 0.5: mass before id 1 is 0.5.)
+Departures from vLLM: top-p is applied only to rows with top_p < 1 and top-k only to rows with 0 < top_k < V
+(vLLM applies the mask batch-wide, which at top_p = 1 also drops tokens whose probability underflows to 0).
+
+Output: one CSR row per logits row, ids in rank order (most probable first, ties as above).
+
+Speed ("sglang"): the engine calls this every decode step, so it avoids a full-vocabulary sort: it takes the
+top-k of p for a small k (64), decides every rank inside that window exactly, and grows k (x4) only for rows
+whose kept set may extend past the window; a row falls back to a full stable sort only when k would reach V/2.
+Inside the window ties are ordered by id explicitly, and a row whose last kept rank ties with the window's
+smallest value (an equal value may lie outside) is re-done with a larger window, so the result equals the
+full-sort rule. "vllm" is a trainer-side fallback and uses one full sort.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from topp_rl.ops._checks import ParamT, check_sampling_params, per_row
+from topp_rl.ops.candidates import Candidates
+
+_WINDOW = 64
+_GROWTH = 4
+
+
+def sampling_candidates(
+    logits: torch.Tensor,
+    *,
+    temperature: ParamT = 1.0,
+    top_p: ParamT = 1.0,
+    top_k: ParamT = 0,
+    min_p: ParamT = 0.0,
+    convention: Literal["sglang", "vllm"] = "sglang",
+) -> Candidates:
+    """Kept token ids of each row of `logits` [N, V] (parameters: scalars or one value per row)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; pass a 2-D [N, V] tensor")
+    n, device = logits.shape[0], logits.device
+    temperature_t = per_row(temperature, name="temperature", n=n, dtype=torch.float32, device=device)
+    top_p_t = per_row(top_p, name="top_p", n=n, dtype=torch.float32, device=device)
+    top_k_t = per_row(top_k, name="top_k", n=n, dtype=torch.int64, device=device)
+    min_p_t = per_row(min_p, name="min_p", n=n, dtype=torch.float32, device=device)
+    check_sampling_params(temperature=temperature_t, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+    if n == 0:
+        return Candidates.empty(0, device=device)
+    z = logits.float() / temperature_t[:, None]
+    if convention == "sglang":
+        return _sglang(torch.softmax(z, dim=-1), top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+    if convention == "vllm":
+        return _vllm(z, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+    raise ValueError(f"convention={convention!r} is not one of 'sglang', 'vllm'")
+
+
+def _sglang_keep(
+    p_sorted: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """The SGLang rule on probabilities sorted descending [n, k] (a prefix of the full ranking)."""
+    ranks = torch.arange(p_sorted.shape[1], device=p_sorted.device)
+    keep = (top_k[:, None] == 0) | (ranks[None, :] < top_k[:, None])
+    keep &= (torch.cumsum(p_sorted, dim=-1) - p_sorted) <= top_p[:, None]
+    keep &= p_sorted >= (min_p * p_sorted[:, 0])[:, None]
+    keep[:, 0] = True  # the argmax is always kept (the rule keeps it anyway; this guards float edge cases)
+    return keep
+
+
+def _rank_window(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row ordered by (p descending, id ascending)."""
+    if k >= probs.shape[1]:
+        vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        return vals, ids
+    vals, ids = probs.topk(k, dim=-1)
+    ids, perm = ids.sort(dim=-1)  # ids ascending, then a stable sort by value keeps lower ids first on ties
+    vals, perm2 = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, perm2)
+
+
+def _sglang(probs: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> Candidates:
+    n, vocab = probs.shape
+    pending = torch.arange(n, device=probs.device)
+    k = min(vocab, _WINDOW)
+    done_rows, done_sets = [], []
+    while pending.numel():
+        if k * 2 >= vocab:
+            k = vocab
+        vals, ids = _rank_window(probs.index_select(0, pending), k)
+        keep = _sglang_keep(vals, top_p=top_p[pending], top_k=top_k[pending], min_p=min_p[pending])
+        if k == vocab:
+            resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
+        else:
+            # Ranks past the window are dropped iff the window's last rank is (top-k, min-p and the mass before a
+            # rank are monotone in rank); the last kept rank must also not tie with values outside the window.
+            last_kept = (keep * torch.arange(k, device=probs.device)).amax(dim=1)
+            resolved = ~keep[:, -1] & (vals.gather(1, last_kept[:, None]).squeeze(1) > vals[:, -1])
+        if bool(resolved.any()):
+            done_rows.append(pending[resolved])
+            done_sets.append(_to_csr(ids[resolved], keep[resolved]))
+        pending = pending[~resolved]
+        k = min(vocab, k * _GROWTH)
+    return _in_row_order(done_rows, done_sets, n)
+
+
+def _vllm(z: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> Candidates:
+    n, vocab = z.shape
+    probs = torch.softmax(z, dim=-1)
+    z = z.masked_fill(probs < (min_p * probs.amax(dim=-1))[:, None], float("-inf"))
+    z_sort, ids = torch.sort(z, dim=-1, stable=True)  # ascending, as vLLM sorts
+    use_k = (top_k > 0) & (top_k < vocab)
+    if bool(use_k.any()):
+        kth = z_sort.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
+        z_sort = z_sort.masked_fill(use_k[:, None] & (z_sort < kth), float("-inf"))
+    cum = torch.softmax(z_sort, dim=-1).cumsum(dim=-1)
+    drop = (top_p < 1)[:, None] & (cum <= (1 - top_p)[:, None])
+    drop[:, -1] = False  # vLLM always keeps the largest logit
+    keep = torch.isfinite(z_sort) & ~drop
+    return _to_csr(ids.flip(-1), keep.flip(-1))
+
+
+def _to_csr(ids: torch.Tensor, keep: torch.Tensor) -> Candidates:
+    """Rows of `ids` [n, k] where `keep`, in column order."""
+    offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
+    return Candidates(ids=ids[keep].to(torch.int32), offsets=offsets.to(torch.int32))
+
+
+def _in_row_order(row_groups: list[torch.Tensor], sets: list[Candidates], n: int) -> Candidates:
+    """Concatenate per-group results and put the rows back in 0..n-1 order."""
+    merged = Candidates.concat(sets)
+    rows = torch.cat(row_groups)
+    if bool((rows[1:] > rows[:-1]).all()):
+        return merged
+    inverse = torch.empty_like(rows)
+    inverse[rows] = torch.arange(n, device=rows.device)
+    return merged.select(inverse)
