@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from topp_rl.ops import Candidates
-from topp_rl.rollout.wire import empty_candidates, rows_missing_token
+from topp_rl.rollout.wire import rows_missing_token
 
 
 class SampleStatus(StrEnum):
@@ -77,7 +77,7 @@ class Sample:
         # Start recording candidates on the first trainable chunk that has them; earlier tokens can only be
         # non-trainable (checked in _check_trainable_args), so empty placeholder rows are exact for them.
         if self.candidates is None and candidates is not None:
-            self.candidates = empty_candidates(self.response_length)
+            self.candidates = Candidates.empty(self.response_length)
         if self.rollout_raw_log_probs is None and raw_log_probs is not None:
             self.rollout_raw_log_probs = [0.0] * self.response_length
         self.response_ids.extend(tokens)
@@ -88,7 +88,7 @@ class Sample:
                 [float(x) for x in raw_log_probs] if raw_log_probs is not None else [0.0] * n
             )
         if self.candidates is not None:
-            new_rows = candidates if candidates is not None else empty_candidates(n)
+            new_rows = candidates if candidates is not None else Candidates.empty(n)
             self.candidates = Candidates.concat([self.candidates, new_rows])
         self.check_lengths()
 

@@ -28,13 +28,6 @@ _ALT_KEYS = {IDS_KEY: "candidate_ids", OFFSETS_KEY: "candidate_offsets"}
 _LE_INT32 = np.dtype("<i4")
 
 
-def empty_candidates(num_rows: int) -> Candidates:
-    """`num_rows` empty (= unrestricted) rows."""
-    return Candidates(
-        ids=torch.zeros(0, dtype=torch.int32), offsets=torch.zeros(num_rows + 1, dtype=torch.int32)
-    )
-
-
 def rows_missing_token(cands: Candidates, tokens: torch.Tensor) -> torch.Tensor:
     """Indices of rows i whose ids do not contain `tokens[i]` (vectorised; empty rows count as missing)."""
     offsets = cands.offsets.long()

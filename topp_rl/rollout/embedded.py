@@ -1,0 +1,245 @@
+"""`EmbeddedEngine`: in-process batched generation for HF causal LMs, recording exact candidate sets.
+
+Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with the HF KV
+cache. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
+logits / temperature and draws the token from the renormalised kept set, so the recorded set, the recorded
+log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
+whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
+draw uses one seeded `torch.Generator` per `generate` call, so the same seed gives the same rollout.
+"""
+
+import copy
+import inspect
+import math
+from collections.abc import Iterable
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel
+
+from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.params import SamplingParams
+from topp_rl.rollout.sample import Sample, SampleStatus
+
+
+class EmbeddedEngine(RolloutEngine):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        record_candidates: bool = True,
+        record_raw_log_probs: bool = False,
+        max_batch_size: int = 64,
+        copy_model: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1")
+        # The engine owns its module: training updates reach it only through update_weights.
+        self.model = (copy.deepcopy(model) if copy_model else model).eval().requires_grad_(False)
+        config = self.model.config
+        eos = config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_token_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (config.pad_token_id or 0)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.record_candidates = record_candidates
+        self.record_raw_log_probs = record_raw_log_probs
+        self.max_batch_size = max_batch_size
+        self.progress = progress
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
+        self._state = self.model.state_dict()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
+    ) -> list[Sample]:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise ValueError(
+                    f"prompt {i} has token ids outside the model vocabulary [0, {self.vocab_size})"
+                )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+        expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
+        samples: list[Sample] = []
+        for start in range(0, len(expanded), self.max_batch_size):
+            chunk = expanded[start : start + self.max_batch_size]
+            samples += self._generate_batch([p for _, p in chunk], params, generator)
+        for i, (sample, (group, _)) in enumerate(zip(samples, expanded, strict=True)):
+            sample.index, sample.group_index = i, group
+        return samples
+
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Sample]:
+        batch, device = len(prompts), self.device
+        width = max(map(len, prompts))
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(self.eos_token_ids + params.stop_token_ids, dtype=torch.long, device=device)
+        record = self.record_candidates and params.truncates
+        steps = _StepRecords(batch, device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+        cache, step_ids = DynamicCache(), input_ids
+        for t in tqdm(
+            range(params.max_new_tokens), desc="rollout decode", disable=not self.progress, leave=False
+        ):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                logits_to_keep=1,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            logits = out.logits[:, -1, : self.vocab_size].float()
+            tokens, log_probs, raw, cands = self._sample(logits, params, generator, record=record)
+            steps.add(tokens, log_probs, raw, cands)
+            stopped = torch.isin(tokens, stop_ids) & ~done
+            lengths = torch.where(stopped, t + 1, lengths)
+            done |= stopped
+            if bool(done.all()):
+                break
+            step_ids = tokens[:, None]
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+        return steps.to_samples(prompts, lengths.tolist(), done.tolist(), raw=self.record_raw_log_probs)
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None]:
+        """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates)."""
+        scaled = logits / params.temperature
+        cands = None
+        if not params.truncates:
+            keep = None
+        elif record:
+            cands = sampling_candidates(
+                logits,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+            )
+            keep = _mask_from_candidates(cands, logits.shape)
+        else:
+            keep = sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
+        kept = scaled if keep is None else scaled.masked_fill(~keep, -math.inf)
+        log_probs = kept.log_softmax(-1)
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
+        chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
+        raw = None
+        if self.record_raw_log_probs:
+            raw = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, chosen, raw, cands
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the engine's own model, in memory (tied weights update together)."""
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._state.get(name)
+                if target is None:
+                    raise ValueError(f"update_weights: {name!r} is not a parameter of the engine's model")
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine expects "
+                        f"{tuple(target.shape)}; sync from the same architecture"
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+
+    def close(self) -> None:
+        """Nothing to release: the model is garbage-collected with the engine."""
+
+
+def sglang_keep_mask(scaled: torch.Tensor, *, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """Dense keep mask [N, V] of SGLang's rule by a full sort; the non-recording path (and a cross-check).
+
+    p = softmax(scaled); rank by p descending (ties: lower id first); keep rank r iff (top_k == 0 or r < top_k)
+    and (mass of ranks before r) <= top_p and p_r >= min_p * p_max.
+    """
+    probs = scaled.softmax(-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep_sorted = before <= top_p
+    if top_k > 0:
+        keep_sorted[:, top_k:] = False
+    if min_p > 0:
+        keep_sorted &= sorted_p >= min_p * sorted_p[:, :1]
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def _mask_from_candidates(cands: Candidates, shape: torch.Size) -> torch.Tensor:
+    offsets = cands.offsets.to(torch.long)
+    rows = torch.repeat_interleave(torch.arange(shape[0], device=offsets.device), offsets[1:] - offsets[:-1])
+    keep = torch.zeros(shape, dtype=torch.bool, device=cands.ids.device)
+    keep[rows.to(keep.device), cands.ids.to(torch.long)] = True
+    return keep
+
+
+class _StepRecords:
+    """Per-step tensors [B] (step-major), turned into per-sample fields once at the end."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.batch, self.device = batch, device
+        self.tokens: list[torch.Tensor] = []
+        self.log_probs: list[torch.Tensor] = []
+        self.raw: list[torch.Tensor] = []
+        self.cands: list[Candidates] = []
+
+    def add(self, tokens, log_probs, raw, cands) -> None:
+        self.tokens.append(tokens)
+        self.log_probs.append(log_probs)
+        if raw is not None:
+            self.raw.append(raw)
+        if cands is not None:
+            self.cands.append(cands)
+
+    def to_samples(
+        self, prompts: list[list[int]], lengths: list[int], done: list[bool], *, raw: bool
+    ) -> list[Sample]:
+        tokens = torch.stack(self.tokens, 1).tolist()  # [B, S]
+        log_probs = torch.stack(self.log_probs, 1).tolist()
+        raw_lp = torch.stack(self.raw, 1).tolist() if raw else None
+        per_sample = _split_candidates(self.cands, lengths) if self.cands else [None] * len(prompts)
+        samples = []
+        for b, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+            samples.append(
+                Sample(
+                    prompt_ids=list(prompt),
+                    response_ids=tokens[b][:n],
+                    loss_mask=[1] * n,
+                    rollout_log_probs=log_probs[b][:n],
+                    rollout_raw_log_probs=raw_lp[b][:n] if raw_lp is not None else None,
+                    candidates=per_sample[b],
+                    status=SampleStatus.COMPLETED if done[b] else SampleStatus.TRUNCATED,
+                )
+            )
+        return samples
+
+
+def _split_candidates(steps: list[Candidates], lengths: list[int]) -> list[Candidates]:
+    """Step-major rows (row t*B + b) -> one `Candidates` per sample b holding its first lengths[b] rows."""
+    batch = steps[0].num_rows
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    sample_of = torch.repeat_interleave(torch.arange(batch), lengths_t)
+    first = torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)[:-1]])
+    step_of = torch.arange(int(lengths_t.sum())) - first[sample_of]
+    ordered = Candidates.concat([c.to("cpu") for c in steps]).select(step_of * batch + sample_of)
+    return [ordered[int(a) : int(a) + n] for a, n in zip(first, lengths, strict=True)]
