@@ -1,0 +1,8 @@
+"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, weight sync."""
+
+from callbacks.mismatch import LogProbMismatch
+from callbacks.rollout_stats import RolloutStats
+from callbacks.support import SupportStats
+from callbacks.weight_sync import WeightSync
+
+__all__ = ["LogProbMismatch", "RolloutStats", "SupportStats", "WeightSync"]
