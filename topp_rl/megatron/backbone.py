@@ -1,0 +1,223 @@
+"""A megatron-core GPTModel backbone for HF Qwen2 / Llama configs, returning final hidden states, not logits.
+
+`MegatronBackbone.forward_hidden(batch, layout)` runs one packed (THD) micro-batch and returns this rank's
+final hidden states (after the final norm) [T_local, H], the output-layer weight shard [V_local, H] and each
+local row's position in the unsharded packed stream (-1 = CP padding). The loss side feeds these straight into
+`ToppLogProb` / `candidate_head_logprobs`, so no [T, V] logits exist for rows with candidates.
+
+TP gradient contract: the hidden-state gradient is summed over TP exactly once, inside
+`candidate_head_logprobs` (its backward all-reduces d hidden over `tp_group`). We never call Megatron's
+`output_layer`, whose `copy_to_tensor_model_parallel_region` would all-reduce it a second time.
+
+CP: sequences are split zigzag (`cp_local_positions(mode="zigzag")`: each sequence padded to a multiple of
+2 * cp_size, rank r holds chunks r and 2 * cp_size - 1 - r), which is also the layout Megatron's THD RoPE
+expects from `cu_seqlens_q_padded`.
+
+Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron's
+`make_vocab_size_divisible_by`) would put extra logits into every unrestricted softmax and break exactness
+against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2, Llama 3, SmolLM2 at TP <= 8).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from topp_rl.megatron import cpu_shims
+from topp_rl.parallel import ParallelLayout, cp_local_positions, cp_padded_lengths, cp_shard, cu_seqlens
+
+SUPPORTED_ARCHS = ("qwen2", "llama")
+
+
+def hf_inv_freq(hf_config) -> Tensor:
+    """RoPE inverse frequencies exactly as HF computes them (default or llama3 scaling)."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = head_dim(hf_config)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type != "llama3":
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported by the Megatron backbone (supported: 'default', "
+            "'llama3'); use the HF backbone for this model"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    assert scaling == 1.0, "llama3 RoPE has no attention scaling"
+    return inv_freq
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def model_type(hf_config) -> str:
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"model_type={kind!r} is not supported by the Megatron backbone (supported: {SUPPORTED_ARCHS}); "
+            "use the HF backbone for this model"
+        )
+    return kind
+
+
+def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dtype = torch.float32):
+    """megatron-core TransformerConfig equivalent to an HF Qwen2 / Llama config (dropout 0)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kind = model_type(hf_config)
+    if hf_config.vocab_size % tp_size:
+        raise ValueError(
+            f"vocab_size={hf_config.vocab_size} is not divisible by tensor parallel size {tp_size}; exact "
+            "log-probs need unpadded even vocab shards: choose a TP size dividing vocab_size, or resize the "
+            "model's embeddings to a multiple of it"
+        )
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
+        if value % tp_size:
+            raise ValueError(
+                f"{name}={value} is not divisible by tensor parallel size {tp_size}; choose a TP size that "
+                f"divides {name}"
+            )
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported by the Megatron backbone; use the HF backbone")
+    qkv_bias = kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    extra = dict(cpu_shims.CPU_CONFIG_OVERRIDES) if cpu_shims.needs_cpu_shims() else {}
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        **extra,
+    )
+
+
+def layer_spec():
+    """transformer-engine layer spec on GPU; the local spec with the pure-torch THD/CP attention on CPU."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not cpu_shims.needs_cpu_shims():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = cpu_shims.TorchCoreAttention
+    return spec
+
+
+def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
+                    dtype: torch.dtype = torch.float32):
+    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with tp_size, cp_size)."""
+    from megatron.core.models.gpt import GPTModel
+
+    if cpu_shims.needs_cpu_shims():
+        cpu_shims.seed_rng_tracker(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, dtype=dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",  # inv_freq is replaced by HF's own below (exact llama3 scaling)
+    )
+    if cpu_shims.needs_cpu_shims():
+        cpu_shims.keep_rotary_on_cpu(model.rotary_pos_emb, inv_freq=hf_inv_freq(hf_config))
+    else:
+        model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(torch.cuda.current_device())
+    return model
+
+
+def packed_seq_params(seq_lengths: Tensor, *, cp_size: int, cp_group=None):
+    """PackedSeqParams for THD: real and (zigzag CP) 2*cp-padded cumulative sequence lengths."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    mode = "zigzag"
+    padded = cp_padded_lengths(seq_lengths, cp_size=cp_size, mode=mode)
+    cu, cu_padded = cu_seqlens(seq_lengths.to(torch.int64)), cu_seqlens(padded)
+    max_len = int(padded.max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group,
+    )
+
+
+class MegatronBackbone(torch.nn.Module):
+    """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract."""
+
+    def __init__(self, hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.tp_size, self.cp_size = tp_size, cp_size
+        self.model = build_gpt_model(hf_config, tp_size=tp_size, cp_size=cp_size, seed=seed, dtype=dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def output_weight(self) -> Tensor:
+        """This rank's output-layer weight shard [V / tp, H] (the embedding when tied)."""
+        if self.model.share_embeddings_and_output_weights:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.output_layer.weight
+
+    def forward_hidden(self, batch, layout: ParallelLayout) -> tuple[Tensor, Tensor, Tensor]:
+        """(hidden [T_local, H], weight shard [V_local, H], positions [T_local]) for a `PackedBatch`."""
+        if (layout.tp_size, layout.cp_size) != (self.tp_size, self.cp_size):
+            raise ValueError(
+                f"layout (tp={layout.tp_size}, cp={layout.cp_size}) does not match the backbone "
+                f"(tp={self.tp_size}, cp={self.cp_size}); build both from the same parallel config"
+            )
+        if self.cp_size > 1 and layout.cp_mode != "zigzag":
+            raise ValueError(
+                f"cp_mode={layout.cp_mode!r}: the Megatron backbone splits sequences zigzag; set cp_mode='zigzag'"
+            )
+        positions = cp_local_positions(
+            batch.seq_lengths, cp_size=self.cp_size, cp_rank=layout.cp_rank, mode=layout.cp_mode
+        )
+        tokens = cp_shard(batch.tokens, positions)  # padding rows hold token 0; they are never scored
+        params = packed_seq_params(batch.seq_lengths, cp_size=self.cp_size, cp_group=layout.cp_group)
+        hidden = self.hidden_states(tokens, params)
+        if layout.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"layout vocab_size={layout.vocab_size} != model vocab_size={self.vocab_size}; build the layout "
+                "with ParallelLayout.from_megatron(model.vocab_size)"
+            )
+        weight = self.output_weight()  # [V / tp, H], exactly layout.vocab_range()
+        return hidden, weight, positions
+
+    def hidden_states(self, tokens: Tensor, params) -> Tensor:
+        """Final-norm hidden states [T_local, H] of local packed tokens [T_local]."""
+        model = self.model
+        position_ids = torch.zeros_like(tokens)[None]  # unused by RoPE models; RoPE reads cu_seqlens
+        decoder_input, rotary_pos_emb, *_ = model._preprocess(
+            input_ids=tokens[None], position_ids=position_ids, packed_seq_params=params
+        )
+        hidden = model.decoder(
+            hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=params,
+        )
+        return hidden.squeeze(1)

@@ -1,0 +1,160 @@
+"""HF <-> megatron-core state-dict conversion for Qwen2 / Llama at any tensor-parallel size.
+
+Layout facts the conversion encodes (megatron-core GPTModel, local or transformer-engine spec):
+- `linear_qkv` ([q; k; v] fused, column-parallel): rows are grouped per key-value group, each group holding
+  its `heads / groups` query heads, then its key head, then its value head; TP rank r holds groups
+  [r * groups / tp, (r + 1) * groups / tp). The QKV bias (Qwen2) follows the same layout.
+- `linear_fc1` ([gate; up], column-parallel): each TP rank holds its slice of gate followed by its slice of up
+  (not a slice of the concatenation).
+- `linear_proj` / `linear_fc2` are row-parallel (split along the input dim); norms are replicated.
+- Embedding / output rows are vocab-parallel; the vocabulary may be padded with zero rows to
+  `padded_vocab_size` (stripped again on export). Tied embeddings have no `output_layer.weight`.
+- transformer-engine fuses the norms into the next linear (`linear_qkv.layer_norm_weight`,
+  `linear_fc1.layer_norm_weight`); `te_names=True` uses those names.
+Conversion is pure indexing, so HF -> Megatron -> HF is bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from topp_rl.megatron.backbone import head_dim
+
+HF_LAYER = "model.layers.{i}."
+MG_LAYER = "decoder.layers.{i}."
+
+
+def _norm_names(te_names: bool) -> tuple[str, str]:
+    if te_names:
+        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def _qkv_sizes(hf_config) -> tuple[int, int, int]:
+    return hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim(hf_config)
+
+
+def _check_tp(hf_config, tp_size: int) -> None:
+    heads, groups, _ = _qkv_sizes(hf_config)
+    for name, value in (("num_key_value_heads", groups), ("intermediate_size", hf_config.intermediate_size)):
+        if value % tp_size:
+            raise ValueError(f"{name}={value} is not divisible by tp_size={tp_size}; choose a TP size dividing it")
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config, *, tp_size: int, tp_rank: int) -> Tensor:
+    """HF q/k/v ([heads*d, ...], [groups*d, ...]) -> this rank's Megatron linear_qkv rows (weight or bias)."""
+    heads, groups, d = _qkv_sizes(hf_config)
+    rep = heads // groups
+    tail = q.shape[1:]
+    qg = q.reshape(groups, rep * d, *tail)
+    kg, vg = k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)
+    fused = torch.cat([qg, kg, vg], dim=1)  # [groups, (rep + 2) * d, ...]
+    per = groups // tp_size
+    return fused[tp_rank * per : (tp_rank + 1) * per].reshape(-1, *tail).clone()
+
+
+def split_qkv(shards: list[Tensor], hf_config) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `fuse_qkv` over all TP shards (in TP rank order): full HF q, k, v."""
+    heads, groups, d = _qkv_sizes(hf_config)
+    rep = heads // groups
+    fused = torch.cat(shards, dim=0)
+    tail = fused.shape[1:]
+    fused = fused.reshape(groups, (rep + 2) * d, *tail)
+    q, k, v = fused.split([rep * d, d, d], dim=1)
+    return q.reshape(heads * d, *tail), k.reshape(groups * d, *tail), v.reshape(groups * d, *tail)
+
+
+def _chunk(t: Tensor, *, dim: int, tp_size: int, tp_rank: int) -> Tensor:
+    return t.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def _pad_vocab(t: Tensor, padded_vocab_size: int) -> Tensor:
+    if padded_vocab_size < t.shape[0]:
+        raise ValueError(f"padded_vocab_size={padded_vocab_size} < vocab_size={t.shape[0]}; pass a size >= vocab")
+    return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])]) if padded_vocab_size > t.shape[0] else t
+
+
+def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, tp_rank: int,
+                   padded_vocab_size: int | None = None, te_names: bool = False) -> dict[str, Tensor]:
+    """This TP rank's Megatron GPTModel state dict (parameters only) from a full HF state dict."""
+    _check_tp(hf_config, tp_size)
+    vocab = padded_vocab_size or hf_config.vocab_size
+    if vocab % tp_size:
+        raise ValueError(f"padded vocab {vocab} is not divisible by tp_size={tp_size}; pad it to a multiple of tp_size")
+    split = dict(tp_size=tp_size, tp_rank=tp_rank)
+    in_norm, mlp_norm = _norm_names(te_names)
+    out = {"embedding.word_embeddings.weight": _chunk(_pad_vocab(hf_state["model.embed_tokens.weight"], vocab), dim=0, **split)}
+    for i in range(hf_config.num_hidden_layers):
+        h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
+        att = h + "self_attn."
+        out[m + in_norm] = hf_state[h + "input_layernorm.weight"].clone()
+        out[m + mlp_norm] = hf_state[h + "post_attention_layernorm.weight"].clone()
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf_state[att + "q_proj.weight"], hf_state[att + "k_proj.weight"], hf_state[att + "v_proj.weight"],
+            hf_config, **split)
+        if att + "q_proj.bias" in hf_state:
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf_state[att + "q_proj.bias"], hf_state[att + "k_proj.bias"], hf_state[att + "v_proj.bias"],
+                hf_config, **split)
+        out[m + "self_attention.linear_proj.weight"] = _chunk(hf_state[att + "o_proj.weight"], dim=1, **split)
+        gate = _chunk(hf_state[h + "mlp.gate_proj.weight"], dim=0, **split)
+        up = _chunk(hf_state[h + "mlp.up_proj.weight"], dim=0, **split)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        out[m + "mlp.linear_fc2.weight"] = _chunk(hf_state[h + "mlp.down_proj.weight"], dim=1, **split)
+    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"].clone()
+    if not hf_config.tie_word_embeddings:
+        out["output_layer.weight"] = _chunk(_pad_vocab(hf_state["lm_head.weight"], vocab), dim=0, **split)
+    return out
+
+
+def megatron_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, te_names: bool = False) -> dict[str, Tensor]:
+    """Full HF state dict from every TP rank's Megatron state dict (list in TP rank order)."""
+    vocab = hf_config.vocab_size
+    in_norm, mlp_norm = _norm_names(te_names)
+
+    def cat(name: str, dim: int) -> Tensor:
+        return torch.cat([s[name] for s in shards], dim=dim)
+
+    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight", 0)[:vocab].clone()}
+    for i in range(hf_config.num_hidden_layers):
+        h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
+        att = h + "self_attn."
+        out[h + "input_layernorm.weight"] = shards[0][m + in_norm].clone()
+        out[h + "post_attention_layernorm.weight"] = shards[0][m + mlp_norm].clone()
+        for kind in ("weight", "bias"):
+            name = m + f"self_attention.linear_qkv.{kind}"
+            if name in shards[0]:
+                q, k, v = split_qkv([s[name] for s in shards], hf_config)
+                out[att + f"q_proj.{kind}"], out[att + f"k_proj.{kind}"], out[att + f"v_proj.{kind}"] = q, k, v
+        out[att + "o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
+        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
+        out[h + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+    out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+    if hf_config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    else:
+        out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab].clone()
+    return out
+
+
+def load_hf_into(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int,
+                 tp_rank: int) -> None:
+    """Copy a full HF state dict into this rank's GPTModel parameters (strict on parameter names)."""
+    params = dict(model.named_parameters())
+    te_names = any(n.endswith("layer_norm_weight") for n in params)
+    vocab = params["embedding.word_embeddings.weight"].shape[0] * tp_size
+    state = hf_to_megatron(hf_state, hf_config, tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=vocab,
+                           te_names=te_names)
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise ValueError(f"HF -> Megatron name mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: Megatron shape {tuple(params[name].shape)} != converted {tuple(tensor.shape)}")
+            params[name].copy_(tensor)

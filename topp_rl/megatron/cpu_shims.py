@@ -1,0 +1,174 @@
+"""CPU shims for megatron-core 0.16.1: everything that makes GPTModel train on CPU over gloo.
+
+Used only when CUDA is absent (`needs_cpu_shims()`); on GPU the backbone uses transformer-engine and none of
+this. Each shim names the CUDA assumption it replaces:
+
+- `CPU_CONFIG_OVERRIDES`: TransformerConfig fields whose defaults assume CUDA kernels or CUDA-side init.
+- `seed_rng_tracker`: Megatron's RNG tracker snapshots CUDA RNG states; the inference tracker does not.
+- `keep_rotary_on_cpu`: `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`.
+- `TorchCoreAttention`: the stock `DotProductAttention` rejects THD and context parallelism (only
+  transformer-engine's attention has them); this pure-torch module does both, exactly.
+
+Departure from Megatron's CP: Megatron/TE run ring (p2p) attention; here each rank all-gathers K/V over the
+CP group (one collective, with a reduce-scatter of the K/V gradients in backward). Same values, simpler, and
+the memory cost is irrelevant at CPU test sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from topp_rl.parallel import cp_local_positions
+
+# Fields of TransformerConfig that default to CUDA kernels (fusions) or CUDA-side initialisation.
+CPU_CONFIG_OVERRIDES: dict[str, object] = {
+    "use_cpu_initialization": True,  # default init allocates on torch.cuda.current_device()
+    "gradient_accumulation_fusion": False,  # fused wgrad accumulation is a CUDA extension
+    "bias_dropout_fusion": False,  # jit-fused CUDA kernel
+    "apply_rope_fusion": False,  # TE/apex fused RoPE
+    "masked_softmax_fusion": False,  # CUDA softmax kernel
+    "bias_activation_fusion": False,  # jit-fused swiglu kernel
+    "persist_layer_norm": False,  # apex persistent LayerNorm
+}
+
+
+def needs_cpu_shims() -> bool:
+    return not torch.cuda.is_available()
+
+
+def seed_rng_tracker(seed: int) -> None:
+    """Seed Megatron's RNG tracker without CUDA RNG states.
+
+    The training tracker calls `torch.cuda.get_rng_state`; the inference tracker's `fork()` is a no-op, which is
+    exact only with dropout 0 (the backbone rejects any other dropout on CPU).
+    """
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def keep_rotary_on_cpu(rotary: torch.nn.Module, *, inv_freq: Tensor | None = None) -> None:
+    """Make a `RotaryEmbedding` compute on its own (CPU) device; optionally replace its inverse frequencies.
+
+    `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on first use. Replacing
+    `inv_freq` lets the caller use HF's exact RoPE frequencies (e.g. llama3 scaling with non-default factors,
+    which Megatron hard-codes).
+    """
+    if inv_freq is not None:
+        rotary.inv_freq = inv_freq.detach().to(torch.float32).clone()
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [S, D/2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]  # [S, 1, 1, D]
+
+    rotary.get_emb = types.MethodType(get_emb, rotary)
+    rotary.forward.cache_clear()
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """All-gather along dim 0 over `group` (rank order). Backward: reduce-scatter of the gradient.
+
+    Every rank's queries read every rank's K/V, so the gradient of a local K/V row is the sum over ranks of the
+    gathered gradient's rows for it. gloo has no reduce_scatter: all-reduce, then keep this rank's slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rows = grad.shape[0] // dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * rows : (rank + 1) * rows], None
+
+
+def packed_index_map(cu_seqlens_padded: Tensor, *, cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor]:
+    """For each local row of a zigzag CP shard: its index in the padded packed stream and its sequence id.
+
+    `cu_seqlens_padded` [B+1] holds sequence boundaries with every length a multiple of 2 * cp_size (so
+    `cp_local_positions` inserts no padding and its positions are indices of the padded stream).
+    """
+    lengths = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)
+    mode = "zigzag" if cp_size > 1 else "allgather"
+    index = cp_local_positions(lengths, cp_size=cp_size, cp_rank=cp_rank, mode=mode)
+    seq = torch.searchsorted(cu_seqlens_padded.to(torch.int64), index, right=True) - 1
+    return index, seq
+
+
+class TorchCoreAttention(torch.nn.Module):
+    """Pure-torch core attention for packed (THD) batches, with optional zigzag context parallelism.
+
+    Equals, per sequence, `softmax(q k^T * scale + causal_mask) v` with GQA heads repeated; sequences in a pack
+    never see each other (block-diagonal causal mask). With CP the local rows are this rank's zigzag chunks of
+    every sequence; K/V are all-gathered over the CP group and the causal mask compares indices in the padded
+    packed stream (padding sits at each sequence's end, so real queries never see padding keys).
+    Signature matches megatron-core's core-attention ModuleSpec contract.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.cp_group = pg_collection.cp
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout != 0.0:
+            raise ValueError(
+                f"attention_dropout={dropout}: the CPU attention shim supports only 0.0; set it to 0.0 "
+                "(RL log-prob training needs deterministic forwards)"
+            )
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> Tensor:
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError(
+                "TorchCoreAttention needs packed_seq_params with qkv_format='thd'; pass PackedSeqParams "
+                "(the backbone builds them from the packed batch)"
+            )
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
+        q_index, q_seq = packed_index_map(cu, cp_size=cp_size, cp_rank=cp_rank)
+        if cp_size > 1:
+            # Each rank's queries need the whole sequence's keys/values.
+            key = _AllGatherRows.apply(key, self.cp_group)
+            value = _AllGatherRows.apply(value, self.cp_group)
+            maps = [packed_index_map(cu, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
+            k_index = torch.cat([m[0] for m in maps])
+            k_seq = torch.cat([m[1] for m in maps])
+        else:
+            k_index, k_seq = q_index, q_seq
+        allowed = (q_seq[:, None] == k_seq[None, :]) & (k_index[None, :] <= q_index[:, None])  # [Tq, Tk]
+
+        rep = self.heads // self.groups
+        k = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # [Tk, nh, d]
+        v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+        scores = torch.einsum("qhd,khd->hqk", query.float(), k.float()) * self.scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        out = torch.einsum("hqk,khd->qhd", probs, v)  # [Tq, nh, d]
+        return out.reshape(out.shape[0], -1)
