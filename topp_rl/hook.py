@@ -1,0 +1,111 @@
+"""`ToppLogProb`: per-response-token log-probs of a packed micro-batch over the rollout's candidate sets.
+
+Maps a `PackedBatch` onto the ops: the rows of this rank's local logits (or final hidden states) that predict a
+response token (`cp_local_positions` + `response_rows`), the sampled tokens, and the recorded candidate rows of
+those tokens. Empty candidate rows mean "unrestricted" (no candidate data, or a non-trainable token) and are
+dropped before the ops, which reject them. Default path: `candidate_head_logprobs` on hidden states and the
+output-layer weight, which never forms [T, V] logits for rows with candidates; `token_logprobs` when only
+logits exist or entropy is asked for (entropy needs the full distribution anyway).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from topp_rl.ops import candidate_head_logprobs, token_logprobs
+from topp_rl.parallel import ParallelLayout, cp_local_positions, response_rows
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """This rank's response tokens of one micro-batch, in local-row order (all [R_local])."""
+
+    logprobs: torch.Tensor  # float32; with grad when the inputs have it
+    token_index: torch.Tensor  # int64 index into the micro-batch's R response tokens (for scatter/gather)
+    support_size: torch.Tensor  # int64 candidate-set size, 0 = unrestricted
+    entropy: torch.Tensor | None = None  # unrestricted, temperature-scaled
+    logprobs_unmasked: torch.Tensor | None = None  # full vocabulary; only from `ToppLogProb.onpolicy`
+
+
+class ToppLogProb:
+    """Log-probs of the sampled response tokens over exactly the candidate sets the sampler kept.
+
+    Dense computation it equals (per response token i, predicted by local logit row r_i): with full-vocab logits
+    L = hidden @ weight.T (TP shards concatenated), z = L[r_i] / temperature, z[v] = -inf for v outside
+    cands(i) U {token_i} when row i has candidates (and `use_mask`), the result is log_softmax(z)[token_i].
+    `use_mask=False` scores every token over the full vocabulary (the biased baseline, for ablations).
+    """
+
+    def __init__(self, *, use_mask: bool = True, temperature: float = 1.0) -> None:
+        if not temperature > 0:
+            raise ValueError(
+                f"ToppLogProb temperature={temperature} must be > 0; pass the rollout's sampling temperature"
+            )
+        self.use_mask = use_mask
+        self.temperature = float(temperature)
+
+    def _locate(self, batch, layout: ParallelLayout):
+        """Local rows predicting response tokens, their token index in [0, R), the tokens and candidate rows."""
+        positions = cp_local_positions(
+            batch.seq_lengths, cp_size=layout.cp_size, cp_rank=layout.cp_rank, mode=layout.cp_mode
+        )
+        rows, token_index = response_rows(positions, batch.seq_lengths, batch.response_lengths)
+        tokens = batch.response_tokens[token_index]
+        cands, kept, sizes = None, None, torch.zeros_like(token_index)
+        if batch.candidates is not None:
+            local = batch.candidates.select(token_index)
+            sizes = local.row_lengths()
+            kept = local.nonempty_rows()  # empty rows = unrestricted: the ops reject them
+            cands = local.select(kept)
+        return rows, token_index, tokens, cands, kept, sizes
+
+    def __call__(
+        self,
+        batch,
+        *,
+        layout: ParallelLayout,
+        hidden: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+        return_entropy: bool = False,
+    ) -> TokenLogProbs:
+        """Log-probs of this rank's response tokens from `hidden` [T_local, H] + `weight` [V_local, H], or `logits`."""
+        if (logits is None) == (hidden is None or weight is None):
+            raise ValueError(
+                "ToppLogProb needs either logits=[T_local, V_local] or both hidden=[T_local, H] and "
+                "weight=[V_local, H]; pass exactly one of the two"
+            )
+        rows, token_index, tokens, cands, kept, sizes = self._locate(batch, layout)
+        if not self.use_mask:
+            cands, kept = None, None
+        vocab_start, _ = layout.vocab_range()
+        common = dict(cands=cands, rows=kept, temperature=self.temperature, vocab_start=vocab_start,
+                      tp_group=layout.tp_group)
+        entropy = None
+        if logits is None and not return_entropy:
+            logprobs = candidate_head_logprobs(hidden[rows], weight, tokens, **common)
+        else:
+            row_logits = logits[rows] if logits is not None else hidden[rows] @ weight.T
+            out = token_logprobs(row_logits, tokens, return_entropy=return_entropy, **common)
+            logprobs, entropy = out if return_entropy else (out, None)
+        return TokenLogProbs(logprobs=logprobs, token_index=token_index, support_size=sizes, entropy=entropy)
+
+    @torch.no_grad()
+    def onpolicy(
+        self, batch, *, layout: ParallelLayout, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> TokenLogProbs:
+        """Masked and unmasked log-probs plus entropy from one [R_local, V_local] logits block (no grad).
+
+        Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
+        see both figures; the row logits are formed once and shared by the two reductions.
+        """
+        rows, token_index, tokens, cands, kept, sizes = self._locate(batch, layout)
+        vocab_start, _ = layout.vocab_range()
+        common = dict(temperature=self.temperature, vocab_start=vocab_start, tp_group=layout.tp_group)
+        row_logits = hidden[rows] @ weight.T
+        masked, entropy = token_logprobs(row_logits, tokens, cands=cands, rows=kept, return_entropy=True, **common)
+        unmasked = token_logprobs(row_logits, tokens, **common)
+        return TokenLogProbs(
+            logprobs=masked, token_index=token_index, support_size=sizes, entropy=entropy,
+            logprobs_unmasked=unmasked,
+        )

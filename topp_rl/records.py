@@ -1,0 +1,39 @@
+"""`OnPolicyRecord`: per-token figures of the on-policy (old-log-prob) pass, handed to the callbacks.
+
+The old-log-prob pass runs with the same weights the rollout engine sampled with, so comparing its log-probs with
+the engine's recorded ones measures the train/rollout mismatch; `logprobs_unmasked` shows what scoring over the
+full vocabulary would have given instead.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OnPolicyRecord:
+    """Tensors over this rank's response tokens of one rollout step, in sample order (all [R])."""
+
+    logprobs: torch.Tensor  # float32, over the recorded candidate set (as used for training)
+    logprobs_unmasked: torch.Tensor  # float32, over the full vocabulary
+    rollout_logprobs: torch.Tensor  # float32, as recorded by the engine
+    loss_mask: torch.Tensor  # float32, 1 = trainable token
+    entropy: torch.Tensor  # float32, of the unrestricted temperature-scaled distribution
+    support_size: torch.Tensor  # int64, candidate-set size; 0 = no candidate data (unrestricted)
+
+    def __post_init__(self) -> None:
+        n = self.logprobs.shape[0]
+        for name in ("logprobs_unmasked", "rollout_logprobs", "loss_mask", "entropy", "support_size"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(
+                    f"OnPolicyRecord.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},) like "
+                    "logprobs; build every field over the same response tokens"
+                )
+
+    @classmethod
+    def concat(cls, records: list["OnPolicyRecord"]) -> "OnPolicyRecord":
+        """Join per-micro-batch records (in micro-batch order) into one record for the rollout step."""
+        if not records:
+            raise ValueError("OnPolicyRecord.concat got no records; pass at least one micro-batch record")
+        fields = cls.__dataclass_fields__
+        return cls(**{f: torch.cat([getattr(r, f) for r in records]) for f in fields})
