@@ -41,7 +41,9 @@ def check_sampling_params(
 def check_temperature(temperature: float) -> float:
     t = float(temperature)
     if not t > 0 or t == float("inf"):
-        raise ValueError(f"temperature={temperature} must be finite and > 0; pass the rollout's sampling temperature")
+        raise ValueError(
+            f"temperature={temperature} must be finite and > 0; pass the rollout's sampling temperature"
+        )
     return t
 
 
@@ -89,7 +91,9 @@ def check_cands_rows(
     lo, hi = int(rows.min()), int(rows.max())
     if lo < 0 or hi >= num_rows:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"rows holds {bad}, outside the {num_rows} local rows [0, {num_rows}); fix the row map")
+        raise ValueError(
+            f"rows holds {bad}, outside the {num_rows} local rows [0, {num_rows}); fix the row map"
+        )
     if torch.unique(rows).numel() != rows.numel():
         srt = rows.sort().values
         dup = int(srt[1:][srt[1:] == srt[:-1]][0])
@@ -121,7 +125,9 @@ def check_vocab(*, cands: Candidates | None, tokens: torch.Tensor, vocab_size: i
 def check_finite_rows(logits: torch.Tensor, rows: torch.Tensor) -> None:
     """Rows with candidates must be finite: a row sum is non-finite iff some entry is (inf - inf = nan)."""
     sums = logits.sum(dim=-1, dtype=torch.float32) if rows.numel() * 2 > logits.shape[0] else None
-    row_sums = sums[rows] if sums is not None else logits.index_select(0, rows).sum(dim=-1, dtype=torch.float32)
+    row_sums = (
+        sums[rows] if sums is not None else logits.index_select(0, rows).sum(dim=-1, dtype=torch.float32)
+    )
     bad = ~torch.isfinite(row_sums)
     if bool(bad.any()):
         row = int(rows[bad.nonzero()[0]])

@@ -34,10 +34,12 @@ def restricted_pairs(
 ) -> Pairs:
     """One sort of K + M int64 keys (row << 32 | id) dedupes the ids and adds each row's token."""
     m = cands.num_rows
-    keys = torch.cat([
-        (cands.row_of_ids() << _ID_BITS) | cands.ids.long(),
-        (torch.arange(m, device=rows.device) << _ID_BITS) | cand_tokens,
-    ])
+    keys = torch.cat(
+        [
+            (cands.row_of_ids() << _ID_BITS) | cands.ids.long(),
+            (torch.arange(m, device=rows.device) << _ID_BITS) | cand_tokens,
+        ]
+    )
     keys = torch.unique(keys)
     crow, gid = keys >> _ID_BITS, keys & ((1 << _ID_BITS) - 1)
     local = (gid >= vocab_start) & (gid < vocab_start + vocab_local)
@@ -106,7 +108,10 @@ def reduce_over_tp(
     lse = shift + torch.log(total)
     k = len(weighted)
     return Reduced(
-        lse=lse, weighted=[sums[1 + j] / total for j in range(k)], plain=list(sums[1 + k :]), vocab_size=vocab_size
+        lse=lse,
+        weighted=[sums[1 + j] / total for j in range(k)],
+        plain=list(sums[1 + k :]),
+        vocab_size=vocab_size,
     )
 
 
@@ -128,7 +133,9 @@ def make_plan(tokens, restricted, *, num_rows: int, vocab_local: int, vocab_star
     pairs = restricted_pairs(cands, rows, tokens[rows], vocab_start=vocab_start, vocab_local=vocab_local)
     free = torch.ones(num_rows, dtype=torch.bool, device=tokens.device)
     free[rows] = False
-    return Plan(tokens, vocab_start, vocab_local, cand_rows=rows, pairs=pairs, free_rows=free.nonzero().flatten())
+    return Plan(
+        tokens, vocab_start, vocab_local, cand_rows=rows, pairs=pairs, free_rows=free.nonzero().flatten()
+    )
 
 
 def local_target(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,12 +23,16 @@ class Candidates:
     def __post_init__(self) -> None:
         for name, t in (("ids", self.ids), ("offsets", self.offsets)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                got = (
+                    f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                )
                 raise ValueError(
                     f"Candidates.{name} is a {got}; it must be a 1-D int32 tensor (convert with .to(torch.int32))"
                 )
         if self.offsets.numel() == 0:
-            raise ValueError("Candidates.offsets is empty; it must hold N + 1 entries (torch.zeros(1) for no rows)")
+            raise ValueError(
+                "Candidates.offsets is empty; it must hold N + 1 entries (torch.zeros(1) for no rows)"
+            )
         first, last = int(self.offsets[0]), int(self.offsets[-1])
         if first != 0:
             raise ValueError(f"Candidates.offsets[0] = {first}; it must be 0 (CSR offsets start at 0)")
@@ -130,7 +134,9 @@ class Candidates:
     def __getitem__(self, rows: slice) -> Candidates:
         """A contiguous range of rows (step 1), sharing no storage with ids beyond the range."""
         if not isinstance(rows, slice):
-            raise ValueError(f"Candidates[{rows!r}]: only slices index rows; use select() for an index tensor")
+            raise ValueError(
+                f"Candidates[{rows!r}]: only slices index rows; use select() for an index tensor"
+            )
         start, stop, step = rows.indices(self.num_rows)
         if step != 1:
             raise ValueError(f"Candidates slice step {step} is not 1; use select() for strided rows")

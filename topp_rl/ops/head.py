@@ -54,7 +54,9 @@ def candidate_head_logprobs(
     plan = make_plan(tokens, restricted, num_rows=num_rows, vocab_local=vocab_local, vocab_start=vocab_start)
     if restricted is not None:
         _check_finite_hidden(hidden, plan.cand_rows)
-    c = _Context(plan=plan, temperature=temperature, group=tp_group, cands=restricted[0] if restricted else None)
+    c = _Context(
+        plan=plan, temperature=temperature, group=tp_group, cands=restricted[0] if restricted else None
+    )
     return _CandidateHead.apply(hidden, weight, c)
 
 
@@ -130,7 +132,9 @@ class _CandidateHead(torch.autograd.Function):
             pair_z = _pair_logits(hidden, weight, plan, t, cdt)
             if not bool(torch.isfinite(pair_z).all()):
                 row = int(plan.pairs.row[~torch.isfinite(pair_z)][0])
-                raise ValueError(f"logits row {row} has candidates and a non-finite candidate logit; check the model")
+                raise ValueError(
+                    f"logits row {row} has candidates and a non-finite candidate logit; check the model"
+                )
             cand_lse = segment_lse(pair_z, plan.pairs.crow, m)
         red = reduce_over_tp(
             torch.cat([full_lse, cand_lse]),

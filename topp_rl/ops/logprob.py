@@ -25,7 +25,15 @@ from topp_rl.ops._checks import (
     check_temperature,
     check_vocab,
 )
-from topp_rl.ops._restrict import Plan, make_plan, local_target, reduce_over_tp, row_chunks, segment_lse, take_rows
+from topp_rl.ops._restrict import (
+    Plan,
+    local_target,
+    make_plan,
+    reduce_over_tp,
+    row_chunks,
+    segment_lse,
+    take_rows,
+)
 from topp_rl.ops.candidates import Candidates
 
 
@@ -59,7 +67,10 @@ def token_logprobs(
     if restricted is not None:
         check_finite_rows(logits, plan.cand_rows)
     ctx = _Context(
-        plan=plan, temperature=temperature, group=tp_group, entropy=return_entropy,
+        plan=plan,
+        temperature=temperature,
+        group=tp_group,
+        entropy=return_entropy,
         cands=restricted[0] if restricted else None,
     )
     logp, entropy = _TokenLogProb.apply(logits, ctx)

@@ -92,7 +92,9 @@ def _rank_window(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return vals, ids.gather(1, perm2)
 
 
-def _sglang(probs: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> Candidates:
+def _sglang(
+    probs: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> Candidates:
     n, vocab = probs.shape
     pending = torch.arange(n, device=probs.device)
     k = min(vocab, _WINDOW)

@@ -1,0 +1,82 @@
+"""candidate_head_logprobs equals token_logprobs(hidden @ weight.T) and the dense reference, values and grads."""
+
+import pytest
+import torch
+from _ops_reference import dense_logprobs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import topp_rl.ops.head as head
+from topp_rl.ops import Candidates, candidate_head_logprobs, token_logprobs
+
+
+@st.composite
+def problems(draw):
+    num_rows, vocab, hidden_size = draw(st.integers(1, 9)), draw(st.integers(2, 50)), draw(st.integers(1, 8))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    hidden = torch.randn(num_rows, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (num_rows,), generator=g)
+    rows = draw(st.lists(st.integers(0, num_rows - 1), unique=True, max_size=num_rows))
+    cand_lists = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5)) for _ in rows]
+    return hidden, weight, tokens, rows, cand_lists, draw(st.sampled_from([0.6, 1.0, 1.4]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(), small_chunks=st.booleans())
+def test_head_matches_dense(problem, small_chunks):
+    hidden, weight, tokens, rows, cand_lists, temperature = problem
+    cands = Candidates.from_lists(cand_lists) if rows else None
+    row_t = torch.tensor(rows, dtype=torch.int64) if rows else None
+    old = (head._CHUNK_ELEMENTS, head._MAX_ROWS)
+    if small_chunks:  # several row blocks, vocab chunks and pair chunks
+        head._CHUNK_ELEMENTS, head._MAX_ROWS = 5, 3
+    try:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = candidate_head_logprobs(h, w, tokens, cands=cands, rows=row_t, temperature=temperature)
+        h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref, _ = dense_logprobs(h2 @ w2.T, tokens, rows, cand_lists, temperature)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        a = torch.linspace(-1, 2, out.numel(), dtype=torch.float64)
+        grads = torch.autograd.grad((a * out).sum(), (h, w))
+        ref_grads = torch.autograd.grad((a * ref).sum(), (h2, w2))
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    finally:
+        head._CHUNK_ELEMENTS, head._MAX_ROWS = old
+
+
+def test_head_equals_token_logprobs_float32_and_bf16():
+    g = torch.Generator().manual_seed(0)
+    num_rows, hidden_size, vocab = 48, 32, 2000
+    hidden = torch.randn(num_rows, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 0.3
+    tokens = torch.randint(0, vocab, (num_rows,), generator=g)
+    rows = torch.arange(0, num_rows, 3)
+    cands = Candidates.from_lists([torch.randint(0, vocab, (4,), generator=g).tolist() for _ in rows])
+    want = token_logprobs(
+        hidden.double() @ weight.double().T, tokens, cands=cands, rows=rows, temperature=0.8
+    )
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        out = candidate_head_logprobs(h, w, tokens, cands=cands, rows=rows, temperature=0.8)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
+        gh, gw = torch.autograd.grad(out.sum(), (h, w))
+        assert gh.dtype == dtype and gw.dtype == dtype
+
+
+def test_head_rejects_bad_shapes_and_nonfinite_hidden():
+    hidden, weight = torch.randn(3, 4), torch.randn(10, 5)
+    with pytest.raises(ValueError, match="same H"):
+        candidate_head_logprobs(hidden, weight, torch.zeros(3, dtype=torch.long), cands=None, rows=None)
+    hidden = torch.randn(3, 4)
+    hidden[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="hidden row 1 has candidates and holds a non-finite value"):
+        candidate_head_logprobs(
+            hidden,
+            torch.randn(10, 4),
+            torch.zeros(3, dtype=torch.long),
+            cands=Candidates.from_lists([[1]]),
+            rows=torch.tensor([1]),
+        )
