@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from _ops_reference import dense_logprobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ops_reference import dense_logprobs
 
 import topp_rl.ops._restrict as restrict
 from topp_rl.ops import Candidates, keep_mask, token_logprobs

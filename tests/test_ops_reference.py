@@ -1,4 +1,4 @@
-"""Dense reference for the restricted log-prob ops (float64, plain loops): what the docstrings say they equal."""
+"""Dense reference for the restricted log-prob ops (float64, plain loops); helpers only, no tests here."""
 
 import torch
 
