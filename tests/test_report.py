@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +95,10 @@ def test_render_from_wandb_offline_run(tmp_path):
         run.log({"train/rollout_logprob_abs_diff_unmasked": 0.3 / s, "trainer/global_step": s})
     run.log({"rollout/big": list(range(5000)), "trainer/global_step": 99})  # a record spanning blocks
     run.finish()
+    (log,) = tmp_path.rglob("run-*.wandb")
+    deadline = time.monotonic() + 20  # finish() can return before the service has written the log's tail
+    while not report.wandb_run_finished(log) and time.monotonic() < deadline:
+        time.sleep(0.2)
     history = report.load_history(tmp_path)
     assert history["rollout/reward_mean"] == [(float(s), pytest.approx(0.1 * s)) for s in STEPS]
     assert history["train/rollout_logprob_abs_diff_unmasked"] == [

@@ -77,6 +77,13 @@ def wandb_records(path: Path) -> Iterator[bytes]:
             raise ValueError(f"{path}: unknown record type {kind} at byte {pos}; the file may be corrupt")
 
 
+def wandb_run_finished(path: Path) -> bool:
+    """Whether the transaction log holds the run's exit record (the run finished and its tail is written)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    return any(pb.Record.FromString(p).WhichOneof("record_type") == "exit" for p in wandb_records(path))
+
+
 def read_wandb_history(paths: list[Path]) -> History:
     """Numeric history items; x = `trainer/global_step` when Lightning logged it, else W&B's own step."""
     from wandb.proto import wandb_internal_pb2 as pb

@@ -1,0 +1,347 @@
+"""The callbacks on a real Lightning Trainer: synthetic on-policy records and rollout samples go through a real
+LightningModule's training_step, and the logged values (CSVLogger's metrics.csv, W&B offline summary) are
+checked against numpy computations of the same figures; WeightSync against a real EmbeddedEngine."""
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
+from topp_rl.records import OnPolicyRecord
+from topp_rl.report import wandb_records, wandb_run_finished
+from topp_rl.rollout.sample import Sample, SampleStatus
+
+STEPS = 3
+
+
+def make_record(step: int, rank: int = 0) -> OnPolicyRecord:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    n = 40 + 7 * rank + step
+    rollout = -torch.rand(n, generator=g) * 3
+    support = torch.randint(0, 7, (n,), generator=g)
+    support[:3] = torch.tensor([1, 1, 0])
+    return OnPolicyRecord(
+        logprobs=rollout + torch.randn(n, generator=g) * 0.05,
+        logprobs_unmasked=rollout - torch.rand(n, generator=g) * 0.5,
+        rollout_logprobs=rollout,
+        loss_mask=(torch.rand(n, generator=g) > 0.25).float(),
+        entropy=torch.rand(n, generator=g) * 2,
+        support_size=support,
+    )
+
+
+def make_samples(step: int, rank: int = 0) -> list[Sample]:
+    g = np.random.default_rng(10 * rank + step)
+    samples = []
+    for i in range(8):
+        n = int(g.integers(1, 6))
+        status = [SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.ABORTED][i % 3 if i < 5 else 0]
+        group = i // 2
+        reward = None if status == SampleStatus.ABORTED else float(g.choice([0.0, 0.5, 1.0]))
+        if group == 3:
+            reward = 0.5  # a zero-variance group
+        meta = {"correct": True} if i == 6 else {}
+        samples.append(
+            Sample(
+                prompt_ids=[1, 2],
+                response_ids=[3] * n,
+                loss_mask=[1] * n,
+                rollout_log_probs=[-0.5] * n,
+                reward=reward,
+                group_index=group,
+                index=i,
+                status=status,
+                metadata=meta,
+            )
+        )
+    return samples
+
+
+class Rollout:  # the two fields of RolloutBatch the callbacks read
+    def __init__(self, samples, stats):
+        self.samples, self.stats, self.micro_batches, self.step = samples, stats, [], 0
+
+
+class SyntheticPolicy(L.LightningModule):
+    """Manual optimisation like PolicyModule: one optimizer step per rollout step, outputs per the contract."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = torch.nn.Linear(3, 2)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.policy(torch.ones(1, 3)).square().sum()
+        self.manual_backward(loss)
+        opt.step()
+        rank = self.global_rank
+        return {
+            "rollout": Rollout(make_samples(batch_idx, rank), {"rollout/gen_seconds": (2.0 + rank, 1.0)}),
+            "onpolicy": make_record(batch_idx, rank),
+            "metrics": {
+                "train/loss": (float(loss.detach()) * (rank + 1), rank + 1.0),
+                "train/grad_norm": (3.0, 1.0),
+            },
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
+
+
+def fit(tmp_path, callbacks, *, logger, **trainer_kwargs):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        **trainer_kwargs,
+    )
+    trainer.fit(SyntheticPolicy())
+    return trainer
+
+
+def read_csv(path: Path) -> list[dict[str, float]]:
+    """One dict per step, merging rows of the same step."""
+    steps: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            into = steps.setdefault(int(row["step"]), {})
+            into.update({k: float(v) for k, v in row.items() if v != "" and k != "step"})
+    return [steps[k] for k in sorted(steps)]
+
+
+def expected_mismatch(records: list[OnPolicyRecord]) -> dict[str, float]:
+    keep = np.concatenate([r.loss_mask.numpy() > 0 for r in records])
+    col = {
+        f: np.concatenate([getattr(r, f).double().numpy() for r in records])[keep]
+        for f in records[0].__dataclass_fields__
+    }
+    out = {"train/entropy": col["entropy"].mean()}
+    for suffix, lp in (("", col["logprobs"]), ("_unmasked", col["logprobs_unmasked"])):
+        d = lp - col["rollout_logprobs"]
+        ratio = np.exp(d)
+        out |= {
+            f"train/rollout_logprob_abs_diff{suffix}": np.abs(d).mean(),
+            f"train/rollout_logprob_abs_diff_max{suffix}": np.abs(d).max(),
+            f"train/rollout_logprob_abs_diff_p99{suffix}": np.quantile(np.abs(d), 0.99),
+            f"train/kl_k3_rollout{suffix}": (ratio - 1 - d).mean(),
+            f"train/is_ratio_mean{suffix}": ratio.mean(),
+            f"train/is_ratio_min{suffix}": ratio.min(),
+            f"train/is_ratio_max{suffix}": ratio.max(),
+            f"train/is_ratio_outside_frac{suffix}": ((ratio < 0.9) | (ratio > 1.1)).mean(),
+        }
+    return out
+
+
+def expected_support(records: list[OnPolicyRecord]) -> dict[str, float]:
+    sizes = np.concatenate([r.support_size[r.loss_mask > 0].numpy() for r in records])
+    has = sizes[sizes > 0]
+    return {
+        "rollout/support_coverage": len(has) / len(sizes),
+        "rollout/support_size_mean": has.mean(),
+        "rollout/support_size_median": np.median(has),
+        "rollout/support_size_p99": np.quantile(has, 0.99),
+        "rollout/support_size_max": has.max(),
+        "rollout/support_singleton_frac": (has == 1).mean(),
+    }
+
+
+def expected_rollout(sample_lists: list[list[Sample]], gen_seconds: list[float]) -> dict[str, float]:
+    samples = [s for lst in sample_lists for s in lst]
+    live = [s for s in samples if s.status != SampleStatus.ABORTED]
+    rewards = np.array([s.reward for s in live])
+    correct = np.array([s.metadata.get("correct", s.reward >= 1.0) for s in live])
+    groups = {}
+    for rank, lst in enumerate(sample_lists):  # groups are per rank
+        for s in lst:
+            if s.status != SampleStatus.ABORTED:
+                groups.setdefault((rank, s.group_index), []).append(s.reward)
+    return {
+        "rollout/reward_mean": rewards.mean(),
+        "rollout/reward_std": rewards.std(),
+        "rollout/accuracy": correct.mean(),
+        "rollout/response_length_mean": np.mean([s.response_length for s in live]),
+        "rollout/truncation_rate": np.mean([s.status == SampleStatus.TRUNCATED for s in live]),
+        "rollout/aborted_frac": 1 - len(live) / len(samples),
+        "rollout/zero_variance_group_frac": np.mean([max(g) == min(g) for g in groups.values()]),
+        "rollout/gen_seconds": np.mean(gen_seconds),
+    }
+
+
+def assert_logged(rows: list[dict[str, float]], world_size: int) -> None:
+    assert len(rows) == STEPS
+    for step, row in enumerate(rows):
+        ranks = range(world_size)
+        expected = (
+            expected_mismatch([make_record(step, r) for r in ranks])
+            | expected_support([make_record(step, r) for r in ranks])
+            | expected_rollout([make_samples(step, r) for r in ranks], [2.0 + r for r in ranks])
+            | {"train/grad_norm": 3.0}
+        )
+        for name, value in expected.items():
+            assert row[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, name)
+        assert 0 < row["train/rollout_logprob_abs_diff"] < row["train/rollout_logprob_abs_diff_unmasked"]
+
+
+def test_metric_callbacks_log_exact_values(tmp_path):
+    support = SupportStats(out_dir=str(tmp_path / "run"))
+    fit(tmp_path, [LogProbMismatch(), support, RolloutStats()], logger=CSVLogger(tmp_path, name="csv"))
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert_logged(rows, world_size=1)
+    # The loss metric is the module's (sum, count) mean: loss * 1 / 1 for one rank.
+    assert all(row["train/loss"] > 0 for row in rows)
+    saved = json.loads((tmp_path / "run" / "support_size_counts.json").read_text())
+    sizes = np.concatenate(
+        [make_record(s).support_size[make_record(s).loss_mask > 0].numpy() for s in range(STEPS)]
+    )
+    values, counts = np.unique(sizes[sizes > 0], return_counts=True)
+    assert saved == {"steps": STEPS, "counts": {str(v): int(c) for v, c in zip(values, counts, strict=True)}}
+    assert support.state_dict()["steps"] == STEPS
+
+
+def read_offline_history(root: Path, *, timeout: float = 20.0) -> dict[tuple[str, ...], object]:
+    """Last value of every (nested) history key of the W&B offline run under `root`. `finish()` can return
+    before the service has written the log's tail, so poll until the run's exit record is there."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (log,) = root.rglob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while not wandb_run_finished(log) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    records = [pb.Record.FromString(payload) for payload in wandb_records(log)]
+    last = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:  # nested keys: ("<name>_hist", "_type" | "values" | "bins")
+                last[tuple(item.nested_key) or (item.key,)] = json.loads(item.value_json)
+    return last
+
+
+def test_mismatch_histograms_reach_wandb_offline(tmp_path):
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="topp_rl_test")
+    fit(tmp_path, [LogProbMismatch(), SupportStats()], logger=logger)
+    logger.experiment.finish()
+    last = read_offline_history(tmp_path)
+
+    def summary(name):
+        if (name,) in last:
+            return last[(name,)]
+        return {key[1]: value for key, value in last.items() if key[0] == name and len(key) == 2}
+
+    hist = summary("train/rollout_logprob_abs_diff_unmasked_hist")
+    assert hist["_type"] == "histogram"
+    d = make_record(STEPS - 1)
+    keep = d.loss_mask > 0
+    expected = (d.logprobs_unmasked[keep].double() - d.rollout_logprobs[keep].double()).abs()
+    assert sum(hist["values"]) == int(keep.sum())
+    assert hist["bins"][0] == pytest.approx(float(expected.min()), rel=1e-6)
+    assert hist["bins"][-1] == pytest.approx(float(expected.max()), rel=1e-6)
+    assert summary("rollout/support_size_hist")["_type"] == "histogram"
+    assert summary("train/rollout_logprob_abs_diff") == pytest.approx(
+        expected_mismatch([d])["train/rollout_logprob_abs_diff"]
+    )
+
+
+@pytest.mark.distributed
+def test_metric_callbacks_are_exact_across_two_ranks(tmp_path):
+    """ddp_spawn over gloo, each rank with different token counts: every figure equals numpy on the union."""
+    fit(
+        tmp_path,
+        [LogProbMismatch(histograms=False), SupportStats(save_counts=False), RolloutStats()],
+        logger=CSVLogger(tmp_path, name="csv"),
+        strategy="ddp_spawn",
+        devices=2,
+    )
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert_logged(rows, world_size=2)
+    # train/loss pairs (loss, 1) and (2 loss, 2) reduce to their pooled mean, not the mean of rank means
+    assert all(row["train/loss"] > 0 for row in rows)
+
+
+class EngineDataModule(L.LightningDataModule):
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
+
+
+class TinyPolicy(L.LightningModule):
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = policy
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        ids = torch.tensor([[1, 2, 3, 4]])
+        loss = self.policy(input_ids=ids, labels=ids).loss
+        self.manual_backward(loss)
+        opt.step()
+        return {}
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_weight_sync_makes_the_engine_equal_to_the_policy(tmp_path):
+    from topp_rl.models import build_tiny_model
+    from topp_rl.rollout.embedded import EmbeddedEngine
+
+    policy = build_tiny_model()
+    engine = EmbeddedEngine(policy, progress=False)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    sync = WeightSync()
+    L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        callbacks=[sync],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(TinyPolicy(policy), datamodule=EngineDataModule(engine))
+    assert sync.pushes == STEPS + 1  # once at start, once per step
+    engine_state = engine.model.state_dict()
+    for name, param in policy.state_dict().items():
+        assert torch.equal(engine_state[name], param), name
+    assert any(not torch.equal(before[k], engine_state[k]) for k in before)
+
+
+def test_weight_sync_needs_an_engine(tmp_path):
+    with pytest.raises(ValueError, match="trainer.datamodule.engine"):
+        L.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            callbacks=[WeightSync()],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        ).fit(SyntheticPolicy())
+
+
+def test_counts_file_name_matches_the_report():
+    from callbacks.support import COUNTS_FILE
+    from topp_rl.report import COUNTS_FILE as REPORT_COUNTS_FILE
+
+    assert COUNTS_FILE == REPORT_COUNTS_FILE
