@@ -24,6 +24,8 @@ CASES = [
     ("top_k_min_p_t0.7", [9, 17, 6, 15], [4, 10, 2, 7], dict(temperature=0.7, top_k=20, min_p=0.05), [2]),
     ("all_t1.3_tiny_sets", [21, 5, 12], [12, 4, 3], dict(temperature=1.3, top_p=0.8, top_k=5, min_p=0.1), [1]),
     ("unrestricted", [10, 14, 8], [5, 6, 3], None, []),
+    # allgather CP=2: rank 0 holds no response row; a sample with no response; one that is all response
+    ("edges", [30, 4, 6, 7], [2, 3, 0, 6], dict(temperature=0.9, top_p=0.95), []),
 ]
 
 
