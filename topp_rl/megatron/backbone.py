@@ -216,6 +216,12 @@ class MegatronBackbone(torch.nn.Module):
         decoder_input, rotary_pos_emb, *_ = model._preprocess(
             input_ids=tokens[None], position_ids=position_ids, packed_seq_params=params
         )
+        pad = getattr(self.hf_config, "pad_token_id", None)
+        if pad is not None and decoder_input.requires_grad:
+            # HF embeds with nn.Embedding(padding_idx=pad_token_id): the pad row gets no gradient from the lookup
+            # (only from a tied head). Mirror it so training matches the HF backbone step for step.
+            is_pad = (tokens == pad)[:, None, None]  # [T_local, 1, 1] like decoder_input [T_local, 1, H]
+            decoder_input.register_hook(lambda grad: grad.masked_fill(is_pad, 0.0))
         hidden = model.decoder(
             hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=params,

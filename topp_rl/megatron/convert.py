@@ -112,33 +112,43 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, t
 
 def megatron_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, te_names: bool = False) -> dict[str, Tensor]:
     """Full HF state dict from every TP rank's Megatron state dict (list in TP rank order)."""
-    vocab = hf_config.vocab_size
-    in_norm, mlp_norm = _norm_names(te_names)
-
-    def cat(name: str, dim: int) -> Tensor:
-        return torch.cat([s[name] for s in shards], dim=dim)
-
-    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight", 0)[:vocab].clone()}
+    out = outer_to_hf(shards, hf_config)
     for i in range(hf_config.num_hidden_layers):
-        h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
-        att = h + "self_attn."
-        out[h + "input_layernorm.weight"] = shards[0][m + in_norm].clone()
-        out[h + "post_attention_layernorm.weight"] = shards[0][m + mlp_norm].clone()
-        for kind in ("weight", "bias"):
-            name = m + f"self_attention.linear_qkv.{kind}"
-            if name in shards[0]:
-                q, k, v = split_qkv([s[name] for s in shards], hf_config)
-                out[att + f"q_proj.{kind}"], out[att + f"k_proj.{kind}"], out[att + f"v_proj.{kind}"] = q, k, v
-        out[att + "o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
-        gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
-        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
-        out[h + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
-    out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+        out.update(layer_to_hf(shards, hf_config, layer=i, te_names=te_names))
+    return out
+
+
+def outer_to_hf(shards: list[Mapping[str, Tensor]], hf_config) -> dict[str, Tensor]:
+    """Embeddings, final norm and (untied) output layer; tied models get `lm_head.weight` = the embedding."""
+    vocab = hf_config.vocab_size
+    embed = torch.cat([s["embedding.word_embeddings.weight"] for s in shards])[:vocab].clone()
+    out = {"model.embed_tokens.weight": embed, "model.norm.weight": shards[0]["decoder.final_layernorm.weight"].clone()}
     if hf_config.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = embed
     else:
-        out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab].clone()
+        out["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in shards])[:vocab].clone()
+    return out
+
+
+def layer_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, layer: int, te_names: bool = False) -> dict[str, Tensor]:
+    """One decoder layer's HF tensors from every TP rank's shards of it."""
+    h, m = HF_LAYER.format(i=layer), MG_LAYER.format(i=layer)
+    att = h + "self_attn."
+    in_norm, mlp_norm = _norm_names(te_names)
+    out = {
+        h + "input_layernorm.weight": shards[0][m + in_norm].clone(),
+        h + "post_attention_layernorm.weight": shards[0][m + mlp_norm].clone(),
+        att + "o_proj.weight": torch.cat([s[m + "self_attention.linear_proj.weight"] for s in shards], dim=1),
+        h + "mlp.down_proj.weight": torch.cat([s[m + "mlp.linear_fc2.weight"] for s in shards], dim=1),
+    }
+    for kind in ("weight", "bias"):
+        name = m + f"self_attention.linear_qkv.{kind}"
+        if name in shards[0]:
+            q, k, v = split_qkv([s[name] for s in shards], hf_config)
+            out[att + f"q_proj.{kind}"], out[att + f"k_proj.{kind}"], out[att + f"v_proj.{kind}"] = q, k, v
+    gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+    out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
+    out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
     return out
 
 

@@ -1,0 +1,116 @@
+"""Export a Megatron backbone's weights under HF names: to a rollout engine, to disk, or as a state dict.
+
+Every TP rank all-gathers each parameter's shards over the TP group (a collective: ALL ranks of the group must
+call these functions, also those that hold no engine), then `convert.megatron_to_hf` maps them back to HF names.
+The result is bit-exact (pure indexing). Engines receive it through their `update_weights(named_tensors)`
+(the embedded engine copies in memory; the SGLang engine writes safetensors for `/update_weights_from_disk`).
+Layers are exported one at a time (`hf_named_tensors`), so peak extra memory is one layer's full weights plus
+the embeddings, not a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from topp_rl.megatron.convert import layer_to_hf, outer_to_hf
+
+
+def _gather(t: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    """This tensor from every rank of `group` (rank order); [t] without a group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [t.detach()]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return parts
+
+
+def _gathered_shards(named: dict[str, Tensor], group) -> list[dict[str, Tensor]]:
+    """{name: tensor} of this rank -> one {name: tensor} per TP rank."""
+    per_rank: list[dict[str, Tensor]] | None = None
+    for name, tensor in named.items():
+        parts = _gather(tensor, group)
+        per_rank = per_rank or [{} for _ in parts]
+        for shard, part in zip(per_rank, parts, strict=True):
+            shard[name] = part
+    return per_rank or []
+
+
+def _te_names(model: torch.nn.Module) -> bool:
+    return any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
+
+
+def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
+                     grads: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) for every HF parameter, layer by layer; `grads=True` exports `.grad` instead.
+
+    Collective over `tp_group` (default: Megatron's TP group when TP > 1). Tied models yield `lm_head.weight`
+    only when the HF config unties it (HF ties it to `model.embed_tokens.weight` itself).
+    """
+    model, hf_config = backbone.model, backbone.hf_config
+    if tp_group is None and backbone.tp_size > 1:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    te = _te_names(model)
+
+    def value(p: torch.nn.Parameter) -> Tensor:
+        if not grads:
+            return p.detach()
+        return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+
+    params = {n: value(p) for n, p in model.named_parameters()}
+    by_layer: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in params.items():
+        layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else -1
+        by_layer.setdefault(layer, {})[name] = tensor
+    for layer in sorted(i for i in by_layer if i >= 0):
+        shards = _gathered_shards(by_layer[layer], tp_group)
+        yield from layer_to_hf(shards, hf_config, layer=layer, te_names=te).items()
+    for name, tensor in outer_to_hf(_gathered_shards(by_layer[-1], tp_group), hf_config).items():
+        if name == "lm_head.weight" and hf_config.tie_word_embeddings:
+            continue  # HF ties it to model.embed_tokens.weight
+        yield name, tensor
+
+
+def hf_state_dict(backbone, *, tp_group=None, grads: bool = False) -> dict[str, Tensor]:
+    """The full HF state dict (collective over TP); `lm_head.weight` included only for untied models."""
+    return dict(hf_named_tensors(backbone, tp_group=tp_group, grads=grads))
+
+
+def push_to_engine(engine, backbone, *, tp_group=None) -> None:
+    """Gather TP shards and hand HF-named tensors to `engine.update_weights` (collective over TP: every TP
+    rank must call it; ranks with `engine=None` take part in the gathers and skip the update)."""
+    named = hf_named_tensors(backbone, tp_group=tp_group)
+    if engine is None:
+        for _ in named:
+            pass
+        return
+    engine.update_weights(named)
+
+
+def save_hf_checkpoint(backbone, path: str | os.PathLike, *, tp_group=None, write: bool = True) -> Path | None:
+    """Write an HF checkpoint directory (config.json + model.safetensors) of the gathered weights.
+
+    Collective over TP; only ranks with `write=True` write (pass `write=(global rank == 0)`). The file is
+    written to a temporary name and renamed, so a reader never sees a half-written checkpoint.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in hf_named_tensors(backbone, tp_group=tp_group)}
+    if not write:
+        return None
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    backbone.hf_config.to_json_file(str(path / "config.json"))
+    tmp = path / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path / "model.safetensors")
+    (path / "topp_rl_export.json").write_text(json.dumps({"tp_size": backbone.tp_size}))
+    return path
