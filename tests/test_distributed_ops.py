@@ -200,20 +200,28 @@ def test_tp_cp_splits_equal_the_dense_reference():
         size_err, rank_err = res["layout_errors"]
         assert "tp_group has size 4 and this process is its rank" in size_err and "tp_size=2" in size_err
         assert f"cp_group has size 4 and this process is its rank {rank}," in rank_err
-    tol = dict(atol=2e-5, rtol=1e-5)
     for case in cases:
         ref = dense_reference(case)
+        ref["logprobs_head"] = ref["logprobs"]
+        single = assemble(results, case, 1, 1, "zigzag", 0)
+        single = {k: v[0] if k in PER_TP_RANK else v for k, v in single.items()}
         for tp, cp, mode in SPLITS:
             for replica in range(WORLD // (tp * cp)):
                 got = assemble(results, case, tp, cp, mode, replica)
                 where = f"{case['name']} tp={tp} cp={cp} {mode} replica={replica}"
-                for t in range(tp):  # replicated over TP: every TP rank holds the full result
-                    torch.testing.assert_close(got["logprobs"][t], ref["logprobs"], **tol, msg=where)
-                    torch.testing.assert_close(got["logprobs_head"][t], ref["logprobs"], **tol, msg=where)
-                    torch.testing.assert_close(got["entropy"][t], ref["entropy"], **tol, msg=where)
-                    torch.testing.assert_close(got["grad_hidden"][t], ref["grad_hidden"], **tol, msg=where)
-                torch.testing.assert_close(got["grad_logits"], ref["grad_logits"], **tol, msg=where)
-                torch.testing.assert_close(got["grad_weight"], ref["grad_weight"], **tol, msg=where)
+                assert_matches(got, ref, tp=tp, where=f"{where} vs dense reference")
+                assert_matches(got, single, tp=tp, where=f"{where} vs the tp=1 cp=1 split", atol=1e-5, rtol=1e-5)
+
+
+PER_TP_RANK = ("logprobs", "logprobs_head", "entropy", "grad_hidden")  # replicated: every TP rank holds all
+
+
+def assert_matches(got, want, *, tp, where, atol=2e-5, rtol=1e-5):
+    for key in PER_TP_RANK:
+        for t in range(tp):
+            torch.testing.assert_close(got[key][t], want[key], atol=atol, rtol=rtol, msg=f"{where}: {key}")
+    for key in ("grad_logits", "grad_weight"):
+        torch.testing.assert_close(got[key], want[key], atol=atol, rtol=rtol, msg=f"{where}: {key}")
 
 
 def _targets_outside_candidates(case) -> int:
