@@ -55,7 +55,7 @@ cp_st = st.sampled_from([(1, "zigzag"), (1, "allgather"), (2, "zigzag"), (2, "al
                          (4, "allgather"), (4, "zigzag")])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(lengths=lengths_st, cp=cp_st)
 def test_positions_match_naive_and_cover_every_position_once(lengths, cp):
     cp_size, mode = cp
@@ -96,7 +96,7 @@ def test_zigzag_worked_example_and_lengths():
     assert cu_seqlens(t).tolist() == [0, 5, 8] and cu_seqlens(t).dtype == torch.int32
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), cp=cp_st)
 def test_response_rows_match_naive(data, cp):
     cp_size, mode = cp
