@@ -38,7 +38,7 @@ def _replay(model, sample, params: SamplingParams):
     ("family", "params"),
     [
         ("qwen2", SamplingParams(top_p=0.8, temperature=0.9, max_new_tokens=12, n=2)),
-        ("llama", SamplingParams(top_p=0.95, top_k=12, min_p=0.02, temperature=1.3, max_new_tokens=12, n=2)),
+        ("llama", SamplingParams(top_p=0.9, top_k=40, min_p=0.05, temperature=1.1, max_new_tokens=12, n=2)),
     ],
 )
 def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params):

@@ -1,0 +1,149 @@
+"""Rollout throughput: EmbeddedEngine with vs without candidate recording, side by side (alternating reps).
+
+Same model, prompts, sampling rule and seed in every arm. "record" stores the CSR candidate sets per sample;
+"norecord" computes the same kept set (`sampling_candidates`, top-k preselect; the sampler needs it) but
+stores nothing; "dense_sort" is a reference sampler without recording that builds the keep mask by a full
+vocabulary sort, as HF's and SGLang's torch samplers do. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
+
+    .venv/bin/python benchmarks/bench_rollout.py [--json out.json] [--sglang auto|off|on]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from topp_rl.models import build_tiny_model, save_model
+from topp_rl.rollout import SamplingParams
+from topp_rl.rollout.embedded import EmbeddedEngine, sglang_keep_mask
+
+
+class DenseSortEngine(EmbeddedEngine):
+    """Reference arm: keep mask from one full sort per step, no candidate sets."""
+
+    def _keep(self, logits, params):
+        scaled = logits / params.temperature
+        return sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p), None
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument(
+        "--init-range", type=float, default=0.2, help="HF initializer_range (peakier logits when larger)"
+    )
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (use 1 on a loaded machine)")
+    ap.add_argument("--sglang", choices=["auto", "off", "on"], default="auto")
+    ap.add_argument("--json", type=Path)
+    return ap.parse_args()
+
+
+def _time(engine: EmbeddedEngine, prompts, params, seed: int) -> tuple[float, int, float]:
+    start = time.perf_counter()
+    samples = engine.generate(prompts, params, seed=seed)
+    seconds = time.perf_counter() - start
+    tokens = sum(s.response_length for s in samples)
+    sizes = [int(n) for s in samples if s.candidates is not None for n in s.candidates.row_lengths()]
+    return tokens / seconds, tokens, statistics.fmean(sizes) if sizes else float("nan")
+
+
+def main() -> None:
+    args = _args()
+    torch.set_num_threads(args.threads)
+    model = build_tiny_model(
+        vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, initializer_range=args.init_range
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    # No stop ids: every sample runs to new_tokens, so both arms generate exactly the same number of tokens.
+    params = SamplingParams(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.new_tokens)
+    arms = {
+        "embedded_record": EmbeddedEngine(model, eos_token_id=[], progress=False, max_batch_size=args.batch),
+        "embedded_norecord": EmbeddedEngine(
+            model, eos_token_id=[], progress=False, record_candidates=False, max_batch_size=args.batch
+        ),
+        "embedded_dense_sort": DenseSortEngine(
+            model, eos_token_id=[], progress=False, record_candidates=False, max_batch_size=args.batch
+        ),
+    }
+    for engine in arms.values():  # warm-up
+        engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    set_size = float("nan")
+    for rep in range(args.reps):
+        order = list(arms)[rep % len(arms) :] + list(arms)[: rep % len(arms)]  # rotate: no arm always first
+        for name in order:
+            rate, _, size = _time(arms[name], prompts, params, seed=rep)
+            rates[name].append(rate)
+            if name == "embedded_record":
+                set_size = size
+    rows = [{"name": n, "tokens_per_s": statistics.median(r), "reps": r} for n, r in rates.items()]
+    median = {n: statistics.median(r) for n, r in rates.items()}
+    overhead = median["embedded_norecord"] / median["embedded_record"]
+    vs_dense = median["embedded_dense_sort"] / median["embedded_record"]
+    if args.sglang != "off":
+        rows += _sglang_rows(model, prompts, params, args)
+    print(
+        f"model qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch} "
+        f"prompt={args.prompt_len} new={args.new_tokens} top_p={args.top_p} top_k={args.top_k} "
+        f"threads={args.threads} mean candidate-set size={set_size:.1f}"
+    )
+    print(f"{'engine':<22}{'tokens/s (median)':>20}")
+    for row in rows:
+        print(f"{row['name']:<22}{row['tokens_per_s']:>20.1f}")
+    print(f"recording cost vs norecord: {100 * (overhead - 1):+.1f}% time per token (target <= +15%)")
+    print(f"record vs dense_sort sampler: {100 * (vs_dense - 1):+.1f}% time per token")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": vars(args) | {"json": str(args.json)},
+                    "mean_candidate_set_size": set_size,
+                    "rows": rows,
+                    "norecord_over_record": overhead,
+                    "dense_sort_over_record": vs_dense,
+                },
+                indent=2,
+            )
+        )
+
+
+def _sglang_rows(model, prompts, params, args) -> list[dict]:
+    try:
+        from topp_rl.rollout.sglang import SGLangEngine  # built in parallel; optional here
+    except ImportError as err:
+        if args.sglang == "on":
+            raise
+        print(f"SGLang skipped: {err}")
+        return []
+    venv = os.environ.get("TOPP_RL_SGLANG_VENV", str(Path(__file__).resolve().parents[1] / ".venv-sglang"))
+    if not Path(venv).exists() and args.sglang == "auto":
+        print(f"SGLang skipped: no venv at {venv} (run scripts/setup_sglang.sh)")
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(model, None, tmp)
+        with SGLangEngine(model_path=tmp) as engine:
+            engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
+            rates = []
+            for rep in range(max(1, args.reps // 2)):
+                start = time.perf_counter()
+                samples = engine.generate(prompts, params, seed=rep)
+                rates.append(sum(s.response_length for s in samples) / (time.perf_counter() - start))
+    return [{"name": "sglang_server", "tokens_per_s": statistics.median(rates), "reps": rates}]
+
+
+if __name__ == "__main__":
+    main()
