@@ -174,6 +174,35 @@ class MegatronBackbone(torch.nn.Module):
         self.tp_size, self.cp_size = tp_size, cp_size
         self.model = build_gpt_model(hf_config, tp_size=tp_size, cp_size=cp_size, seed=seed, dtype=dtype)
 
+    @classmethod
+    def from_hf(cls, hf_model: torch.nn.Module, *, tp_size: int, cp_size: int, seed: int = 0) -> MegatronBackbone:
+        """This rank's backbone holding the HF model's weights (parallel_state must be initialised)."""
+        from megatron.core import parallel_state
+
+        from topp_rl.megatron.convert import load_hf_into
+
+        dtype = next(hf_model.parameters()).dtype
+        backbone = cls(hf_model.config, tp_size=tp_size, cp_size=cp_size, seed=seed, dtype=dtype)
+        load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=tp_size,
+                     tp_rank=parallel_state.get_tensor_model_parallel_rank())
+        backbone.train(hf_model.training)
+        return backbone
+
+    def hf_named_tensors(self):
+        """(HF name, full tensor) pairs, layer by layer; a collective over the TP group (see `export`)."""
+        from topp_rl.megatron.export import hf_named_tensors
+
+        return hf_named_tensors(self)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before clipping."""
+        from megatron.core import parallel_state
+
+        from topp_rl.megatron.grads import clip_grad_norm_
+
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        return clip_grad_norm_(self.parameters(), max_norm, tp_group=group)
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
