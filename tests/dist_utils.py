@@ -67,13 +67,14 @@ def _collect(launcher, results: queue.Queue, *, world_size: int, timeout: float)
         try:
             rank, ok, payload = results.get(timeout=0.5)
         except queue.Empty:
-            if launcher.exitcode is not None:
-                failed.setdefault(-1, f"the launcher exited (code {launcher.exitcode}) before every rank reported")
-            elif time.monotonic() > deadline:
+            if launcher.exitcode is not None:  # ranks flush their reports before exiting: none is coming
+                failed[-1] = f"the launcher exited (code {launcher.exitcode}) before every rank reported"
+                break
+            if time.monotonic() > deadline:
+                if failed:
+                    break
                 missing = sorted(set(range(world_size)) - set(out))
                 raise TimeoutError(f"rank(s) {missing} gave no result within {timeout:.0f} s") from None
-            if failed:
-                break
             continue
         if ok:
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
