@@ -25,6 +25,8 @@ def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:
         return values
     device = trainer.strategy.root_device
     sizes = trainer.strategy.all_gather(torch.tensor([values.shape[1]], device=device)).flatten().tolist()
+    if max(sizes) == 0:  # nothing anywhere; skip the empty collective
+        return values
     padded = values.new_zeros(values.shape[0], max(sizes))
     padded[:, : values.shape[1]] = values
     parts = trainer.strategy.all_gather(padded.to(device)).cpu()  # [W, K, max]

@@ -25,6 +25,8 @@ class LogProbMismatch(Callback):
         self.histogram_every_n_steps = histogram_every_n_steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not outputs or "onpolicy" not in outputs:  # a skipped step (every rank skips alike)
+            return
         record = outputs["onpolicy"]
         keep = record.loss_mask > 0
         rollout = record.rollout_logprobs[keep].double()

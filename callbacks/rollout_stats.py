@@ -45,6 +45,8 @@ class RolloutStats(Callback):
         return sums
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not outputs or "rollout" not in outputs:  # a skipped step (every rank skips alike)
+            return
         values = reduce_sums(trainer, self.sums(outputs["rollout"]))
         square = values.pop("rollout/reward_sq_mean", None)
         if square is not None:

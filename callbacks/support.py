@@ -34,6 +34,8 @@ class SupportStats(Callback):
         self.steps = int(state_dict["steps"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not outputs or "onpolicy" not in outputs:  # a skipped step (every rank skips alike)
+            return
         record = outputs["onpolicy"]
         trainable = record.loss_mask > 0
         sizes = record.support_size[trainable].to(torch.int64).cpu()
