@@ -186,3 +186,18 @@ def test_layout_rejects_vocab_not_divisible_by_tp_and_names_the_padded_size():
 def test_bad_inputs_raise_value_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_give_the_cpu_results():
+    lengths, responses = torch.tensor([13, 2, 40, 7]), torch.tensor([5, 1, 30, 0])
+    x = torch.randn(int(lengths.sum()), 3)
+    for cp_size, mode in ((1, "zigzag"), (2, "zigzag"), (3, "allgather")):
+        for rank in range(cp_size):
+            pos = cp_local_positions(lengths, cp_size=cp_size, cp_rank=rank, mode=mode)
+            pos_cuda = cp_local_positions(lengths.cuda(), cp_size=cp_size, cp_rank=rank, mode=mode)
+            assert pos_cuda.is_cuda and torch.equal(pos_cuda.cpu(), pos)
+            rows, cand_rows = response_rows(pos_cuda, lengths.cuda(), responses.cuda())
+            want_rows, want_cands = response_rows(pos, lengths, responses)
+            assert torch.equal(rows.cpu(), want_rows) and torch.equal(cand_rows.cpu(), want_cands)
+            assert torch.equal(cp_shard(x.cuda(), pos).cpu(), cp_shard(x, pos))

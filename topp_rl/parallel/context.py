@@ -102,6 +102,7 @@ def cp_shard(tensor: torch.Tensor, positions: torch.Tensor, *, fill: float | int
             f"cp_shard: positions reach {int(positions.max())} but the packed tensor has {tensor.shape[0]} "
             "rows; build positions from the same seq_lengths as the tensor"
         )
+    positions = positions.to(tensor.device)
     out = tensor.index_select(0, positions.clamp(min=0))
     pad = (positions < 0).view(-1, *([1] * (tensor.dim() - 1)))
     return out.masked_fill(pad, fill)
