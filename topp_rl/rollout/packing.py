@@ -1,0 +1,167 @@
+"""THD packing of samples into micro-batches (`PackedBatch`) and the rollout step they form (`RolloutBatch`).
+
+Layout (docs/ARCHITECTURE.md): sequences (prompt + response) back to back with no padding; per response token
+fields in sample order; candidates concatenated in sample order with EMPTY (= unrestricted) rows for samples
+that recorded none and for non-trainable tokens. Packing is greedy in sample order under a token budget
+(deterministic, sequences never split), like slime's, but without reordering samples by length.
+"""
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from topp_rl.ops import Candidates
+from topp_rl.rollout.sample import Sample
+
+
+@dataclass(kw_only=True)
+class PackedBatch:
+    """One packed micro-batch. T tokens, B samples, R response tokens (shapes in brackets)."""
+
+    tokens: torch.Tensor  # int64 [T]
+    cu_seqlens: torch.Tensor  # int32 [B + 1]
+    seq_lengths: torch.Tensor  # int64 [B]
+    response_lengths: torch.Tensor  # int64 [B]
+    position_ids: torch.Tensor  # int64 [T], restarting at 0 for every sequence
+    loss_mask: torch.Tensor  # float32 [R]
+    advantages: torch.Tensor  # float32 [R]
+    rollout_log_probs: torch.Tensor  # float32 [R]
+    response_tokens: torch.Tensor  # int64 [R]
+    candidates: Candidates | None  # R rows, or None when no sample here recorded candidates
+    rewards: torch.Tensor  # float32 [B]
+    group_index: torch.Tensor  # int64 [B]
+    sample_index: torch.Tensor  # int64 [B], position in the rollout step
+    num_loss_tokens_global: float  # sum of loss_mask over the whole step, all micro-batches and DP ranks
+    num_sequences_global: int
+
+    @property
+    def num_samples(self) -> int:
+        return self.seq_lengths.numel()
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor | Candidates):
+                moved[name] = value.to(device)
+        return PackedBatch(**moved)
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """One rollout step: its micro-batches, the samples (this DP rank's), step index and rollout stats."""
+
+    micro_batches: list[PackedBatch]
+    samples: list[Sample]
+    step: int
+    stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # (sum, count) pairs
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        # Lightning moves any object with `.to`; samples stay on the host.
+        return RolloutBatch(
+            micro_batches=[mb.to(device) for mb in self.micro_batches],
+            samples=self.samples,
+            step=self.step,
+            stats=self.stats,
+        )
+
+
+def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int) -> list[list[int]]:
+    """Greedy, in order: consecutive samples share a micro-batch while their tokens fit in `max_tokens`."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens ({max_tokens}) must be >= 1")
+    groups: list[list[int]] = []
+    used = max_tokens + 1
+    for i, n in enumerate(seq_lengths):
+        if n > max_tokens:
+            raise ValueError(
+                f"sample {i} has {n} tokens (prompt + response), more than the micro-batch budget max_tokens="
+                f"{max_tokens}; sequences are never split: raise max_tokens_per_micro_batch to at least {n} "
+                "or lower max_new_tokens"
+            )
+        if used + n > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def pack_samples(
+    samples: list[Sample],
+    advantages: list[float] | torch.Tensor,
+    *,
+    max_tokens: int,
+    num_loss_tokens_global: float | None = None,
+    num_sequences_global: int | None = None,
+) -> list[PackedBatch]:
+    """Micro-batches of `samples` (in order) under `max_tokens`; `advantages` is one value per sample.
+
+    The global denominators default to this call's own totals (one DP rank); the datamodule passes the values
+    summed over all DP ranks.
+    """
+    adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    if adv.numel() != len(samples):
+        raise ValueError(
+            f"{adv.numel()} advantages for {len(samples)} samples; pass one advantage per sample"
+        )
+    for s in samples:
+        s.check_lengths()
+    if num_loss_tokens_global is None:
+        num_loss_tokens_global = float(sum(sum(s.loss_mask) for s in samples))
+    if num_sequences_global is None:
+        num_sequences_global = len(samples)
+    plan = plan_micro_batches([len(s.prompt_ids) + s.response_length for s in samples], max_tokens=max_tokens)
+    return [
+        _pack([samples[i] for i in idx], adv[idx], float(num_loss_tokens_global), int(num_sequences_global))
+        for idx in plan
+    ]
+
+
+def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequences: int) -> PackedBatch:
+    prompt_len = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    resp_len = torch.tensor([s.response_length for s in samples], dtype=torch.long)
+    seq_len = prompt_len + resp_len
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = seq_len.cumsum(0)
+    starts = torch.repeat_interleave(cu[:-1].long(), seq_len)
+    response_tokens = torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long)
+    loss_mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32)
+    return PackedBatch(
+        tokens=torch.tensor([t for s in samples for t in s.prompt_ids + s.response_ids], dtype=torch.long),
+        cu_seqlens=cu,
+        seq_lengths=seq_len,
+        response_lengths=resp_len,
+        position_ids=torch.arange(int(seq_len.sum())) - starts,
+        loss_mask=loss_mask,
+        advantages=torch.repeat_interleave(adv, resp_len),
+        rollout_log_probs=torch.tensor(
+            [x for s in samples for x in s.rollout_log_probs], dtype=torch.float32
+        ),
+        response_tokens=response_tokens,
+        candidates=_candidates(samples, loss_mask),
+        rewards=torch.tensor(
+            [0.0 if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
+        ),
+        group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
+        sample_index=torch.tensor([s.index for s in samples], dtype=torch.long),
+        num_loss_tokens_global=loss_tokens,
+        num_sequences_global=sequences,
+    )
+
+
+def _candidates(samples: list[Sample], loss_mask: torch.Tensor) -> Candidates | None:
+    """Rows in sample order; empty rows for samples without candidates and for non-trainable tokens."""
+    if all(s.candidates is None for s in samples):
+        return None
+    cands = Candidates.concat(
+        [s.candidates if s.candidates is not None else Candidates.empty(s.response_length) for s in samples]
+    )
+    trainable = loss_mask > 0
+    if bool(trainable.all()) or not bool((cands.row_lengths()[~trainable] > 0).any()):
+        return cands
+    # Some non-trainable token carries a set: blank it (vectorised), so only trainable rows restrict anything.
+    lengths = cands.row_lengths() * trainable
+    offsets = torch.zeros(cands.num_rows + 1, dtype=torch.long)
+    offsets[1:] = lengths.cumsum(0)
+    ids = cands.ids[trainable[cands.row_of_ids()]]
+    return Candidates(ids=ids, offsets=offsets.to(torch.int32))
