@@ -28,9 +28,9 @@ def test_head_matches_dense(problem, small_chunks):
     hidden, weight, tokens, rows, cand_lists, temperature = problem
     cands = Candidates.from_lists(cand_lists) if rows else None
     row_t = torch.tensor(rows, dtype=torch.int64) if rows else None
-    old = (head._CHUNK_ELEMENTS, head._MAX_ROWS)
+    old = (head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS)
     if small_chunks:  # several row blocks, vocab chunks and pair chunks
-        head._CHUNK_ELEMENTS, head._MAX_ROWS = 5, 3
+        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS = 5, 5, 3
     try:
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = candidate_head_logprobs(h, w, tokens, cands=cands, rows=row_t, temperature=temperature)
@@ -43,7 +43,7 @@ def test_head_matches_dense(problem, small_chunks):
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     finally:
-        head._CHUNK_ELEMENTS, head._MAX_ROWS = old
+        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS = old
 
 
 def test_head_equals_token_logprobs_float32_and_bf16():

@@ -1,0 +1,297 @@
+"""Benchmark of the restricted log-prob ops against the dense paths (issue 2, Part 3), forward + backward.
+
+    python benchmarks/bench_logprob.py [--quick] [--reps N] [--json PATH]
+
+Shapes (full): T=4096 rows, H=576, V=49152 (SmolLM2-135M's head), candidate sets of log-normal size with median 2
+and mean about 8, every row restricted (response rows); keep_mask on 16384 rows x 75968 vocab. Cases:
+  (a) dense       slime's path: full logits, dense bool keep mask, masked_fill, log_softmax, gather
+  (b) unrestr.    the unrestricted full-vocab log_softmax + gather
+  (c) ours        candidate_head_logprobs (from hidden + weight) / token_logprobs (from the same logits)
+each in two groups: "head" (logits formed from hidden @ weight.T inside the timed region, gradients to hidden and
+weight) and "logits" (a logits leaf given, gradient to it). keep_mask is compared with a per-row Python loop that
+fills the same mask (both allocate and fill the whole output).
+
+Every case runs in a fresh subprocess (--quick: in-process) with the inputs built first; peak memory is the
+growth of the peak RSS over the RSS after setup (the peak is reset through /proc/self/clear_refs), time the
+median over --reps repetitions. Timings on a shared machine are noisy: compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from topp_rl.ops import Candidates, candidate_head_logprobs, keep_mask, token_logprobs
+
+SHAPES = {
+    "full": dict(rows=4096, hidden=576, vocab=49152, mask_rows=16384, mask_vocab=75968),
+    "quick": dict(rows=256, hidden=64, vocab=4096, mask_rows=1024, mask_vocab=8192),
+}
+TEMPERATURE = 0.9
+
+
+def candidate_sets(num_rows: int, vocab: int, tokens: torch.Tensor, *, seed: int) -> Candidates:
+    """Log-normal set sizes (median 2, mean ~8, at most 4096), each set holding its row's token."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = math.sqrt(2 * math.log(4.0))  # mean / median = exp(sigma^2 / 2) = 4
+    sizes = (
+        torch.exp(math.log(2.0) + sigma * torch.randn(num_rows, generator=g)).round().clamp(1, 4096).long()
+    )
+    ids = torch.randint(0, vocab, (int(sizes.sum()),), generator=g)
+    offsets = torch.zeros(num_rows + 1, dtype=torch.int64)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    ids[offsets[:-1]] = tokens  # first id of every row is the sampled token
+    return Candidates(ids=ids.to(torch.int32), offsets=offsets.to(torch.int32))
+
+
+def head_inputs(shape: dict) -> dict:
+    g = torch.Generator().manual_seed(0)
+    t, h, v = shape["rows"], shape["hidden"], shape["vocab"]
+    hidden = (torch.randn(t, h, generator=g) * 0.5).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.1).requires_grad_()
+    tokens = torch.randint(0, v, (t,), generator=g)
+    cands = candidate_sets(t, v, tokens, seed=1)
+    return dict(hidden=hidden, weight=weight, tokens=tokens, cands=cands, rows=torch.arange(t))
+
+
+def logits_inputs(shape: dict) -> dict:
+    inp = head_inputs(shape)
+    with torch.no_grad():
+        logits = inp["hidden"] @ inp["weight"].T
+    return dict(inp, logits=logits.requires_grad_())
+
+
+def dense_logprobs(logits: torch.Tensor, inp: dict) -> torch.Tensor:
+    """slime's path: dense bool keep mask (built vectorised here), masked_fill, log_softmax, gather."""
+    num_rows, vocab = logits.shape
+    cands = inp["cands"]
+    mask = torch.zeros(num_rows, vocab, dtype=torch.bool)
+    mask[inp["rows"][cands.row_of_ids()], cands.ids.long()] = True
+    mask[torch.arange(num_rows), inp["tokens"]] = True
+    z = (logits / TEMPERATURE).masked_fill(~mask, float("-inf"))
+    return torch.log_softmax(z, dim=-1).gather(1, inp["tokens"][:, None]).squeeze(1)
+
+
+def unrestricted_logprobs(logits: torch.Tensor, inp: dict) -> torch.Tensor:
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(1, inp["tokens"][:, None]).squeeze(1)
+
+
+def _backward(out: torch.Tensor, *leaves: torch.Tensor) -> None:
+    out.sum().backward()
+    for leaf in leaves:
+        leaf.grad = None
+
+
+def run_head_dense(inp):
+    _backward(dense_logprobs(inp["hidden"] @ inp["weight"].T, inp), inp["hidden"], inp["weight"])
+
+
+def run_head_unrestricted(inp):
+    _backward(unrestricted_logprobs(inp["hidden"] @ inp["weight"].T, inp), inp["hidden"], inp["weight"])
+
+
+def run_head_ours(inp):
+    out = candidate_head_logprobs(
+        inp["hidden"],
+        inp["weight"],
+        inp["tokens"],
+        cands=inp["cands"],
+        rows=inp["rows"],
+        temperature=TEMPERATURE,
+    )
+    _backward(out, inp["hidden"], inp["weight"])
+
+
+def run_logits_dense(inp):
+    _backward(dense_logprobs(inp["logits"], inp), inp["logits"])
+
+
+def run_logits_unrestricted(inp):
+    _backward(unrestricted_logprobs(inp["logits"], inp), inp["logits"])
+
+
+def run_logits_ours(inp):
+    out = token_logprobs(
+        inp["logits"], inp["tokens"], cands=inp["cands"], rows=inp["rows"], temperature=TEMPERATURE
+    )
+    _backward(out, inp["logits"])
+
+
+def mask_inputs(shape: dict) -> dict:
+    g = torch.Generator().manual_seed(2)
+    n, v = shape["mask_rows"], shape["mask_vocab"]
+    tokens = torch.randint(0, v, (n,), generator=g)
+    cands = candidate_sets(n, v, tokens, seed=3)
+    return dict(cands=cands, rows=torch.arange(n), tokens=tokens, vocab=v, lists=cands.to_lists())
+
+
+def run_mask_loop(inp):
+    """The per-row loop: every listed row cleared, then its candidate ids and token set."""
+    n, v = inp["rows"].numel(), inp["vocab"]
+    mask = torch.ones(n, v, dtype=torch.bool)
+    tokens = inp["tokens"].tolist()
+    for r, ids in zip(inp["rows"].tolist(), inp["lists"], strict=True):
+        row = mask[r]
+        row.fill_(False)
+        row[ids] = True
+        row[tokens[r]] = True
+    return mask
+
+
+def run_mask_ours(inp):
+    n, v = inp["rows"].numel(), inp["vocab"]
+    return keep_mask(inp["cands"], inp["rows"], num_rows=n, vocab_start=0, vocab_end=v, tokens=inp["tokens"])
+
+
+# name -> (group, role, setup, run)
+CASES = {
+    "head/dense (a)": ("head", "a", head_inputs, run_head_dense),
+    "head/unrestricted (b)": ("head", "b", head_inputs, run_head_unrestricted),
+    "head/candidate_head_logprobs (c)": ("head", "c", head_inputs, run_head_ours),
+    "logits/dense (a)": ("logits", "a", logits_inputs, run_logits_dense),
+    "logits/unrestricted (b)": ("logits", "b", logits_inputs, run_logits_unrestricted),
+    "logits/token_logprobs (c)": ("logits", "c", logits_inputs, run_logits_ours),
+    "keep_mask/python loop": ("keep_mask", "a", mask_inputs, run_mask_loop),
+    "keep_mask/keep_mask": ("keep_mask", "c", mask_inputs, run_mask_ours),
+}
+
+
+# each group's ratios are times relative to this case
+RATIO_BASE = {
+    "head": "head/unrestricted (b)",
+    "logits": "logits/unrestricted (b)",
+    "keep_mask": "keep_mask/python loop",
+}
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def measure(name: str, shape: dict, reps: int) -> dict:
+    """Median ms over `reps` and the peak RSS growth (MB) of the first repetition, after building the inputs."""
+    _, _, setup, run = CASES[name]
+    inp = setup(shape)
+    base_kb = _status_kb("VmRSS")
+    exact_peak = _reset_peak()
+    times = []
+    peak_mb = None
+    for _ in range(reps):
+        start = time.perf_counter()
+        result = run(inp)
+        times.append((time.perf_counter() - start) * 1e3)
+        del result
+        if peak_mb is None:
+            peak_mb = max(0.0, (_status_kb("VmHWM") - base_kb) / 1024)
+    return dict(name=name, ms=statistics.median(times), ms_all=times, peak_mb=peak_mb, peak_exact=exact_peak)
+
+
+def _run_case(name: str, shape_name: str, reps: int, in_process: bool) -> dict:
+    if in_process:
+        return measure(name, SHAPES[shape_name], reps)
+    cmd = [sys.executable, __file__, "--case", name, "--shape", shape_name, "--reps", str(reps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"case {name!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _targets(by_name: dict) -> list[dict]:
+    def t(name):
+        return by_name[name]["ms"]
+
+    def m(name):
+        return by_name[name]["peak_mb"]
+
+    head_c, logit_c = "head/candidate_head_logprobs (c)", "logits/token_logprobs (c)"
+    return [
+        dict(
+            name="head: speed-up of (c) over dense (a)", value=t("head/dense (a)") / t(head_c), target=">= 10"
+        ),
+        dict(
+            name="head: peak-memory cut of (c) vs dense (a)",
+            value=m("head/dense (a)") / max(m(head_c), 1.0),
+            target=">= 10",
+        ),
+        dict(
+            name="head: speed-up of (c) over unrestricted (b)",
+            value=t("head/unrestricted (b)") / t(head_c),
+            target="> 1",
+        ),
+        dict(
+            name="logits: time of (c) / unrestricted (b)",
+            value=t(logit_c) / t("logits/unrestricted (b)"),
+            target="<= 1.3",
+        ),
+        dict(
+            name="keep_mask: speed-up over the Python loop",
+            value=t("keep_mask/python loop") / t("keep_mask/keep_mask"),
+            target=">= 50",
+        ),
+    ]
+
+
+def _meets(value: float, target: str) -> bool:
+    op, bound = target.split()
+    return {">=": value >= float(bound), ">": value > float(bound), "<=": value <= float(bound)}[op]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small shapes, in-process: a smoke run")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per case (default 3, quick 1)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="full", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:  # child process: one case, one JSON line
+        print(json.dumps(measure(args.case, SHAPES[args.shape], args.reps or 3)))
+        return []
+    shape_name = "quick" if args.quick else "full"
+    reps = args.reps or (1 if args.quick else 3)
+    results = [_run_case(name, shape_name, reps, in_process=args.quick) for name in CASES]
+    by_name = {r["name"]: r for r in results}
+    for r in results:
+        r["ratio_to"] = RATIO_BASE[CASES[r["name"]][0]]
+        r["ratio"] = r["ms"] / by_name[r["ratio_to"]]["ms"]
+    targets = _targets(by_name)
+    for tg in targets:
+        tg["met"] = _meets(tg["value"], tg["target"])
+    print(f"shape={shape_name} {SHAPES[shape_name]} reps={reps} threads={torch.get_num_threads()}")
+    print(f"{'case':36s} {'ms':>10s} {'peak MB':>9s} {'ratio':>7s}  (ratio = ms / ms of)")
+    for r in results:
+        print(f"{r['name']:36s} {r['ms']:10.1f} {r['peak_mb']:9.1f} {r['ratio']:7.3f}  {r['ratio_to']}")
+    for tg in targets:
+        print(
+            f"{tg['name']:48s} {tg['value']:8.2f}  target {tg['target']:7s} {'met' if tg['met'] else 'NOT met'}"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps(dict(shape=shape_name, reps=reps, cases=results, targets=targets), indent=1)
+        )
+    return results
+
+
+if __name__ == "__main__":
+    main()
