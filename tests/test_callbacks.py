@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
 from topp_rl.records import OnPolicyRecord
 from topp_rl.report import wandb_records, wandb_run_finished
+from topp_rl.rollout.packing import RolloutBatch
 from topp_rl.rollout.sample import Sample, SampleStatus
 
 STEPS = 3
@@ -64,11 +65,6 @@ def make_samples(step: int, rank: int = 0) -> list[Sample]:
     return samples
 
 
-class Rollout:  # the two fields of RolloutBatch the callbacks read
-    def __init__(self, samples, stats):
-        self.samples, self.stats, self.micro_batches, self.step = samples, stats, [], 0
-
-
 class SyntheticPolicy(L.LightningModule):
     """Manual optimisation like PolicyModule: one optimizer step per rollout step, outputs per the contract."""
 
@@ -85,7 +81,12 @@ class SyntheticPolicy(L.LightningModule):
         opt.step()
         rank = self.global_rank
         return {
-            "rollout": Rollout(make_samples(batch_idx, rank), {"rollout/gen_seconds": (2.0 + rank, 1.0)}),
+            "rollout": RolloutBatch(
+                micro_batches=[],  # the callbacks read samples and stats only
+                samples=make_samples(batch_idx, rank),
+                step=batch_idx,
+                stats={"rollout/gen_seconds": (2.0 + rank, 1.0)},
+            ),
             "onpolicy": make_record(batch_idx, rank),
             "metrics": {
                 "train/loss": (float(loss.detach()) * (rank + 1), rank + 1.0),
@@ -293,7 +294,7 @@ class TinyPolicy(L.LightningModule):
     def __init__(self, policy) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.policy = policy
+        self.policy = policy.train()
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
