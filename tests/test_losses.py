@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from topp_rl.losses import (
     CISPOLoss,
@@ -355,3 +357,30 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="not contiguous"):
         GSPOLoss()(bad)
     assert math.isfinite(GRPOLoss()(inputs_of(batch, lp=batch["logprobs"]))[0].item())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=2, max_size=7),
+    cuts=st.sets(st.integers(1, 6), max_size=3),
+    which=st.integers(0, len(LOSSES) - 1),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 10**6),
+)
+def test_any_split_at_sample_boundaries_equals_the_full_batch(lengths, cuts, which, mode, seed):
+    batch = make_batch(seed, lengths=lengths, spread=0.3)
+    fn = LOSSES[which](mode)
+    n_tok, n_seq = float(batch["loss_mask"].sum()), len(lengths)
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    full, _ = fn(inputs_of(batch, lp=lp, n_seq=n_seq))
+    (grad_full,) = torch.autograd.grad(full, lp)
+    ends = torch.cumsum(torch.tensor(lengths), 0).tolist()
+    bounds = [0] + [ends[c - 1] for c in sorted(cuts) if c < len(lengths)] + [ends[-1]]
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    parts = [
+        fn(inputs_of(batch, lp=lp, lo=lo, hi=hi, n_tok=n_tok, n_seq=n_seq))[0]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    (grad_parts,) = torch.autograd.grad(sum(parts), lp)
+    torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_parts, grad_full, rtol=1e-12, atol=1e-12)
