@@ -1,0 +1,226 @@
+"""Packing, advantages and RolloutDataModule (real EmbeddedEngine, tiny model, real Lightning Trainer)."""
+
+import lightning as L
+import pytest
+import torch
+
+from topp_rl.models import build_char_tokenizer, build_tiny_model
+from topp_rl.ops import Candidates
+from topp_rl.rollout import RolloutDataModule, Sample, SampleStatus, SamplingParams, get_task
+from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, RLOOAdvantage, make_advantage
+from topp_rl.rollout.datamodule import RolloutTicket
+from topp_rl.rollout.embedded import EmbeddedEngine
+from topp_rl.rollout.packing import RolloutBatch, pack_samples, plan_micro_batches
+
+TOK = build_char_tokenizer()
+
+
+def _sample(prompt, response, *, cands=None, reward=0.0, group=0, index=0, tool=None):
+    s = Sample(prompt_ids=prompt, reward=reward, group_index=group, index=index)
+    s.append_response_tokens(
+        response, [-0.5] * len(response), Candidates.from_lists(cands) if cands else None
+    )
+    if tool:
+        s.append_response_tokens(tool, trainable=False)
+    return s
+
+
+def test_pack_layout_and_candidates():
+    a = _sample([1, 2], [5, 6], cands=[[5, 7], [6]], reward=1.0, index=0)
+    b = _sample([1], [8], reward=0.0, group=1, index=1)  # no candidate data
+    c = _sample([3, 4, 4], [9], cands=[[9, 1]], tool=[10, 11], reward=0.5, group=1, index=2)
+    (mb,) = pack_samples([a, b, c], [0.5, -1.0, 2.0], max_tokens=100)
+    assert mb.tokens.tolist() == [1, 2, 5, 6, 1, 8, 3, 4, 4, 9, 10, 11]
+    assert mb.cu_seqlens.tolist() == [0, 4, 6, 12] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.seq_lengths.tolist() == [4, 2, 6] and mb.response_lengths.tolist() == [2, 1, 3]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5]
+    assert mb.response_tokens.tolist() == [5, 6, 8, 9, 10, 11]
+    assert mb.loss_mask.tolist() == [1, 1, 1, 1, 0, 0]
+    assert mb.advantages.tolist() == [0.5, 0.5, -1.0, 2.0, 2.0, 2.0]
+    assert mb.rollout_log_probs.tolist() == [-0.5, -0.5, -0.5, -0.5, 0.0, 0.0]
+    assert mb.candidates.to_lists() == [[5, 7], [6], [], [9, 1], [], []]
+    assert mb.rewards.tolist() == [1.0, 0.0, 0.5] and mb.group_index.tolist() == [0, 1, 1]
+    assert mb.sample_index.tolist() == [0, 1, 2]
+    assert mb.num_loss_tokens_global == 4.0 and mb.num_sequences_global == 3
+    assert pack_samples([b], [0.0], max_tokens=10)[0].candidates is None
+
+
+def test_pack_blanks_sets_on_non_trainable_tokens():
+    s = Sample(
+        prompt_ids=[1],
+        response_ids=[4, 5],
+        loss_mask=[1, 0],
+        rollout_log_probs=[-1.0, 0.0],
+        candidates=Candidates.from_lists([[4, 3], [5, 6]]),
+    )
+    (mb,) = pack_samples([s], [1.0], max_tokens=10)
+    assert mb.candidates.to_lists() == [[4, 3], []]
+
+
+def test_budget_plan_is_greedy_in_order_and_never_splits():
+    assert plan_micro_batches([3, 4, 2, 5, 1], max_tokens=7) == [[0, 1], [2, 3], [4]]
+    assert plan_micro_batches([7, 7], max_tokens=7) == [[0], [1]]
+    with pytest.raises(ValueError, match=r"sample 1 has 9 tokens .* max_tokens=8; .* at least 9"):
+        plan_micro_batches([2, 9], max_tokens=8)
+    samples = [_sample([1] * 3, [2] * (i + 1), index=i) for i in range(5)]
+    micro = pack_samples(
+        samples, [0.0] * 5, max_tokens=9, num_loss_tokens_global=40.0, num_sequences_global=9
+    )
+    assert [mb.sample_index.tolist() for mb in micro] == [[0, 1], [2], [3], [4]]
+    assert all(mb.num_loss_tokens_global == 40.0 and mb.num_sequences_global == 9 for mb in micro)
+
+
+def test_advantages():
+    r = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 3.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 5])
+    grp = GroupAdvantage(normalize_std=True, eps=0.0)(r, g)
+    ref0 = (r[:3] - r[:3].mean()) / r[:3].std()
+    torch.testing.assert_close(grp[:3], ref0)
+    assert grp[3:].tolist() == [0.0, 0.0, 0.0]  # zero variance and a group of one -> 0
+    dr = GroupAdvantage(normalize_std=False)(r, g)
+    torch.testing.assert_close(dr[:3], r[:3] - 0.5)
+    loo = RLOOAdvantage()(r, g)
+    torch.testing.assert_close(loo[:3], torch.tensor([1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5]))
+    assert loo[5] == 0.0
+    batch = BatchAdvantage(eps=0.0)(r, g)
+    torch.testing.assert_close(batch, (r - r.mean()) / r.std())
+    doubled = BatchAdvantage(eps=0.0)(r, g, reduce=lambda t: 2 * t)  # two DP ranks holding the same data
+    torch.testing.assert_close(doubled, (r - r.mean()) / (r.std() * (10 / 11) ** 0.5))  # n=12 pooled
+    assert make_advantage({"mode": "group", "normalize_std": False}) == GroupAdvantage(normalize_std=False)
+    assert make_advantage({"mode": "rloo", "normalize_std": True}) == RLOOAdvantage()
+    with pytest.raises(ValueError, match="advantage mode 'ppo' is not one of"):
+        make_advantage("ppo")
+
+
+def _datamodule(engine, *, prompts=4, n=4, seed=0, **kwargs):
+    return RolloutDataModule(
+        engine=engine,
+        task=get_task("copy_digit"),
+        tokenizer=TOK,
+        params=SamplingParams(top_p=0.9, max_new_tokens=3, n=n),
+        prompts_per_step=prompts,
+        max_tokens_per_micro_batch=24,
+        seed=seed,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = build_tiny_model(tokenizer=TOK, seed=0, initializer_range=0.2)
+    return EmbeddedEngine(model, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id, progress=False)
+
+
+def test_rollout_step(engine):
+    dm = _datamodule(engine, advantage={"mode": "group", "normalize_std": False})
+    ticket = dm.ticket(0)
+    batch = dm.on_before_batch_transfer(ticket, 0)
+    assert isinstance(batch, RolloutBatch) and batch.step == 0 and dm.step == 1
+    assert len(batch.samples) == 16 and [s.index for s in batch.samples] == list(range(16))
+    assert [s.group_index for s in batch.samples] == [g for g in range(4) for _ in range(4)]
+    rewards = torch.tensor([s.reward for s in batch.samples])
+    assert set(rewards.tolist()) <= {0.0, 0.2, 1.0}
+    for rec, group in zip(ticket.records, rewards.view(4, 4), strict=True):
+        assert rec.prompt_ids == [TOK.bos_token_id, *TOK.encode(rec.text, add_special_tokens=False)]
+    # Micro-batches cover every sample once, in order, within the budget; advantages are reward - group mean.
+    order = torch.cat([mb.sample_index for mb in batch.micro_batches]).tolist()
+    assert order == list(range(16)) and all(int(mb.seq_lengths.sum()) <= 24 for mb in batch.micro_batches)
+    adv = torch.cat([mb.advantages[torch.cumsum(mb.response_lengths, 0) - 1] for mb in batch.micro_batches])
+    torch.testing.assert_close(adv, (rewards - rewards.view(4, 4).mean(1).repeat_interleave(4)).float())
+    total = sum(sum(s.loss_mask) for s in batch.samples)
+    assert all(
+        mb.num_loss_tokens_global == total and mb.num_sequences_global == 16 for mb in batch.micro_batches
+    )
+    cands = Candidates.concat([mb.candidates for mb in batch.micro_batches])
+    assert cands.to_lists() == Candidates.concat([s.candidates for s in batch.samples]).to_lists()
+    assert batch.stats["rollout/dropped_group_frac"] == (0.0, 4.0)
+
+
+def test_drop_zero_variance_groups(engine):
+    dm = _datamodule(engine, prompts=8, n=2, drop_zero_variance_groups=True)
+    batch = dm.rollout(dm.ticket(3))
+    by_group = {}
+    for s in batch.samples:
+        by_group.setdefault(s.group_index, []).append(s.reward)
+    flat = [g for g, r in by_group.items() if len(set(r)) == 1]
+    trained = {int(g) for mb in batch.micro_batches for g in mb.group_index}
+    assert flat and trained == set(by_group) - set(flat)
+    assert batch.stats["rollout/dropped_group_frac"] == (float(len(flat)), 8.0)
+
+
+def test_dp_ranks_get_disjoint_slices(engine):
+    whole = _datamodule(engine, prompts=4)
+    ranks = [_datamodule(engine, prompts=4, dp_rank=r, dp_size=2) for r in range(2)]
+    texts = [r.text for dm in ranks for r in dm.ticket(5).records]
+    assert texts == [r.text for r in whole.ticket(5).records]
+    assert ranks[0].ticket(5).seed != ranks[1].ticket(5).seed
+    batch = ranks[1].rollout(ranks[1].ticket(5))
+    assert [s.group_index for s in batch.samples[::4]] == [2, 3] and batch.samples[0].index == 8
+    with pytest.raises(
+        ValueError, match=r"prompts_per_step \(4\) is not divisible by the data-parallel size \(3\)"
+    ):
+        _datamodule(engine, prompts=4, dp_rank=0, dp_size=3).ticket(0)
+
+
+def test_aborted_samples_are_not_trained(engine):
+    class Aborting:
+        vocab_size = engine.vocab_size
+
+        def generate(self, prompts, params, *, seed=None):
+            samples = engine.generate(prompts, params, seed=seed)
+            samples[1] = Sample(
+                prompt_ids=samples[1].prompt_ids,
+                status=SampleStatus.ABORTED,
+                group_index=samples[1].group_index,
+                index=1,
+            )
+            return samples
+
+    dm = _datamodule(Aborting(), prompts=2, n=2)
+    batch = dm.rollout(dm.ticket(0))
+    assert batch.samples[1].status == "aborted" and batch.samples[1].reward is None
+    assert torch.cat([mb.sample_index for mb in batch.micro_batches]).tolist() == [0, 2, 3]
+
+
+class _Recorder(L.LightningModule):
+    """Records what training_step receives (the real PolicyModule is tested elsewhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[RolloutBatch] = []
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch)
+        return (self.w * 0).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(dm, steps, ckpt=None):
+    module = _Recorder()
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+    return trainer, module.seen
+
+
+def test_trainer_resume_continues_identically(engine, tmp_path):
+    trainer, first = _fit(_datamodule(engine), 2)
+    assert all(isinstance(b, RolloutBatch) for b in first) and [b.step for b in first] == [0, 1]
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    _, resumed = _fit(_datamodule(engine), 4, ckpt=str(ckpt))
+    _, straight = _fit(_datamodule(engine), 4)
+    assert [b.step for b in resumed] == [2, 3]
+    for a, b in zip(resumed, straight[2:], strict=True):
+        assert [s.tokens for s in a.samples] == [s.tokens for s in b.samples]
+        assert [s.rollout_log_probs for s in a.samples] == [s.rollout_log_probs for s in b.samples]
+    assert isinstance(_datamodule(engine).ticket(0), RolloutTicket)

@@ -1,0 +1,150 @@
+"""Tasks: deterministic prompts, exact rewards, JSONL + import-path reward functions, error messages."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from topp_rl.models import build_char_tokenizer
+from topp_rl.rollout import Sample, get_task, register_task
+from topp_rl.rollout.tasks import _TASKS, ArithmeticTask, RewardError, Task
+
+TOK = build_char_tokenizer()
+
+
+def _sample(group: int, text: str, index: int = 0) -> Sample:
+    ids = TOK.encode(text, add_special_tokens=False) + [TOK.eos_token_id]
+    s = Sample(prompt_ids=[1], group_index=group, index=index)
+    s.append_response_tokens(ids, [0.0] * len(ids))
+    return s
+
+
+def test_arithmetic_prompts_are_seeded_and_rewards_exact():
+    task = get_task("arithmetic", digits=2, ops="+-*", seed=3)
+    records = [task.prompt(i, TOK) for i in range(50)]
+    again = [get_task("arithmetic", digits=2, ops="+-*", seed=3).prompt(i, TOK) for i in range(50)]
+    assert [r.text for r in records] == [r.text for r in again]
+    assert [r.text for r in records] != [
+        get_task("arithmetic", seed=4).prompt(i, TOK).text for i in range(50)
+    ]
+    for r in records:
+        a, op, b = r.data["a"], r.data["op"], r.data["b"]
+        assert r.text == f"{a}{op}{b}=" and 0 <= a < 100 and 0 <= b < 100
+        assert int(r.answer) == {"+": a + b, "-": a - b, "*": a * b}[op]
+        assert r.prompt_ids == [TOK.bos_token_id, *TOK.encode(r.text, add_special_tokens=False)]
+    assert {r.data["op"] for r in records} == {"+", "-", "*"}
+    rec = records[0]
+    wrong = str(int(rec.answer) + 1)
+    samples = [_sample(0, rec.answer), _sample(0, f" {rec.answer}x"), _sample(0, wrong), _sample(0, "abc")]
+    assert task.score(samples, [rec], TOK) == [1.0, 1.0, 0.0, 0.0]
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_arithmetic_mod_and_partial_credit():
+    task = ArithmeticTask(digits=1, ops="+", mod=10, partial_credit=0.1)
+    rec = task.prompt(0, TOK)
+    assert len(rec.answer) == 1 and int(rec.answer) == (rec.data["a"] + rec.data["b"]) % 10
+    other = str((int(rec.answer) + 1) % 10)
+    assert task.score([_sample(0, rec.answer), _sample(0, other), _sample(0, "+")], [rec], TOK) == [
+        1.0,
+        0.1,
+        0.0,
+    ]
+
+
+def test_copy_digit_partial_credit():
+    task = get_task("copy_digit", digit_credit=0.25)
+    rec = task.prompt(5, TOK)
+    assert rec.text == f"{rec.answer}:" and rec.answer.isdigit()
+    other = str((int(rec.answer) + 3) % 10)
+    scored = task.score(
+        [_sample(0, rec.answer + "1"), _sample(0, other), _sample(0, "a" + rec.answer)], [rec], TOK
+    )
+    assert scored == [1.0, 0.25, 0.0]
+    assert len({get_task("copy_digit").prompt(i, TOK).answer for i in range(100)}) == 10
+
+
+def test_jsonl_task_reward_by_import_path(tmp_path, monkeypatch):
+    module = tmp_path / "my_rewards.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            def exact(response, record):
+                return float(response.strip() == record["answer"])
+
+            def broken(response, record):
+                return 1 / 0
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(5)) + "\n")
+    task = get_task("jsonl", path=data, reward_fn="my_rewards:exact", seed=1)
+    first_pass = [task.example(i)[0] for i in range(5)]
+    assert sorted(first_pass) == [f"q{i}" for i in range(5)]  # one full pass visits every record once
+    assert first_pass != [task.example(i)[0] for i in range(5, 10)]  # the next pass is reshuffled
+    rec = task.prompt(0, TOK)
+    assert task.score([_sample(0, rec.answer, 0), _sample(0, "9", 1)], [rec], TOK) == [1.0, 0.0]
+    broken = get_task("jsonl", path=data, reward_fn="my_rewards:broken")
+    with pytest.raises(
+        RewardError, match=r"reward function my_rewards:broken raised on sample 7 .*ZeroDivisionError"
+    ):
+        broken.score([_sample(0, "1", index=7)], [broken.prompt(0, TOK)], TOK)
+    sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"reward_fn": "no_colon"}, "must look like 'package.module:function'"),
+        ({"reward_fn": "json:nope"}, "cannot be imported"),
+        ({"reward_fn": "json:__doc__"}, "not a function"),
+    ],
+)
+def test_jsonl_bad_reward_fn(tmp_path, kwargs, message):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match=message):
+        get_task("jsonl", path=data, **kwargs)
+
+
+def test_jsonl_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        get_task("jsonl", path=tmp_path / "missing.jsonl", reward_fn="json:loads")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"question": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 has no 'prompt' field"):
+        get_task("jsonl", path=bad, reward_fn="json:loads")
+
+
+def test_registry():
+    with pytest.raises(
+        ValueError, match=r"unknown task 'nope'; registered: \['arithmetic', 'copy_digit', 'jsonl'"
+    ):
+        get_task("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("arithmetic")(ArithmeticTask)
+
+    class Const(Task):
+        def example(self, index):
+            return "x", None, {}
+
+        def reward(self, response, record):
+            return float("nan")
+
+    register_task("const_for_test")(Const)
+    try:
+        task = get_task("const_for_test")
+        with pytest.raises(RewardError, match="rewards must be finite"):
+            task.score([_sample(0, "1")], [task.prompt(0, TOK)], TOK)
+    finally:
+        _TASKS.pop("const_for_test")
+
+
+def test_nonfinite_and_bad_options():
+    with pytest.raises(ValueError, match=r"ops \('/'\) must be"):
+        ArithmeticTask(ops="/")
+    with pytest.raises(ValueError, match=r"digits \(0\) must be >= 1"):
+        ArithmeticTask(digits=0)

@@ -1,0 +1,122 @@
+"""Advantage estimators: one scalar per sample from its reward and prompt group (small strategy objects).
+
+- `GroupAdvantage` (GRPO; Dr. GRPO with `normalize_std=False`): r - mean(group), optionally / (std(group) + eps),
+  std with Bessel's correction as in the GRPO reference implementations; a group of one gets 0.
+- `RLOOAdvantage`: r_i - mean of the other samples of its group (leave-one-out baseline).
+- `BatchAdvantage` (REINFORCE++): r - mean(batch), optionally / (std(batch) + eps); the batch statistics span
+  every DP rank through `reduce` (a sum over ranks).
+- `NoBaseline`: the raw reward.
+`make_advantage(mode=..., normalize_std=...)` builds one from config (`algo.advantage`).
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class AdvantageEstimator(Protocol):
+    def __call__(
+        self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
+    ) -> torch.Tensor:
+        """rewards float [N], groups int64 [N] -> advantages float32 [N]."""
+        ...
+
+
+def _group_stats(
+    rewards: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean, group sum of squared deviations)."""
+    _, inverse = torch.unique(groups, return_inverse=True)
+    k = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inverse, torch.ones_like(rewards))
+    mean = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inverse, rewards) / count
+    dev = rewards - mean[inverse]
+    ss = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inverse, dev * dev)
+    return count[inverse], mean[inverse], ss[inverse]
+
+
+@dataclass(frozen=True)
+class GroupAdvantage:
+    normalize_std: bool = True
+    eps: float = 1e-6
+
+    def __call__(
+        self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
+    ) -> torch.Tensor:
+        r = rewards.double()
+        count, mean, ss = _group_stats(r, groups)
+        adv = r - mean
+        if self.normalize_std:
+            std = (ss / (count - 1).clamp(min=1)).sqrt()
+            adv = torch.where(std > 0, adv / (std + self.eps), torch.zeros_like(adv))  # constant group -> 0
+        return adv.float()
+
+
+@dataclass(frozen=True)
+class RLOOAdvantage:
+    def __call__(
+        self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
+    ) -> torch.Tensor:
+        r = rewards.double()
+        count, mean, _ = _group_stats(r, groups)
+        # r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); a group of one has no baseline: 0.
+        scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+        return (scale * (r - mean)).float()
+
+
+@dataclass(frozen=True)
+class BatchAdvantage:
+    normalize_std: bool = True
+    eps: float = 1e-6
+
+    def __call__(
+        self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
+    ) -> torch.Tensor:
+        r = rewards.double()
+        totals = reduce(torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=r.dtype)]))
+        n = totals[2].clamp(min=1)
+        mean = totals[0] / n
+        adv = r - mean
+        if self.normalize_std:
+            std = ((totals[1] / n - mean * mean).clamp(min=0) * n / (n - 1).clamp(min=1)).sqrt()
+            adv = adv / (std + self.eps) if std > 0 else torch.zeros_like(adv)
+        return adv.float()
+
+
+@dataclass(frozen=True)
+class NoBaseline:
+    def __call__(
+        self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
+    ) -> torch.Tensor:
+        return rewards.float()
+
+
+_MODES = {"group": GroupAdvantage, "rloo": RLOOAdvantage, "batch": BatchAdvantage, "none": NoBaseline}
+
+
+def make_advantage(spec: AdvantageEstimator | Mapping[str, Any] | str | None = None) -> AdvantageEstimator:
+    """An estimator from an instance, a mode name, or a mapping {"mode": ..., other fields}."""
+    if spec is None:
+        return GroupAdvantage()
+    if isinstance(spec, str):
+        spec = {"mode": spec}
+    if not isinstance(spec, Mapping):
+        return spec
+    options = dict(spec)
+    mode = options.pop("mode", "group")
+    if mode not in _MODES:
+        raise ValueError(f"advantage mode {mode!r} is not one of {sorted(_MODES)}")
+    if mode in ("rloo", "none"):
+        options.pop("normalize_std", None)  # these have no std normalisation; accept the shared config key
+    try:
+        return _MODES[mode](**options)
+    except TypeError as err:
+        raise ValueError(f"advantage mode {mode!r} got unexpected options {sorted(options)}: {err}") from None

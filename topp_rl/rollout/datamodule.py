@@ -1,0 +1,208 @@
+"""`RolloutDataModule`: rollout steps as Lightning batches, generated on-policy right before `training_step`.
+
+Lightning fetches one batch ahead, so the dataloader yields only cheap `RolloutTicket`s (step index, this DP
+rank's prompt records, a generation seed). `on_before_batch_transfer` - called for the current batch after the
+previous step's weights reached the engine (`WeightSync`) - generates, scores, computes advantages, optionally
+drops zero-variance groups and packs a `RolloutBatch`.
+
+Data parallel: `prompts_per_step` counts prompts per step over ALL DP ranks; DP rank r takes the r-th slice
+of each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P)). The DP rank and
+size default to the trainer's global rank and world size; pass `dp_rank` / `dp_size` when tensor- or
+context-parallel ranks share data (ranks with the same DP rank then generate the same samples, same seed).
+The loss denominators (`num_loss_tokens_global`, `num_sequences_global`) are summed over DP ranks.
+
+State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
+(seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
+`RolloutBatch.samples` (for stats) but never trained on.
+"""
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from topp_rl.rollout.advantages import AdvantageEstimator, make_advantage
+from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.packing import RolloutBatch, pack_samples
+from topp_rl.rollout.params import SamplingParams
+from topp_rl.rollout.sample import Sample, SampleStatus
+from topp_rl.rollout.tasks import PromptRecord, Task
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutTicket:
+    step: int
+    records: list[PromptRecord]  # this DP rank's prompts
+    first_group: int  # global index of records[0] within the step
+    seed: int  # generation seed of this (step, DP rank)
+
+
+class _TicketStream(IterableDataset):
+    def __init__(self, datamodule: "RolloutDataModule") -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[RolloutTicket]:
+        step = self.datamodule.step  # read when iteration starts: after a checkpoint restore
+        while True:
+            yield self.datamodule.ticket(step)
+            step += 1
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        *,
+        engine: RolloutEngine | None,
+        task: Task,
+        tokenizer: Any,
+        params: SamplingParams,
+        prompts_per_step: int,
+        max_tokens_per_micro_batch: int = 2048,
+        advantage: AdvantageEstimator | Mapping[str, Any] | str | None = None,
+        drop_zero_variance_groups: bool = False,
+        seed: int = 0,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step ({prompts_per_step}) must be >= 1")
+        if max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch ({max_tokens_per_micro_batch}) must be >= 1")
+        self.engine, self.task, self.tokenizer, self.params = engine, task, tokenizer, params
+        self.prompts_per_step = prompts_per_step
+        self.max_tokens = max_tokens_per_micro_batch
+        self.advantage = make_advantage(advantage)
+        self.drop_zero_variance_groups = drop_zero_variance_groups
+        self.seed = seed
+        self._dp = (dp_rank, dp_size)
+        self.step = 0  # next rollout step to generate
+
+    # ----- data parallel layout -----
+    @property
+    def dp_size(self) -> int:
+        if self._dp[1] is not None:
+            return self._dp[1]
+        return self.trainer.world_size if self._trainer_attached() else 1
+
+    @property
+    def dp_rank(self) -> int:
+        if self._dp[0] is not None:
+            return self._dp[0]
+        return self.trainer.global_rank if self._trainer_attached() else 0
+
+    def _trainer_attached(self) -> bool:
+        return getattr(self, "trainer", None) is not None
+
+    def _local_prompts(self) -> int:
+        if self.prompts_per_step % self.dp_size:
+            raise ValueError(
+                f"prompts_per_step ({self.prompts_per_step}) is not divisible by the data-parallel size "
+                f"({self.dp_size}); make it a multiple so every DP rank gets the same number of prompts"
+            )
+        return self.prompts_per_step // self.dp_size
+
+    # ----- tickets -----
+    def ticket(self, step: int) -> RolloutTicket:
+        local = self._local_prompts()
+        first = self.dp_rank * local
+        start = step * self.prompts_per_step + first
+        records = [self.task.prompt(start + i, self.tokenizer) for i in range(local)]
+        seed = int(np.random.SeedSequence([self.seed, step, self.dp_rank]).generate_state(1)[0])
+        return RolloutTicket(step=step, records=records, first_group=first, seed=seed)
+
+    def train_dataloader(self) -> DataLoader:
+        self._local_prompts()  # fail at start on a bad split
+        return DataLoader(_TicketStream(self), batch_size=None, num_workers=0)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.rollout(batch) if isinstance(batch, RolloutTicket) else batch
+
+    # ----- one rollout step -----
+    def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
+        if self.engine is None:
+            raise ValueError(
+                "RolloutDataModule.engine is None; pass the rollout engine that generates samples"
+            )
+        start = time.perf_counter()
+        samples = self.engine.generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
+        gen_seconds = time.perf_counter() - start
+        if len(samples) != len(ticket.records) * self.params.n:
+            raise ValueError(
+                f"engine returned {len(samples)} samples for {len(ticket.records)} prompts x n={self.params.n}; "
+                "a RolloutEngine returns n samples per prompt, prompt-major"
+            )
+        for i, s in enumerate(samples):  # step-global numbering across DP ranks
+            s.index = ticket.first_group * self.params.n + i
+        live = [s for s in samples if s.status != SampleStatus.ABORTED]
+        self.task.score(live, ticket.records, self.tokenizer)
+        for s in samples:
+            s.group_index += ticket.first_group
+        train, dropped, groups = self._trainable(live)
+        rewards = torch.tensor([float(s.reward) for s in train], dtype=torch.float64)
+        group_ids = torch.tensor([s.group_index for s in train], dtype=torch.long)
+        adv = self.advantage(rewards, group_ids, reduce=self._dp_sum)
+        totals = self._dp_sum(
+            torch.tensor(
+                [float(sum(sum(s.loss_mask) for s in train)), float(len(train))], dtype=torch.float64
+            )
+        )
+        micro = pack_samples(
+            train,
+            adv,
+            max_tokens=self.max_tokens,
+            num_loss_tokens_global=float(totals[0]),
+            num_sequences_global=int(totals[1]),
+        )
+        self.step = ticket.step + 1
+        stats = {
+            "rollout/gen_seconds": (gen_seconds, 1.0),
+            "rollout/gen_tokens_per_s": (
+                sum(s.response_length for s in samples) / max(gen_seconds, 1e-9),
+                1.0,
+            ),
+            "rollout/dropped_group_frac": (float(dropped), float(groups)),
+            "rollout/num_micro_batches": (float(len(micro)), 1.0),
+        }
+        return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
+
+    def _trainable(self, live: list[Sample]) -> tuple[list[Sample], int, int]:
+        """(samples to train on, dropped groups, groups); never drops everything (ranks stay in lockstep)."""
+        by_group: dict[int, list[Sample]] = {}
+        for s in live:
+            by_group.setdefault(s.group_index, []).append(s)
+        if not self.drop_zero_variance_groups:
+            return live, 0, len(by_group)
+        keep = [g for g, ss in by_group.items() if len(ss) < 2 or len({s.reward for s in ss}) > 1]
+        if not keep:  # no group carries signal: train on all (advantages are zero) rather than on nothing
+            return live, 0, len(by_group)
+        kept = [s for g in keep for s in by_group[g]]
+        kept.sort(key=lambda s: s.index)
+        return kept, len(by_group) - len(keep), len(by_group)
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over DP ranks (ranks that share a DP rank hold the same data: divide their copies out)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return t
+        out = t.clone()
+        dist.all_reduce(out)
+        return out / (dist.get_world_size() // self.dp_size)
+
+    # ----- checkpoint state -----
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("prompts_per_step", self.prompts_per_step) != self.prompts_per_step:
+            raise ValueError(
+                f"checkpoint was written with prompts_per_step={state['prompts_per_step']}, this run has "
+                f"{self.prompts_per_step}; resume with the same value so the data position means the same prompts"
+            )
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
