@@ -1,6 +1,7 @@
 """`WeightSync`: push the policy's weights to the rollout engine after every optimisation round.
 
-The engine is `trainer.datamodule.engine` (ranks whose datamodule holds no engine, `None`, skip). Tensors go
+The engine is `trainer.datamodule.engine`; ranks whose datamodule holds none (`None`) still run the export,
+which may be collective, and drop the tensors. Tensors go
 out under their HF names, detached but neither copied nor cast (the engine decides its dtype), as a lazy
 iterator so no second copy of the model is built. A module that stores the policy in another layout (Megatron)
 provides `hf_named_tensors()`; otherwise `pl_module.policy.named_parameters()` (an HF model) is used. Weights are
@@ -38,10 +39,15 @@ class WeightSync(Callback):
 
     def push(self, trainer, pl_module) -> None:
         engine = self.engine(trainer)
-        if engine is None:
-            return
         with torch.no_grad():
-            engine.update_weights(hf_named_tensors(pl_module))
+            named = hf_named_tensors(pl_module)
+            if engine is None:
+                # Exporting can be collective (Megatron all-gathers TP shards layer by layer): ranks without an
+                # engine still walk the export so the ranks with one do not hang.
+                for _ in named:
+                    pass
+                return
+            engine.update_weights(named)
         self.pushes += 1
 
     def on_train_start(self, trainer, pl_module) -> None:

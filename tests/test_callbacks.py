@@ -351,3 +351,35 @@ def test_counts_file_name_matches_the_report():
     from topp_rl.report import COUNTS_FILE as REPORT_COUNTS_FILE
 
     assert COUNTS_FILE == REPORT_COUNTS_FILE
+
+
+class CountingExport(TinyPolicy):
+    """A module with its own HF export (like the Megatron adapter) that counts the tensors consumed."""
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy)
+        self.exported = 0
+
+    def hf_named_tensors(self):
+        for name, param in self.policy.named_parameters():
+            self.exported += 1
+            yield name, param.detach()
+
+
+def test_weight_sync_walks_the_export_on_ranks_without_an_engine(tmp_path):
+    from topp_rl.models import build_tiny_model
+
+    module = CountingExport(build_tiny_model())
+    sync = WeightSync()
+    L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        callbacks=[sync],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(module, datamodule=EngineDataModule(None))
+    assert sync.pushes == 0
+    assert module.exported == (STEPS + 1) * len(list(module.policy.parameters()))
