@@ -1,0 +1,248 @@
+"""`SGLangEngine` against a real SGLang 0.5.23 server on CPU (its own venv, built by scripts/setup_sglang.sh).
+
+One server for the module (patched with patches/sglang, float32). The unpatched wire path is the same server
+answering without the patch's request flag (the nested JSON lists then come from SGLang's own, untouched code).
+SGLang's CPU backend cannot sample deterministically (no seeds), so both wire paths are checked against the same
+reference instead of against each other: the same weights in HF transformers, float32, run on prompt + response,
+with `topp_rl.ops.sampling_candidates` (SGLang's rule) on its logits.
+"""
+
+import copy
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from topp_rl.models import build_tiny_model, save_model
+from topp_rl.ops import sampling_candidates
+from topp_rl.rollout import SampleStatus, SamplingParams
+from topp_rl.rollout.sglang_server import _group_alive, free_port, sglang_python
+
+pytestmark = pytest.mark.sglang
+if sglang_python() is None:
+    pytest.skip(
+        "the SGLang venv is not built (run scripts/setup_sglang.sh, or set TOPP_RL_SGLANG_PYTHON)",
+        allow_module_level=True,
+    )
+
+from topp_rl.rollout.sglang import SGLangEngine, SGLangRequestError  # noqa: E402
+
+VOCAB = 512
+TOL = 1e-4  # float32 forward in two engines (SGLang torch_native vs HF eager)
+PROMPTS = [[1, 5, 9, 14, 20], [1, 33, 7], [1, 60, 61, 62, 63, 64, 65, 66]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # initializer_range 0.4 makes the random logits peaked enough that top-p sets are small and varied.
+    return build_tiny_model("qwen2", vocab_size=VOCAB, hidden=64, layers=2, tie_embeddings=False,
+                            max_positions=4096, initializer_range=0.4, seed=3)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(model, tmp_path_factory) -> Path:
+    return save_model(model, None, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = SGLangEngine(
+        model_path=model_dir,
+        progress=False,
+        server_kwargs={"max_total_tokens": 16384},
+    )
+    yield eng
+    eng.close()
+
+
+def _hf_logits(model, sample) -> torch.Tensor:
+    """Logits [R, V] that produced each response token (float32, HF eager)."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    p = len(sample.prompt_ids)
+    return logits[p - 1 : p - 1 + sample.response_length]
+
+
+def _boundary_explained(probs_row: torch.Tensor, diff: set[int], top_p: float) -> bool:
+    """True when every id in the symmetric difference sits where float32 rounding can flip SGLang's top-p rule
+    (its mass-before is within TOL of top_p)."""
+    order = torch.sort(probs_row, descending=True, stable=True).indices
+    before = torch.cumsum(probs_row[order], 0) - probs_row[order]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return all(abs(float(before[rank[i]]) - top_p) < TOL for i in diff)
+
+
+def test_patched_server_detected(engine):
+    assert engine.patched, "the setup script applies patches/sglang; the probe must see candidate_ids_b64"
+    params = SamplingParams(temperature=0.9, top_p=0.8, top_k=40, max_new_tokens=4)
+    body = engine._payload(PROMPTS[0], params, top_k=40, wants_mask=True, seed=None, index=0)
+    compact = requests.post(f"{engine.urls[0]}/generate", json=body, timeout=60).json()["meta_info"]
+    # The compact arrays come from the server (not a client-side re-encoding), one row per output token.
+    assert "candidate_ids_b64" in compact and "output_token_sampling_mask" not in compact
+    assert compact["output_token_sampling_mask_length"] == 4
+    body.pop("return_sampling_mask_b64")
+    nested = requests.post(f"{engine.urls[0]}/generate", json=body, timeout=60).json()["meta_info"]
+    assert "candidate_ids_b64" not in nested and len(nested["output_token_sampling_mask"]) == 4
+
+
+@pytest.fixture(params=["b64", "nested"])
+def wire(request, engine):
+    """Run a test on the compact (patched) and on SGLang's nested-list wire path of the same server."""
+    engine.patched = request.param == "b64"
+    yield request.param
+    engine.patched = True
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=0.7, top_k=0, max_new_tokens=8, n=3),
+        SamplingParams(temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=8, n=2),
+        SamplingParams(temperature=1.3, top_p=1.0, top_k=0, min_p=0.05, max_new_tokens=8, n=2),
+    ],
+    ids=["top_p", "top_p+top_k", "min_p"],
+)
+def test_candidates_and_log_probs_match_hf_recomputation(engine, model, params, wire):
+    samples = engine.generate(PROMPTS, params, seed=11)
+    assert [s.group_index for s in samples] == [g for g in range(len(PROMPTS)) for _ in range(params.n)]
+    sizes, checked = [], 0
+    for s in samples:
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.response_length > 0
+        logits = _hf_logits(model, s)
+        ref = sampling_candidates(logits, temperature=params.temperature, top_p=params.top_p,
+                                  top_k=params.top_k, min_p=params.min_p)  # fmt: skip
+        scaled = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = scaled.exp()
+        for i, tok in enumerate(s.response_ids):
+            got = set(s.candidates.ids[s.candidates.offsets[i] : s.candidates.offsets[i + 1]].tolist())
+            want = set(ref.ids[ref.offsets[i] : ref.offsets[i + 1]].tolist())
+            assert tok in got, f"sampled token {tok} missing from its recorded set"
+            if got != want:
+                assert _boundary_explained(probs[i], got ^ want, params.top_p), (
+                    f"sample {s.index} token {i}: SGLang kept {sorted(got)[:20]}..., "
+                    f"sampling_candidates kept {sorted(want)[:20]}..."
+                )
+            kept = torch.tensor(sorted(got))
+            renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)
+            assert abs(float(renorm) - s.rollout_log_probs[i]) <= TOL
+            assert abs(float(scaled[i, tok]) - s.rollout_raw_log_probs[i]) <= TOL
+            sizes.append(len(got))
+            checked += 1
+    assert checked >= 20 and min(sizes) >= 1
+    assert len(set(sizes)) > 1, "the test model should produce candidate sets of varied sizes"
+
+
+def test_untruncated_request_records_no_candidates(engine, model):
+    (s,) = engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=5), seed=3)
+    assert s.candidates is None  # the whole vocabulary: unrestricted
+    scaled = torch.log_softmax(_hf_logits(model, s), dim=-1)
+    want = scaled[torch.arange(s.response_length), torch.tensor(s.response_ids)]
+    assert torch.allclose(torch.tensor(s.rollout_log_probs), want, atol=TOL)
+    assert s.rollout_log_probs == s.rollout_raw_log_probs
+
+
+def test_stop_token_and_length_status(engine):
+    stops = tuple(range(0, VOCAB, 2))  # even ids stop: about half the mass at every step
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=4, stop_token_ids=stops)
+    samples = engine.generate(PROMPTS, params)
+    for s in samples:
+        hits = [i for i, t in enumerate(s.response_ids) if t in stops]
+        if s.status is SampleStatus.COMPLETED:
+            assert hits == [s.response_length - 1]  # stops right after the first stop id, which is kept
+        else:
+            assert s.status is SampleStatus.TRUNCATED and s.response_length == 12 and not hits
+        assert s.candidates.num_rows == s.response_length == len(s.rollout_log_probs) == len(s.loss_mask)
+    assert any(s.status is SampleStatus.COMPLETED for s in samples)
+    (long,) = engine.generate(PROMPTS[:1], SamplingParams(top_p=0.9, max_new_tokens=7))
+    assert long.status is SampleStatus.TRUNCATED and long.response_length == 7
+
+
+def _assert_follows(samples, model) -> None:
+    """The server's raw log-probs are those of `model` (HF, float32) on the same tokens."""
+    for s in samples:
+        scaled = torch.log_softmax(_hf_logits(model, s), -1)
+        want = scaled[torch.arange(s.response_length), torch.tensor(s.response_ids)]
+        assert torch.allclose(torch.tensor(s.rollout_raw_log_probs), want, atol=TOL)
+
+
+def _changed_model(model):
+    """`model` with its output head scaled by 1.5 (every next-token distribution changes)."""
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.lm_head.weight.mul_(1.5)
+    return changed
+
+
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_weight_sync_changes_and_restores_outputs(engine, model, sync):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5)
+    changed = _changed_model(model)
+    engine.weight_sync = sync
+    try:
+        engine.update_weights(changed.named_parameters())
+        after = engine.generate(PROMPTS, params)
+        _assert_follows(after, changed)
+        with pytest.raises(AssertionError):
+            _assert_follows(after, model)
+        engine.update_weights(model.named_parameters())
+        _assert_follows(engine.generate(PROMPTS, params), model)
+    finally:
+        engine.weight_sync = "disk"
+
+
+def test_aborted_requests_give_empty_aborted_samples(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
+    worker.start()
+    time.sleep(3.0)
+    requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
+    worker.join(timeout=120)
+    samples = result["samples"]
+    assert [s.status for s in samples] == [SampleStatus.ABORTED] * 2
+    for s in samples:
+        assert s.response_length == 0 and s.rollout_log_probs == [] and s.loss_mask == []
+        assert s.prompt_ids == PROMPTS[0]
+
+
+def test_bad_input_and_unreachable_server(engine):
+    with pytest.raises(ValueError, match="outside the model vocabulary"):
+        engine.generate([[VOCAB]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="sampling-mask-max-tokens"):
+        engine.generate([[1]], SamplingParams(top_k=VOCAB + 1, max_new_tokens=2))
+    start = time.monotonic()
+    with pytest.raises(SGLangRequestError, match="after 3 attempts"):
+        SGLangEngine(
+            urls=[f"http://127.0.0.1:{free_port()}"], max_retries=2, backoff_s=0.05, vocab_size=VOCAB
+        )
+    assert time.monotonic() - start < 10
+
+
+def test_server_process_group_gone_after_close(engine):
+    pgid = engine.server.pid
+    members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid]
+    assert len(members) >= 3, "HTTP server, scheduler and detokenizer share the server's process group"
+    engine.close()
+    assert not _group_alive(pgid)
+    for pid in members:
+        assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

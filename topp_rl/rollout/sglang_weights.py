@@ -1,0 +1,145 @@
+"""Weight sync into SGLang servers: a temp checkpoint for `/update_weights_from_disk`, or a broadcast group for
+`/update_weights_from_distributed`.
+
+The distributed path: the trainer is rank 0 of a group whose other ranks are the servers (server k joins as rank
+k + 1 through `/init_weights_update_group`). SGLang builds its side with `sglang.srt.utils.
+init_custom_process_group` (a TCP rendezvous, a PrefixStore named after the group, then torch's
+`_new_process_group_helper`, outside the default process group). sglang is not importable from the trainer's
+venv (its pins conflict with ours), so `_trainer_group` builds the same group with the same torch calls; a plain
+`init_process_group` would create the default group instead and does not meet the server's rendezvous.
+Per update: `/begin_weight_update`, then `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0
+broadcasts each tensor in the same order, then `/end_weight_update`.
+"""
+
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from topp_rl.rollout.sglang_server import free_port
+
+PostFn = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@contextlib.contextmanager
+def write_checkpoint(named: Sequence[tuple[str, torch.Tensor]], *, config_dir: Path | None) -> Iterator[Path]:
+    """A temp HF checkpoint dir (model.safetensors + the config files of `config_dir`), removed on exit."""
+    if config_dir is None or not (Path(config_dir) / "config.json").is_file():
+        raise ValueError(
+            f"disk weight sync needs the model's config.json, not found in {config_dir}; "
+            "pass model_path= (a local HF checkpoint dir) to SGLangEngine"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix="topp_rl-weights-"))
+    try:
+        # clone: tied parameters share storage, which safetensors refuses to write twice.
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
+        save_file(tensors, tmp / "model.safetensors")
+        for name in _CONFIG_FILES:
+            if (Path(config_dir) / name).is_file():
+                shutil.copy(Path(config_dir) / name, tmp / name)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class DistributedWeightSender:
+    """Rank 0 of a weight-broadcast group with every server in `urls`; gloo for CPU tensors, nccl for CUDA."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        post: PostFn,
+        backend: str | None = None,
+        group_name: str = "topp_rl_weights",
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.urls, self._post, self.group_name = list(urls), post, group_name
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.world_size = len(self.urls) + 1
+        port = free_port()
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)  # fmt: skip
+        calls = [
+            (url, "/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": k + 1,
+                "world_size": self.world_size, "group_name": group_name, "backend": self.backend,
+            })
+            for k, url in enumerate(self.urls)
+        ]  # fmt: skip
+        with _in_threads(self._post, calls):
+            self.group = _trainer_group(store, self.world_size, self.backend, group_name, timeout)
+
+    def send(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        tensors = [t.detach().to(device).contiguous() for _, t in named]
+        body = {
+            "names": [name for name, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": self.group_name,
+            "flush_cache": True,
+        }
+        for url in self.urls:
+            self._post(url, "/begin_weight_update", {})
+        with _in_threads(self._post, [(url, "/update_weights_from_distributed", body) for url in self.urls]):
+            for t in tensors:  # the servers post one receive per name, in this order
+                dist.broadcast(t, src=0, group=self.group)
+        for url in self.urls:
+            self._post(url, "/end_weight_update", {})
+
+    def close(self) -> None:
+        for url in self.urls:
+            with contextlib.suppress(Exception):  # the server may already be gone
+                self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(self.group)
+
+
+def _trainer_group(
+    store: dist.Store, world_size: int, backend: str, group_name: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """Rank 0's side of SGLang's `init_custom_process_group`: same PrefixStore name, same helper."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    prefixed = dist.PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, 0, [], Backend(backend), prefixed, group_name=group_name, backend_options=None,
+        timeout=timeout, device_id=None,
+    )  # fmt: skip
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+@contextlib.contextmanager
+def _in_threads(post: PostFn, calls: list[tuple[str, str, dict[str, Any]]]) -> Iterator[None]:
+    """Run blocking HTTP calls in background threads around the body (they return once the collective ends);
+    re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def run(url: str, path: str, body: dict[str, Any]) -> None:
+        try:
+            post(url, path, body)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=call, daemon=True) for call in calls]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
