@@ -20,6 +20,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 FAMILIES = ["qwen2", "llama"]
 TEMPERATURE = 0.8
 TOL = 1e-5
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.hook", "transformers")
 
 
 def hf_model(family: str):
@@ -145,7 +146,7 @@ def _all_cases(rank: int) -> dict:
 
 @pytest.mark.distributed
 def test_megatron_matches_hf_at_every_layout():
-    results = run_distributed(_all_cases, 4, timeout=400)
+    results = run_distributed(_all_cases, 4, timeout=400, preload=PRELOAD)
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
             where = f"rank {rank} {case}"

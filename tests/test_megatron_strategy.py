@@ -17,6 +17,7 @@ from dist_utils import run_distributed
 
 STEPS = 2
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.module", "lightning")
 
 
 def micro_batch(seed: int, *, vocab: int, num_loss_tokens_global: float, num_sequences_global: int):
@@ -138,7 +139,7 @@ def _worker(rank: int, tmp: str) -> dict:
 
 @pytest.mark.distributed
 def test_strategy_trains_like_the_hf_model(tmp_path):
-    results = run_distributed(_worker, 4, str(tmp_path), timeout=500)
+    results = run_distributed(_worker, 4, str(tmp_path), timeout=500, preload=PRELOAD)
     for layout in LAYOUTS:
         r0 = results[0][layout]
         for rank in range(4):

@@ -5,7 +5,8 @@ What it adds to `DDPStrategy`:
   `fit`, so the backbone can still export; the next setup re-initialises it);
 - `setup_environment`: swaps the module's HF `policy` (and `reference`) for `MegatronBackbone`s holding the same
   weights, so configs, engines and tests keep building plain HF models;
-- data-parallel sampler kwargs from the DP rank / size (TP and CP ranks of one DP replica see the same data);
+- data-parallel sampler kwargs from the DP rank / size (TP and CP ranks of one DP replica see the same data),
+  also handed to a `RolloutDataModule` that was built without explicit `dp_rank` / `dp_size`;
 - no DDP wrapper: each backward's gradient increment is summed over the data-parallel-with-context-parallel
   group (`grads.GradSync`); torch DDP would average, and would need one backward per forward;
 - checkpoints hold the FULL model under HF names (gathered over TP), so weights resume at any TP; optimizer
@@ -102,6 +103,10 @@ class MegatronStrategy(DDPStrategy):
         if hasattr(module, "clip_and_norm"):
             module.clip_and_norm = types.MethodType(_clip_and_norm, module)
 
+    def setup(self, trainer) -> None:
+        _share_data_within_model_parallel(trainer.datamodule, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        super().setup(trainer)
+
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: gradients are summed in post_backward
 
@@ -176,6 +181,19 @@ class MegatronStrategy(DDPStrategy):
                 )
             wrapped.append(state["per_tp_rank"][ps.get_tensor_model_parallel_rank()])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
+
+
+def _share_data_within_model_parallel(datamodule, *, dp_rank: int, dp_size: int) -> None:
+    """Adapter: a `RolloutDataModule` built without `dp_rank` / `dp_size` would shard by global rank, giving TP / CP
+    peers different samples; give it the Megatron DP coordinates (an explicit setting is left alone)."""
+    dp = getattr(datamodule, "_dp", None)
+    if dp == (None, None):
+        datamodule._dp = (dp_rank, dp_size)
+    elif dp is not None and tuple(dp) != (dp_rank, dp_size):
+        raise ValueError(
+            f"datamodule dp_rank/dp_size={tuple(dp)} but Megatron's data-parallel rank/size is {(dp_rank, dp_size)}; "
+            "leave them unset under MegatronStrategy"
+        )
 
 
 def _backbone_slots(module) -> list[str]:
