@@ -20,6 +20,8 @@ against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -85,7 +87,8 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dt
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported by the Megatron backbone; use the HF backbone")
     qkv_bias = kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-    extra = dict(cpu_shims.CPU_CONFIG_OVERRIDES) if cpu_shims.needs_cpu_shims() else {}
+    # The pure-torch attention path (CPU, or GPU without transformer-engine) runs with no fused CUDA kernels.
+    extra = {} if use_transformer_engine(dtype) else dict(cpu_shims.CPU_CONFIG_OVERRIDES)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -107,16 +110,25 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dt
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         **extra,
     )
 
 
-def layer_spec():
-    """transformer-engine layer spec on GPU; the local spec with the pure-torch THD/CP attention on CPU."""
+def use_transformer_engine(dtype: torch.dtype) -> bool:
+    """transformer-engine layers on CUDA with TE installed and a 16-bit dtype (TE's THD attention kernels are
+    bf16 / fp16 only); float32 runs keep the exact pure-torch attention."""
+    return (dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available()
+            and importlib.util.find_spec("transformer_engine") is not None)
+
+
+def layer_spec(dtype: torch.dtype):
+    """transformer-engine layer spec (THD, CP in p2p mode) when available; otherwise megatron-core's local spec
+    with the pure-torch THD / zigzag-CP attention of `cpu_shims` (exact in float32, CPU or GPU)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if not cpu_shims.needs_cpu_shims():
+    if use_transformer_engine(dtype):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = cpu_shims.TorchCoreAttention
@@ -137,7 +149,7 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
     config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, dtype=dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(dtype),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
