@@ -10,7 +10,6 @@ vocabulary sort, as HF's and SGLang's torch samplers do. When the SGLang venv ex
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -122,20 +121,22 @@ def main() -> None:
 
 
 def _sglang_rows(model, prompts, params, args) -> list[dict]:
-    try:
-        from topp_rl.rollout.sglang import SGLangEngine  # built in parallel; optional here
+    try:  # built in parallel with this benchmark; optional here
+        from topp_rl.rollout.sglang import SGLangEngine
+        from topp_rl.rollout.sglang_server import sglang_python
     except ImportError as err:
         if args.sglang == "on":
             raise
         print(f"SGLang skipped: {err}")
         return []
-    venv = os.environ.get("TOPP_RL_SGLANG_VENV", str(Path(__file__).resolve().parents[1] / ".venv-sglang"))
-    if not Path(venv).exists() and args.sglang == "auto":
-        print(f"SGLang skipped: no venv at {venv} (run scripts/setup_sglang.sh)")
+    if sglang_python() is None:
+        if args.sglang == "on":
+            raise ValueError("--sglang on but no SGLang venv; run scripts/setup_sglang.sh")
+        print("SGLang skipped: no SGLang venv (scripts/setup_sglang.sh builds it)")
         return []
     with tempfile.TemporaryDirectory() as tmp:
         save_model(model, None, tmp)
-        with SGLangEngine(model_path=tmp) as engine:
+        with SGLangEngine(model_path=tmp, progress=False) as engine:
             engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
             rates = []
             for rep in range(max(1, args.reps // 2)):

@@ -120,7 +120,7 @@ def test_rollout_step(engine):
     assert [s.group_index for s in batch.samples] == [g for g in range(4) for _ in range(4)]
     rewards = torch.tensor([s.reward for s in batch.samples])
     assert set(rewards.tolist()) <= {0.0, 0.2, 1.0}
-    for rec, group in zip(ticket.records, rewards.view(4, 4), strict=True):
+    for rec in ticket.records:
         assert rec.prompt_ids == [TOK.bos_token_id, *TOK.encode(rec.text, add_special_tokens=False)]
     # Micro-batches cover every sample once, in order, within the budget; advantages are reward - group mean.
     order = torch.cat([mb.sample_index for mb in batch.micro_batches]).tolist()

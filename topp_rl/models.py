@@ -11,7 +11,9 @@
 import importlib.util
 import json
 import os
+import shutil
 import string
+import tempfile
 from pathlib import Path
 
 import torch
@@ -115,6 +117,7 @@ def load_smollm2(
     """SmolLM2-135M-Instruct in float32 (Llama architecture), from the cached conversion of the packaged GGUF."""
     root = Path(cache_dir or Path.home() / ".cache" / "topp_rl")
     target = root / "smollm2-135m-instruct"
+    root.mkdir(parents=True, exist_ok=True)
     if not (target / "config.json").is_file():
         gguf = smollm2_gguf_path()
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -124,7 +127,13 @@ def load_smollm2(
         model.config.quantization_config = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        save_model(model, tokenizer, target)
+        # Write aside, then rename: a concurrent or killed conversion never leaves a half-written cache.
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        save_model(model, tokenizer, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first: keep its copy
+            shutil.rmtree(staging, ignore_errors=True)
     return load_hf(target)
 
 
