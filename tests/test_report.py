@@ -115,3 +115,10 @@ def test_missing_run_dir_or_metrics_raise(tmp_path):
         report.render(tmp_path / "nope")
     with pytest.raises(ValueError, match="no metrics found"):
         report.render(tmp_path)
+
+
+def test_cli_reports_bad_run_dir_without_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(tmp_path)])
+    assert exc.value.code == 2
+    assert "no metrics found" in capsys.readouterr().err

@@ -203,7 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", help="a training run's output directory")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots)")
     args = parser.parse_args(argv)
-    for path in render(args.run_dir, out_dir=args.out):
+    try:
+        paths = render(args.run_dir, out_dir=args.out)
+    except ValueError as err:
+        parser.error(str(err))  # exit status 2 with the message, no traceback
+    for path in paths:
         print(path)
 
 
