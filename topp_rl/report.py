@@ -22,6 +22,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COUNTS_FILE = "support_size_counts.json"  # written by callbacks.SupportStats
 
@@ -180,6 +181,8 @@ def plot_support(run_dir: Path, out: Path) -> Path | None:
 
 
 def _save(fig, path: Path) -> Path:
+    for ax in fig.axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and set sizes are integers
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
