@@ -9,11 +9,13 @@ and mean about 8, every row restricted (response rows); keep_mask on 16384 rows 
   (c) ours        candidate_head_logprobs (from hidden + weight) / token_logprobs (from the same logits)
 each in two groups: "head" (logits formed from hidden @ weight.T inside the timed region, gradients to hidden and
 weight) and "logits" (a logits leaf given, gradient to it). keep_mask is compared with a per-row Python loop that
-fills the same mask (both allocate and fill the whole output).
+fills the same mask (both allocate and fill the whole output). For scale, sampling_candidates (top_p=0.95) is
+timed against one decode step of a sort-based torch sampler on [64, V] logits.
 
 Every case runs in a fresh subprocess (--quick: in-process) with the inputs built first; peak memory is the
 growth of the peak RSS over the RSS after setup (the peak is reset through /proc/self/clear_refs), time the
-median over --reps repetitions. Timings on a shared machine are noisy: compare ratios from one run.
+median over --reps repetitions. Timings on a shared machine are noisy: compare ratios from one run. On an
+oversubscribed machine small ops stall at OpenMP barriers (ms each with 2 threads); --threads 1 avoids that.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from topp_rl.ops import Candidates, candidate_head_logprobs, keep_mask, token_logprobs
+from topp_rl.ops import Candidates, candidate_head_logprobs, keep_mask, sampling_candidates, token_logprobs
 
 SHAPES = {
-    "full": dict(rows=4096, hidden=576, vocab=49152, mask_rows=16384, mask_vocab=75968),
-    "quick": dict(rows=256, hidden=64, vocab=4096, mask_rows=1024, mask_vocab=8192),
+    "full": dict(rows=4096, hidden=576, vocab=49152, mask_rows=16384, mask_vocab=75968, decode_batch=64),
+    "quick": dict(rows=256, hidden=64, vocab=4096, mask_rows=1024, mask_vocab=8192, decode_batch=8),
 }
 TEMPERATURE = 0.9
 
@@ -151,6 +153,28 @@ def run_mask_ours(inp):
     return keep_mask(inp["cands"], inp["rows"], num_rows=n, vocab_start=0, vocab_end=v, tokens=inp["tokens"])
 
 
+def sampling_inputs(shape: dict) -> dict:
+    """Decode-step logits shaped like an LM's: unit noise plus 16 boosted tokens per row, so that top_p=0.95 at
+    T=0.9 keeps sets of median ~3 and mean ~8 (as recorded sets are), with a few wide rows."""
+    g = torch.Generator().manual_seed(4)
+    n, v, k = shape["decode_batch"], shape["vocab"], 16
+    logits = torch.randn(n, v, generator=g)
+    boost = torch.rand(n, k, generator=g) * torch.linspace(14, 2, k) + 8 + 2 * torch.randn(n, 1, generator=g)
+    return dict(logits=logits.scatter_add_(1, torch.randint(0, v, (n, k), generator=g), boost))
+
+
+def run_sampler_step(inp):
+    """One decode step of a sort-based torch sampler (SGLang's torch path): the cost recording rides on."""
+    probs = torch.softmax(inp["logits"] / TEMPERATURE, dim=-1)
+    p_sort, idx = probs.sort(dim=-1, descending=True)
+    p_sort[(p_sort.cumsum(dim=-1) - p_sort) > 0.95] = 0.0
+    return idx.gather(1, torch.multinomial(p_sort, 1))
+
+
+def run_sampling_candidates(inp):
+    return sampling_candidates(inp["logits"], temperature=TEMPERATURE, top_p=0.95)
+
+
 # name -> (group, role, setup, run)
 CASES = {
     "head/dense (a)": ("head", "a", head_inputs, run_head_dense),
@@ -161,6 +185,8 @@ CASES = {
     "logits/token_logprobs (c)": ("logits", "c", logits_inputs, run_logits_ours),
     "keep_mask/python loop": ("keep_mask", "a", mask_inputs, run_mask_loop),
     "keep_mask/keep_mask": ("keep_mask", "c", mask_inputs, run_mask_ours),
+    "sampling/torch sampler step": ("sampling", "a", sampling_inputs, run_sampler_step),
+    "sampling/sampling_candidates": ("sampling", "c", sampling_inputs, run_sampling_candidates),
 }
 
 
@@ -169,6 +195,7 @@ RATIO_BASE = {
     "head": "head/unrestricted (b)",
     "logits": "logits/unrestricted (b)",
     "keep_mask": "keep_mask/python loop",
+    "sampling": "sampling/torch sampler step",
 }
 
 
@@ -209,6 +236,7 @@ def _run_case(name: str, shape_name: str, reps: int, in_process: bool) -> dict:
     if in_process:
         return measure(name, SHAPES[shape_name], reps)
     cmd = [sys.executable, __file__, "--case", name, "--shape", shape_name, "--reps", str(reps)]
+    cmd += ["--threads", str(torch.get_num_threads())]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"case {name!r} failed:\n{done.stderr[-3000:]}")
@@ -262,9 +290,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="small shapes, in-process: a smoke run")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per case (default 3, quick 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads in every case (default: torch's)"
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.case:  # child process: one case, one JSON line
         print(json.dumps(measure(args.case, SHAPES[args.shape], args.reps or 3)))
         return []

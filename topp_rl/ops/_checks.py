@@ -124,10 +124,16 @@ def check_vocab(*, cands: Candidates | None, tokens: torch.Tensor, vocab_size: i
 
 def check_finite_rows(logits: torch.Tensor, rows: torch.Tensor) -> None:
     """Rows with candidates must be finite: a row sum is non-finite iff some entry is (inf - inf = nan)."""
-    sums = logits.sum(dim=-1, dtype=torch.float32) if rows.numel() * 2 > logits.shape[0] else None
-    row_sums = (
-        sums[rows] if sums is not None else logits.index_select(0, rows).sum(dim=-1, dtype=torch.float32)
-    )
+    if rows.numel() * 2 > logits.shape[0]:  # most rows: one streaming pass beats gathering copies
+        row_sums = logits.sum(dim=-1, dtype=torch.float32)[rows]
+    else:
+        step = max(1, (1 << 21) // max(logits.shape[1], 1))
+        row_sums = torch.cat(
+            [
+                logits.index_select(0, rows[a : a + step]).sum(dim=-1, dtype=torch.float32)
+                for a in range(0, rows.numel(), step)
+            ]
+        )
     bad = ~torch.isfinite(row_sums)
     if bool(bad.any()):
         row = int(rows[bad.nonzero()[0]])

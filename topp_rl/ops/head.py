@@ -127,6 +127,15 @@ def _pair_logits(hidden, weight, plan: Plan, t: float, cdt: torch.dtype) -> torc
     return out
 
 
+def _accumulate(out, dest, coef, *, src, src_index) -> None:
+    """out[dest[j]] += coef[j] * src[src_index[j]], in cache-sized chunks, destinations sorted (index_add_ with
+    sorted indices ran ~10x faster here than with random ones)."""
+    order = torch.argsort(dest, stable=True)
+    for sl in _pair_chunks(order.numel(), src.shape[1]):
+        o = order[sl]
+        out.index_add_(0, dest[o], coef[o][:, None] * src.index_select(0, src_index[o]).to(out.dtype))
+
+
 class _CandidateHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, c: _Context):
@@ -186,18 +195,17 @@ class _CandidateHead(torch.autograd.Function):
                 gh -= p @ w
                 grad_w[a : a + width] -= p.T @ h
             grad_h.index_add_(0, block, gh)
+        # Rows' own tokens (rows without candidates) and the pairs (rows with candidates): one coefficient per
+        # (row, column), d logp / d logit = [column = token] - softmax over the row's support.
         here, col = _free_targets(plan, num_rows)
-        gt = g[here][:, None]
-        grad_h.index_add_(0, here, gt * weight.index_select(0, col).to(cdt))
-        grad_w.index_add_(0, col, gt * hidden.index_select(0, here).to(cdt))
-        # Rows with candidates: the same formula over the distinct (row, id) pairs of this shard.
+        rows_all, cols_all, coef = here, col, g[here]
         if plan.pairs is not None:
             pr = plan.pairs
-            coef = g[pr.row] * (pr.is_target.to(cdt) - torch.exp(pair_z - norm[pr.row]))
-            for sl in _pair_chunks(pr.row.numel(), hidden.shape[1]):
-                cf = coef[sl][:, None]
-                grad_h.index_add_(0, pr.row[sl], cf * weight.index_select(0, pr.col[sl]).to(cdt))
-                grad_w.index_add_(0, pr.col[sl], cf * hidden.index_select(0, pr.row[sl]).to(cdt))
+            pair_coef = g[pr.row] * (pr.is_target.to(cdt) - torch.exp(pair_z - norm[pr.row]))
+            rows_all, cols_all = torch.cat([here, pr.row]), torch.cat([col, pr.col])
+            coef = torch.cat([coef, pair_coef])
+        _accumulate(grad_h, rows_all, coef, src=weight, src_index=cols_all)
+        _accumulate(grad_w, cols_all, coef, src=hidden, src_index=rows_all)
         if c.group is not None:
             # hidden is replicated over TP; each rank holds its vocab slice's share of d loss / d hidden.
             # The SUM all-reduce makes it complete (and identical) on every rank.

@@ -147,7 +147,12 @@ class _TokenLogProb(torch.autograd.Function):
         g_logp = g_logp.to(cdt)
         g_ent = g_entropy.to(cdt) if c.entropy and g_entropy is not None else None
         full_rows = _full_pass_rows(c)
-        grad = torch.empty_like(logits) if full_rows is None else torch.zeros_like(logits)
+        fmt = torch.contiguous_format  # the flat scatter below needs a row-major gradient
+        grad = (
+            torch.empty_like(logits, memory_format=fmt)
+            if full_rows is None
+            else torch.zeros_like(logits, memory_format=fmt)
+        )
         # d logp_i / d z_iv = [v = t_i] - softmax(z_i)_v over the row's support; d H_i / d z_iv = -p_v (z_v - E_i).
         g_free = g_logp.clone()
         g_free[plan.cand_rows] = 0  # candidate rows get their log-prob gradient from the pairs below
@@ -162,11 +167,14 @@ class _TokenLogProb(torch.autograd.Function):
                 grad[chunk] = gz
             else:
                 grad.index_copy_(0, chunk, gz.to(grad.dtype))
+        # One flat, sorted scatter-add: the free rows' tokens and the candidate rows' (row, id) pairs.
         here, col = local_target(plan)
-        grad.index_put_((here, col), (g_free[here] / t).to(grad.dtype), accumulate=True)
+        flat, vals = here * plan.vocab_local + col, g_free[here] / t
         if plan.pairs is not None:
             pr = plan.pairs
             p = torch.exp(pair_z - lse_c[pr.crow])
-            coef = g_logp[pr.row] * (pr.is_target.to(cdt) - p) / t
-            grad.index_put_((pr.row, pr.col), coef.to(grad.dtype), accumulate=True)
+            flat = torch.cat([flat, pr.row * plan.vocab_local + pr.col])
+            vals = torch.cat([vals, g_logp[pr.row] * (pr.is_target.to(cdt) - p) / t])
+        flat, order = torch.sort(flat)
+        grad.view(-1).index_add_(0, flat, vals[order].to(grad.dtype))
         return grad, None

@@ -21,8 +21,9 @@ Departures from vLLM: top-p is applied only to rows with top_p < 1 and top-k onl
 Output: one CSR row per logits row, ids in rank order (most probable first, ties as above).
 
 Speed ("sglang"): the engine calls this every decode step, so it avoids a full-vocabulary sort: it takes the
-top-k of p for a small k (64), decides every rank inside that window exactly, and grows k (x4) only for rows
-whose kept set may extend past the window; a row falls back to a full stable sort only when k would reach V/2.
+top-k of p for a small k (64), decides every rank inside that window exactly, and grows k only for rows whose
+kept set may extend past the window (to at least twice k, or to the number of ranks the remaining top-p mass
+needs at the window's smallest p); rows fall back to a full stable sort once k would reach V/2.
 Inside the window ties are ordered by id explicitly, and a row whose last kept rank ties with the window's
 smallest value (an equal value may lie outside) is re-done with a larger window, so the result equals the
 full-sort rule. "vllm" is a trainer-side fallback and uses one full sort.
@@ -38,7 +39,6 @@ from topp_rl.ops._checks import ParamT, check_sampling_params, per_row
 from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
-_GROWTH = 4
 
 
 def sampling_candidates(
@@ -102,7 +102,8 @@ def _sglang(
     while pending.numel():
         if k * 2 >= vocab:
             k = vocab
-        vals, ids = _rank_window(probs.index_select(0, pending), k)
+        rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
+        vals, ids = _rank_window(rows_probs, k)
         keep = _sglang_keep(vals, top_p=top_p[pending], top_k=top_k[pending], min_p=min_p[pending])
         if k == vocab:
             resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
@@ -114,9 +115,21 @@ def _sglang(
         if bool(resolved.any()):
             done_rows.append(pending[resolved])
             done_sets.append(_to_csr(ids[resolved], keep[resolved]))
+        if bool((~resolved).any()):
+            k = _next_window(
+                vals[~resolved], k, top_p=top_p[pending[~resolved]], top_k=top_k[pending[~resolved]]
+            )
         pending = pending[~resolved]
-        k = min(vocab, k * _GROWTH)
     return _in_row_order(done_rows, done_sets, n)
+
+
+def _next_window(vals: torch.Tensor, k: int, *, top_p: torch.Tensor, top_k: torch.Tensor) -> int:
+    """A window for the unresolved rows: every further rank has p <= the window's last p, so reaching top_p
+    takes at least (top_p - window mass) / last p more ranks (exact for flat tails); a top-k caps it at k + 1."""
+    mass, last = vals.sum(dim=-1), vals[:, -1].clamp_min(torch.finfo(vals.dtype).tiny)
+    need = k + 1 + ((top_p - mass).clamp_min(0) / last).ceil().clamp_max(1 << 30).long()
+    need = torch.where(top_k > 0, torch.minimum(need, top_k + 1), need)
+    return max(int(need.max()), k * 2)
 
 
 def _vllm(z: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> Candidates:
