@@ -1,8 +1,8 @@
 """`train.py`'s run with `parallel=tp2` and `parallel=cp2` on 2 CPU processes (one gloo spawn, Trainer in each rank):
 
 - on the on-policy pass the Megatron log-probs equal the embedded engine's rollout log-probs
-  (`train/rollout_logprob_abs_diff_max` <= 1e-5 at every step; step 2 samples with weights exported from the
-  Megatron model after step 1, so this also checks the export);
+  (`train/rollout_logprob_abs_diff_max` <= 1e-5 at every step; later steps sample with weights exported from
+  the updated Megatron model, so this also checks the export);
 - after `fit`, the engine's HF weights equal the Megatron weights gathered under HF names, bit for bit;
 - the run follows the HF-backbone run of the same config step for step (loss, grad norm, rewards).
 """
@@ -18,7 +18,7 @@ from dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
+    "trainer.max_steps=3", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
     "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false", "rollout.top_p=0.9", "logger=csv",
 ]
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.train", "hydra")
@@ -64,7 +64,9 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
         for rank in range(2):
             assert results[rank][parallel][1], f"{parallel} rank {rank}: engine weights != exported Megatron weights"
         metrics, _ = results[0][parallel]
-        assert len(metrics["train/loss"]) == 2, parallel
+        assert len(metrics["train/loss"]) == 3, parallel
+        # A real update before the last step, so the last rollout samples with changed, exported weights.
+        assert max(metrics["train/grad_norm"][:-1]) > 0, parallel
         assert max(metrics["train/rollout_logprob_abs_diff_max"]) <= 1e-5, parallel
         assert min(metrics["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel  # the mask matters
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
