@@ -9,7 +9,8 @@ and mean about 8, every row restricted (response rows); keep_mask on 16384 rows 
   (c) ours        candidate_head_logprobs (from hidden + weight) / token_logprobs (from the same logits)
 each in two groups: "head" (logits formed from hidden @ weight.T inside the timed region, gradients to hidden and
 weight) and "logits" (a logits leaf given, gradient to it). keep_mask is compared with a per-row Python loop that
-fills the same mask (both allocate and fill the whole output). For scale, sampling_candidates (top_p=0.95) is
+fills the same mask (both allocate and fill the whole output); "zeros floor" only allocates and zeroes a mask of
+that shape (1.2 GB), the memory-bound part no builder avoids on a CPU. For scale, sampling_candidates (top_p=0.95) is
 timed against one decode step of a sort-based torch sampler on [64, V] logits.
 
 Every case runs in a fresh subprocess (--quick: in-process) with the inputs built first; peak memory is the
@@ -148,6 +149,11 @@ def run_mask_loop(inp):
     return mask
 
 
+def run_mask_floor(inp):
+    """Only allocating and zeroing the output: the memory-bound floor both mask builders pay."""
+    return torch.zeros(inp["rows"].numel(), inp["vocab"], dtype=torch.bool)
+
+
 def run_mask_ours(inp):
     n, v = inp["rows"].numel(), inp["vocab"]
     return keep_mask(inp["cands"], inp["rows"], num_rows=n, vocab_start=0, vocab_end=v, tokens=inp["tokens"])
@@ -185,6 +191,7 @@ CASES = {
     "logits/token_logprobs (c)": ("logits", "c", logits_inputs, run_logits_ours),
     "keep_mask/python loop": ("keep_mask", "a", mask_inputs, run_mask_loop),
     "keep_mask/keep_mask": ("keep_mask", "c", mask_inputs, run_mask_ours),
+    "keep_mask/zeros floor": ("keep_mask", "floor", mask_inputs, run_mask_floor),
     "sampling/torch sampler step": ("sampling", "a", sampling_inputs, run_sampler_step),
     "sampling/sampling_candidates": ("sampling", "c", sampling_inputs, run_sampling_candidates),
 }
