@@ -4,7 +4,9 @@
   (`train/rollout_logprob_abs_diff_max` <= 1e-5 at every step; later steps sample with weights exported from
   the updated Megatron model, so this also checks the export);
 - after `fit`, the engine's HF weights equal the Megatron weights gathered under HF names, bit for bit;
-- the run follows the HF-backbone run of the same config step for step (loss, grad norm, rewards).
+- the run follows the HF-backbone run of the same config step for step (loss, grad norm, rewards);
+- a tp2 run checkpointed after step 2 (HF-named full weights + per-TP-rank AdamW state + rollout state) and
+  resumed at TP 2 gives the uninterrupted run's step 3.
 """
 
 import csv
@@ -33,16 +35,16 @@ def _metrics(output_dir: Path) -> dict[str, list[float]]:
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in KEYS}
 
 
-def _run(output_dir: Path, parallel: str) -> tuple[dict, bool]:
+def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, bool]:
     from hydra import compose, initialize_config_dir
 
     from topp_rl.train import build_run
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, f"parallel={parallel}"])
+        cfg = compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, f"parallel={parallel}", *extra])
     run = build_run(cfg)
     with run.engine:
-        run.trainer.fit(run.module, datamodule=run.datamodule)
+        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
     exported = dict(run.module.hf_named_tensors()) if hasattr(run.module, "hf_named_tensors") else {
         n: p.detach() for n, p in run.module.policy.named_parameters()}
     engine_state = run.engine.model.state_dict()
@@ -53,7 +55,11 @@ def _run(output_dir: Path, parallel: str) -> tuple[dict, bool]:
 def _worker(rank: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
-    return {p: _run(Path(tmp) / p, p) for p in ("tp2", "cp2")}
+    out = {p: _run(Path(tmp) / p, p) for p in ("tp2", "cp2")}
+    # Checkpoint after 2 steps, resume at the saved TP for the 3rd: it must match the uninterrupted run.
+    _run(Path(tmp) / "part", "tp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+    out["resumed"] = _run(Path(tmp) / "resumed", "tp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
+    return out
 
 
 @pytest.mark.distributed
@@ -71,3 +77,8 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
         assert min(metrics["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel  # the mask matters
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
             assert metrics[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (parallel, key)
+    resumed, _ = results[0]["resumed"]
+    full, _ = results[0]["tp2"]
+    assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert resumed[key] == pytest.approx(full[key][-1:], rel=1e-5, abs=1e-7), key
