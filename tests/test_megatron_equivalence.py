@@ -4,11 +4,13 @@
 One 4-process gloo spawn checks every case (parallel state is re-initialised per layout; a layout with fewer
 model-parallel ranks runs as data-parallel replicas). The reference is a single-process HF forward per sequence
 with a dense masked log-softmax written out here. Gradients are compared under HF names after
-`hf_state_dict(grads=True)`, which gathers the TP shards; CP ranks' partial gradients are summed first.
+`hf_state_dict(grads=True)`, which gathers the TP shards; CP ranks' partial gradients are summed first. The
+export is bit-exact, in memory and as an HF checkpoint directory that `from_pretrained` reloads.
 Equality of the TP=2 gradients also checks that the hidden-state gradient is summed over TP exactly once
 (inside `candidate_head_logprobs`): a second sum would double every gradient below the final norm.
 """
 
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -94,7 +96,9 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
 
     from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone, load_hf_into
-    from topp_rl.megatron.export import hf_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from topp_rl.megatron.export import hf_state_dict, save_hf_checkpoint
     from topp_rl.parallel import ParallelLayout
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
@@ -106,6 +110,10 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
         load_hf_into(backbone.model, model.state_dict(), model.config, tp_size=tp,
                      tp_rank=ps.get_tensor_model_parallel_rank())
         exported = hf_state_dict(backbone)
+        with tempfile.TemporaryDirectory() as tmp:  # HF checkpoint export (collective; every rank writes its own)
+            save_hf_checkpoint(backbone, tmp)
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).state_dict()
+        hf_dir_exact = all(torch.equal(reloaded[n], t) for n, t in model.state_dict().items())
         layout = ParallelLayout.from_megatron(backbone.vocab_size)
         hidden, weight, positions = backbone.forward_hidden(batch, layout)
         lo, hi = layout.vocab_range()
@@ -134,6 +142,7 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
             "export_exact": float(all(torch.equal(exported[n], state[n]) for n in exported)
                                   and set(exported) | {"lm_head.weight"} >= set(dict(model.named_parameters()))),
             "tokens_covered": float(int((full != 0).sum()) == full.numel()),
+            "hf_dir_exact": float(hf_dir_exact),
         }
     finally:
         ps.destroy_model_parallel()
@@ -157,4 +166,5 @@ def test_megatron_matches_hf_at_every_layout():
             assert r["grad_names_missing"] == 0, (where, r)
             assert r["export_exact"] == 1.0, (where, r)
             assert r["tokens_covered"] == 1.0, (where, r)
+            assert r["hf_dir_exact"] == 1.0, (where, r)
     print({k: {m: v for m, v in r.items() if m in ("logits", "logprobs", "grads")} for k, r in results[0].items()})
