@@ -113,7 +113,7 @@ def test_engine_owns_its_weights_until_update():
     before = engine.generate(PROMPTS, params, seed=0)
     with torch.no_grad():
         for p in train_model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+            p.add_(torch.randn_like(p) * 0.05)
     unchanged = engine.generate(PROMPTS, params, seed=0)
     assert [s.rollout_log_probs for s in unchanged] == [s.rollout_log_probs for s in before]
     engine.update_weights(train_model.named_parameters())

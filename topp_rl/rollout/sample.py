@@ -55,8 +55,8 @@ class Sample:
         tokens: list[int],
         log_probs: list[float] | None = None,
         candidates: Candidates | None = None,
-        *,
         trainable: bool = True,
+        *,
         raw_log_probs: list[float] | None = None,
     ) -> None:
         """Append response tokens (one turn, or a streamed chunk).
