@@ -1,0 +1,200 @@
+"""`train(cfg)`: build every part from the Hydra config, fit, and print an end-of-run summary.
+
+Order: validate the config (fail in a second on a bad value), seed, build the policy + tokenizer, the rollout
+engine (with its own copy of the weights, kept in sync by the `WeightSync` callback), the task and datamodule,
+the module (loss from `algo.loss`, optimizer from `optimizer` as a partial), callbacks, loggers and the trainer.
+Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt_path=last` resumes from there.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from topp_rl.checkpoint import AtomicCheckpointIO, RolloutCheckpoint
+from topp_rl.config import validate_config
+from topp_rl.hook import ToppLogProb
+from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
+from topp_rl.module import PolicyModule
+from topp_rl.rollout import SamplingParams
+from topp_rl.rollout.embedded import EmbeddedEngine
+
+SUMMARY_KEYS = (
+    "rollout/reward_mean",
+    "train/rollout_logprob_abs_diff",
+    "train/rollout_logprob_abs_diff_unmasked",
+    "train/rollout_logprob_abs_diff_max",
+)
+
+
+def build_tiny(*, seed: int = 0, **kwargs):
+    """(tiny random model, char tokenizer): the model group's contract is to return both."""
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(seed=seed, tokenizer=tokenizer, **kwargs), tokenizer
+
+
+def embedded_engine(*, model, tokenizer, workdir: Path, **kwargs) -> EmbeddedEngine:
+    """In-process engine holding its own copy of the policy's weights (`workdir` unused: no files)."""
+    return EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                          **kwargs)
+
+
+def sglang_engine(*, model, tokenizer, workdir: Path, **kwargs):
+    """SGLang server launched on the initial weights, written once to `workdir/init` (SGLang reads disk)."""
+    from topp_rl.rollout.sglang import SGLangEngine
+
+    path = save_model(model, tokenizer, Path(workdir) / "init")
+    return SGLangEngine(model_path=path, vocab_size=int(model.config.vocab_size), **kwargs)
+
+
+def sampling_params(rollout: DictConfig) -> SamplingParams:
+    return SamplingParams(
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p,
+        max_new_tokens=rollout.max_new_tokens, n=rollout.n_samples,
+        stop_token_ids=tuple(rollout.get("stop_token_ids") or ()),
+    )
+
+
+class RunSummary(Callback):
+    """Keeps the per-step history of a few logged metrics for the end-of-run summary (reads, never logs)."""
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {k: [] for k in SUMMARY_KEYS}
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for key in SUMMARY_KEYS:
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                self.history[key].append(float(value))
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {"wall_s": time.perf_counter() - self.start}
+        rewards = self.history["rollout/reward_mean"]
+        if rewards:
+            k = max(1, len(rewards) // 5)  # mean of the first / last fifth: single steps are noisy
+            out["reward_first"] = sum(rewards[:k]) / k
+            out["reward_last"] = sum(rewards[-k:]) / k
+        for key in SUMMARY_KEYS[1:]:
+            values = self.history[key]
+            if values:
+                out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        return out
+
+
+@dataclass
+class Run:
+    """Everything `train` builds, so tests and the benchmark can reuse the construction."""
+
+    cfg: DictConfig
+    module: PolicyModule
+    datamodule: L.LightningDataModule
+    engine: object
+    trainer: L.Trainer
+    summary: RunSummary
+    loggers: list = field(default_factory=list)
+
+
+def _group_name(cfg: DictConfig) -> str | None:
+    """W&B group: `group` when set, else the sweep directory's name in multirun mode, else none."""
+    if cfg.get("group"):
+        return str(cfg.group)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            return Path(hc.sweep.dir).name
+    except ValueError:  # not under a Hydra app (a test composing the config): no sweep
+        pass
+    return None
+
+
+def build_loggers(cfg: DictConfig) -> list:
+    entries = cfg.get("logger") or {}
+    loggers = []
+    for name, entry in entries.items():
+        if entry is None:
+            continue
+        kwargs = {"group": _group_name(cfg)} if name == "wandb" else {}
+        loggers.append(instantiate(entry, **kwargs))
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> list[Callback]:
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    ck = cfg.checkpoint
+    if ck.every_n_steps:
+        callbacks.append(
+            RolloutCheckpoint(dirpath=output_dir / "checkpoints", every_n_train_steps=ck.every_n_steps,
+                              save_last=True, save_top_k=0)
+        )
+    callbacks.append(summary)  # last: reads what the metric callbacks logged this step
+    return callbacks
+
+
+def build_run(cfg: DictConfig) -> Run:
+    validate_config(cfg)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    policy, tokenizer = instantiate(cfg.model)
+    policy.float()
+    engine = instantiate(cfg.rollout.engine)(model=policy, tokenizer=tokenizer, workdir=output_dir / "engine")
+    task = instantiate(cfg.task)
+    # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
+    datamodule = instantiate(cfg.data, _partial_=True)(
+        engine=engine, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
+        prompts_per_step=cfg.rollout.prompts_per_step, advantage=cfg.algo.advantage, seed=cfg.seed,
+    )
+    loss = instantiate(cfg.algo.loss)
+    hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=cfg.rollout.temperature)
+    module = PolicyModule(
+        policy=policy, loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
+    )
+    summary = RunSummary()
+    loggers = build_loggers(cfg)
+    strategy = instantiate(cfg.parallel.strategy) if cfg.parallel.get("strategy") else "auto"
+    trainer = instantiate(cfg.trainer, _partial_=True)(
+        callbacks=build_callbacks(cfg, output_dir, summary), logger=loggers or False,
+        plugins=[AtomicCheckpointIO()], strategy=strategy, enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
+    )
+    return Run(cfg=cfg, module=module, datamodule=datamodule, engine=engine, trainer=trainer, summary=summary,
+               loggers=loggers)
+
+
+def print_summary(summary: dict[str, float], output_dir: str) -> None:
+    lines = [f"[topp_rl] run finished in {summary['wall_s']:.0f} s; run dir: {output_dir}"]
+    if "reward_first" in summary:
+        lines.append(f"  reward mean: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f}")
+    for key in SUMMARY_KEYS[1:]:
+        if key in summary and math.isfinite(summary[key]):
+            lines.append(f"  {key}: {summary[key]:.3g}")
+    print("\n".join(lines), flush=True)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit one run from a composed config; returns the summary figures (also printed)."""
+    torch.set_num_threads(cfg.get("num_threads") or torch.get_num_threads())
+    run = build_run(cfg)
+    try:
+        with run.engine:
+            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        for logger in run.loggers:  # a sweep runs jobs in one process: close each W&B run
+            finish = getattr(getattr(logger, "experiment", None), "finish", None)
+            if finish is not None and type(logger).__name__ == "WandbLogger":
+                finish()
+    summary = run.summary.summary()
+    if run.trainer.is_global_zero:
+        print_summary(summary, str(cfg.paths.output_dir))
+        OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=False)
+    return summary
