@@ -11,6 +11,7 @@ from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, RLOOAdvan
 from topp_rl.rollout.datamodule import RolloutTicket
 from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.packing import RolloutBatch, pack_samples, plan_micro_batches
+from topp_rl.rollout.tasks import CopyDigitTask
 
 TOK = build_char_tokenizer()
 
@@ -92,10 +93,17 @@ def test_advantages():
         make_advantage("ppo")
 
 
-def _datamodule(engine, *, prompts=4, n=4, seed=0, **kwargs):
+class _LengthTask(CopyDigitTask):
+    """Reward = response length in characters: varies even under a random model (copy_digit is ~all zero)."""
+
+    def reward(self, response, record):
+        return float(len(response))
+
+
+def _datamodule(engine, *, prompts=4, n=4, seed=0, task=None, **kwargs):
     return RolloutDataModule(
         engine=engine,
-        task=get_task("copy_digit"),
+        task=task or get_task("copy_digit"),
         tokenizer=TOK,
         params=SamplingParams(top_p=0.9, max_new_tokens=3, n=n),
         prompts_per_step=prompts,
@@ -224,3 +232,56 @@ def test_trainer_resume_continues_identically(engine, tmp_path):
         assert [s.tokens for s in a.samples] == [s.tokens for s in b.samples]
         assert [s.rollout_log_probs for s in a.samples] == [s.rollout_log_probs for s in b.samples]
     assert isinstance(_datamodule(engine).ticket(0), RolloutTicket)
+
+
+def _dp_rollout(rank: int) -> dict:
+    """On each of 2 gloo ranks: a DP=2 rollout step (batch-normalised advantages) and a DP=1 one (replicas)."""
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer=TOK, seed=0, initializer_range=0.2)
+    engine = EmbeddedEngine(
+        model, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id, progress=False
+    )
+    out = {}
+    for name, dp_rank, dp_size in (("dp2", rank, 2), ("dp1", 0, 1)):
+        dm = _datamodule(
+            engine,
+            prompts=4,
+            n=3,
+            task=_LengthTask(),
+            advantage={"mode": "batch"},
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+        batch = dm.rollout(dm.ticket(1))
+        ends = [torch.cumsum(mb.response_lengths, 0) - 1 for mb in batch.micro_batches]
+        out[name] = {
+            "rewards": [s.reward for s in batch.samples],
+            "loss_tokens": sum(sum(s.loss_mask) for s in batch.samples),
+            "denominators": {
+                (mb.num_loss_tokens_global, mb.num_sequences_global) for mb in batch.micro_batches
+            },
+            "advantages": torch.cat(
+                [mb.advantages[e] for mb, e in zip(batch.micro_batches, ends, strict=True)]
+            ),
+            "indices": [s.index for s in batch.samples],
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_dp_denominators_and_batch_advantages_span_ranks():
+    from dist_utils import run_distributed
+
+    ranks = run_distributed(_dp_rollout, 2)
+    dp2 = [r["dp2"] for r in ranks]
+    assert dp2[0]["indices"] == list(range(6)) and dp2[1]["indices"] == list(range(6, 12))
+    total = float(dp2[0]["loss_tokens"] + dp2[1]["loss_tokens"])
+    assert dp2[0]["denominators"] == dp2[1]["denominators"] == {(total, 12)}
+    rewards = torch.tensor(dp2[0]["rewards"] + dp2[1]["rewards"], dtype=torch.float64)
+    assert rewards.std() > 0  # otherwise the advantage check below would be vacuous
+    expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    torch.testing.assert_close(torch.cat([dp2[0]["advantages"], dp2[1]["advantages"]]), expected.float())
+    # DP=1 on 2 ranks: both hold the same data; the sums divide the replica out.
+    dp1 = [r["dp1"] for r in ranks]
+    assert dp1[0]["rewards"] == dp1[1]["rewards"]
+    assert dp1[0]["denominators"] == {(float(dp1[0]["loss_tokens"]), 12)}
