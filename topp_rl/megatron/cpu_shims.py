@@ -114,9 +114,10 @@ class TorchCoreAttention(torch.nn.Module):
     """Pure-torch core attention for packed (THD) batches, with optional zigzag context parallelism.
 
     Equals, per sequence, `softmax(q k^T * scale + causal_mask) v` with GQA heads repeated; sequences in a pack
-    never see each other (block-diagonal causal mask). With CP the local rows are this rank's zigzag chunks of
-    every sequence; K/V are all-gathered over the CP group and the causal mask compares indices in the padded
-    packed stream (padding sits at each sequence's end, so real queries never see padding keys).
+    never see each other (computed per sequence block, not as one masked [T, T] product). With CP the local rows
+    are this rank's zigzag chunks of every sequence; K/V are all-gathered over the CP group and the causal mask
+    compares indices in the padded packed stream (padding sits at each sequence's end, so real queries never
+    see padding keys).
     Signature matches megatron-core's core-attention ModuleSpec contract.
     """
 
@@ -150,6 +151,7 @@ class TorchCoreAttention(torch.nn.Module):
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
+        cu = cu.to(torch.int64)
         cp_size = self.cp_group.size() if self.cp_group is not None else 1
         cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
         q_index, q_seq = packed_index_map(cu, cp_size=cp_size, cp_rank=cp_rank)
@@ -158,17 +160,37 @@ class TorchCoreAttention(torch.nn.Module):
             key = _AllGatherRows.apply(key, self.cp_group)
             value = _AllGatherRows.apply(value, self.cp_group)
             maps = [packed_index_map(cu, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
-            k_index = torch.cat([m[0] for m in maps])
-            k_seq = torch.cat([m[1] for m in maps])
+            k_index, k_seq = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
         else:
             k_index, k_seq = q_index, q_seq
-        allowed = (q_seq[:, None] == k_seq[None, :]) & (k_index[None, :] <= q_index[:, None])  # [Tq, Tk]
-
-        rep = self.heads // self.groups
-        k = key.repeat_interleave(rep, dim=1) if rep > 1 else key  # [Tk, nh, d]
-        v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
-        scores = torch.einsum("qhd,khd->hqk", query.float(), k.float()) * self.scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out = torch.einsum("hqk,khd->qhd", probs, v)  # [Tq, nh, d]
+        out = _per_sequence_attention(query, key, value, q_index=q_index, q_seq=q_seq, k_index=k_index,
+                                      k_seq=k_seq, cu=cu, scale=self.scale, rep=self.heads // self.groups)
         return out.reshape(out.shape[0], -1)
+
+
+def _per_sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, q_index: Tensor, q_seq: Tensor,
+                            k_index: Tensor, k_seq: Tensor, cu: Tensor, scale: float, rep: int) -> Tensor:
+    """Causal attention of each sequence's local queries [Tq, h, d] over its keys/values [Tk, g, d].
+
+    Rows are scattered into [B, L] per-sequence blocks (one index_put each), so the cost is sum of L_q * L_k per
+    sequence rather than T_q * T_k over the whole pack; the causal mask compares padded-stream indices.
+    """
+    num_seqs = cu.numel() - 1
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    counts = torch.bincount(q_seq, minlength=num_seqs)
+    q_slot = torch.arange(q_seq.numel(), device=q_seq.device) - (torch.cumsum(counts, 0) - counts)[q_seq]  # rank within sequence
+    k_slot = k_index - starts[k_seq]  # every padded position of a sequence is one key
+    len_q, len_k = int(counts.max()), int(lengths.max())
+    qb = query.new_zeros(num_seqs, len_q, *query.shape[1:]).index_put((q_seq, q_slot), query)
+    kb = key.new_zeros(num_seqs, len_k, *key.shape[1:]).index_put((k_seq, k_slot), key)
+    vb = value.new_zeros(num_seqs, len_k, *value.shape[1:]).index_put((k_seq, k_slot), value)
+    q_pos = torch.full((num_seqs, len_q), -1, dtype=torch.int64, device=q_seq.device).index_put((q_seq, q_slot), q_index - starts[q_seq])
+    k_pos = torch.arange(len_k, device=q_seq.device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, :] < lengths[:, None])[:, None, :]
+    allowed[:, :, 0] |= q_pos < 0  # empty query slots: attend to one key so softmax stays finite (discarded)
+    if rep > 1:
+        kb, vb = kb.repeat_interleave(rep, dim=2), vb.repeat_interleave(rep, dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=allowed[:, None], scale=scale
+    )  # [B, h, Lq, d]
+    return out.transpose(1, 2)[q_seq, q_slot]  # [Tq, h, d]
