@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -93,11 +92,10 @@ def reference(model, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
 def _case(family: str, tp: int, cp: int) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
 
     from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone, load_hf_into
-    from transformers import AutoModelForCausalLM
-
     from topp_rl.megatron.export import hf_state_dict, save_hf_checkpoint
     from topp_rl.parallel import ParallelLayout
 

@@ -11,7 +11,6 @@ import tempfile
 
 import pytest
 import torch
-
 from test_megatron_equivalence import TEMPERATURE, hf_model, packed_batch, reference
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 STEPS = 2

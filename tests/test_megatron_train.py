@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
