@@ -134,3 +134,14 @@ def test_bad_prompts():
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt 0 has token ids outside the model vocabulary \[0, 96\)"):
         engine.generate([[1, 96]], SamplingParams())
+
+
+@pytest.mark.gpu
+def test_exact_on_cuda():
+    params = SamplingParams(top_p=0.8, temperature=0.9, max_new_tokens=12, n=2)
+    engine = EmbeddedEngine(_model().cuda(), eos_token_id=2, progress=False)
+    reference = _model()  # same seed: the same weights, on the CPU
+    for s in engine.generate(PROMPTS, params, seed=3):
+        rows, masked, _ = _replay(reference, s, params)
+        assert [sorted(r) for r in s.candidates.to_lists()] == [sorted(r) for r in rows]
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-4, rtol=0)

@@ -4,6 +4,8 @@ import numpy as np
 import pybase64
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from topp_rl.ops import Candidates
 from topp_rl.rollout.wire import (
@@ -92,3 +94,20 @@ def test_merge_rejects_broken_part():
     broken = {IDS_KEY: _b64([1]), OFFSETS_KEY: _b64([0, 2])}
     with pytest.raises(ValueError, match="part 1: last candidate offset 2"):
         merge_encoded([encode_candidates(Candidates.from_lists([[1]])), broken])
+
+
+@given(
+    rows=st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), max_size=12),
+    form=st.sampled_from(["b64", "bytes", "lists", "nested"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_round_trip_any_rows(rows, form):
+    cands = Candidates.from_lists(rows)
+    meta = encode_candidates(cands)
+    if form == "bytes":
+        meta = {k: pybase64.b64decode(v) for k, v in meta.items()}
+    elif form == "lists":
+        meta = {IDS_KEY: cands.ids.tolist(), OFFSETS_KEY: cands.offsets.tolist()}
+    elif form == "nested":
+        meta = {"output_token_sampling_mask": rows}
+    assert decode_candidates(meta, num_tokens=len(rows)).to_lists() == rows
