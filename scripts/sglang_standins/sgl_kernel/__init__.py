@@ -1,10 +1,10 @@
-"""Pure-torch stand-in for `sgl_kernel` (SGLang's compiled kernel package) on a CPU-only machine.
+"""Stand-in for `sgl_kernel` (SGLang's compiled kernel package) on a CPU-only machine, in plain torch.
 
-PyPI ships `sgl_kernel` only as CUDA builds. SGLang imports it when `SGLANG_USE_CPU_ENGINE=1` and, on the
-torch-native CPU path (`--attention-backend torch_native`), calls two ops from it (KV-cache bookkeeping, not
-model math). This package provides those two ops in plain torch; any other name imports as a function that
-raises NotImplementedError when called; with `torch.ops.sgl_kernel.*` absent, SGLang takes its torch-native fallbacks for the
-rest (the CUDA assumption replaced: "the CPU engine always has the compiled AMX kernels").
+CUDA assumption replaced: "sgl_kernel is always installed, with compiled kernels for this device". PyPI ships
+it only as CUDA builds, yet SGLang imports it whenever `SGLANG_USE_CPU_ENGINE=1`. On the torch-native CPU path
+(`--attention-backend torch_native`) it calls two ops from it, both KV-cache bookkeeping rather than model math;
+they are implemented here. Every other name imports as a function that raises NotImplementedError when called,
+and with `torch.ops.sgl_kernel.*` absent SGLang takes its torch-native fallbacks (no AMX GEMMs).
 """
 
 import ctypes
