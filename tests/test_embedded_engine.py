@@ -134,6 +134,8 @@ def test_bad_prompts():
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt 0 has token ids outside the model vocabulary \[0, 96\)"):
         engine.generate([[1, 96]], SamplingParams())
+    with pytest.raises(ValueError, match=r"= 1030 exceeds the model's max_position_embeddings \(1024\)"):
+        engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
 
 
 @pytest.mark.gpu

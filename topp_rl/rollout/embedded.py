@@ -11,6 +11,7 @@ draw uses one seeded `torch.Generator` per `generate` call, so the same seed giv
 import copy
 import inspect
 import math
+import os
 from collections.abc import Iterable
 
 import torch
@@ -52,7 +53,6 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
-        self._state = self.model.state_dict()
 
     @property
     def device(self) -> torch.device:
@@ -69,8 +69,16 @@ class EmbeddedEngine(RolloutEngine):
                 raise ValueError(
                     f"prompt {i} has token ids outside the model vocabulary [0, {self.vocab_size})"
                 )
+        longest = max(map(len, prompts), default=0) + params.max_new_tokens
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"longest prompt + max_new_tokens = {longest} exceeds the model's max_position_embeddings "
+                f"({limit}); shorten the prompts or lower max_new_tokens"
+            )
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        # No seed: fresh entropy, without touching torch's global RNG (torch.seed() would reseed it).
+        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         samples: list[Sample] = []
         for start in range(0, len(expanded), self.max_batch_size):
@@ -151,9 +159,10 @@ class EmbeddedEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's own model, in memory (tied weights update together)."""
+        state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():
             for name, tensor in named_tensors:
-                target = self._state.get(name)
+                target = state.get(name)
                 if target is None:
                     raise ValueError(f"update_weights: {name!r} is not a parameter of the engine's model")
                 if target.shape != tensor.shape:
