@@ -7,12 +7,16 @@ DP sampler split, the gradient sum over DP x CP with accumulation, TP-aware clip
 A checkpoint round trip (HF-named full weights + per-TP-rank optimizer state) is checked at the end.
 """
 
+import importlib.util
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_utils import run_distributed
+
+NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core (the `megatron` extra) is not installed")
 
 STEPS = 2
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
@@ -136,6 +140,7 @@ def _worker(rank: int, tmp: str) -> dict:
     return results
 
 
+@NO_MEGATRON
 @pytest.mark.distributed
 def test_strategy_trains_like_the_hf_model(tmp_path):
     results = run_distributed(_worker, 4, str(tmp_path), timeout=500, preload=PRELOAD)

@@ -10,12 +10,16 @@
 """
 
 import csv
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_distributed
+
+NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core (the `megatron` extra) is not installed")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -61,6 +65,7 @@ def _worker(rank: int, tmp: str) -> dict:
     return out
 
 
+@NO_MEGATRON
 @pytest.mark.distributed
 def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     results = run_distributed(_worker, 2, str(tmp_path), timeout=400, preload=PRELOAD)
