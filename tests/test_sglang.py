@@ -11,6 +11,7 @@ import copy
 import os
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,63 @@ def test_bad_input_and_unreachable_server(engine):
             urls=[f"http://127.0.0.1:{free_port()}"], max_retries=2, backoff_s=0.05, vocab_size=VOCAB
         )
     assert time.monotonic() - start < 10
+
+
+class _FlakyProxy(ThreadingHTTPServer):
+    """Forwards to the real server, but answers the first `failures` POSTs to /generate with HTTP 503 (an
+    overloaded server), which a real SGLang cannot be made to do on demand."""
+
+    def __init__(self, target: str, failures: int) -> None:
+        self.target, self.failures, self.served_503 = target, failures, 0
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def _forward(self, method: str) -> None:
+        proxy = self.server
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if method == "POST" and self.path == "/generate" and proxy.served_503 < proxy.failures:
+            proxy.served_503 += 1
+            status, payload = 503, b"overloaded"
+        else:
+            resp = requests.request(method, proxy.target + self.path, data=body or None,
+                                    headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+            status, payload = resp.status_code, resp.content
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:
+        self._forward("GET")
+
+    def do_POST(self) -> None:
+        self._forward("POST")
+
+
+def test_5xx_is_retried_with_backoff(engine, model_dir, model):
+    proxy = _FlakyProxy(engine.urls[0], failures=3)
+    try:
+        client = SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
+        with client:
+            samples = client.generate(PROMPTS[:1], SamplingParams(top_p=0.9, max_new_tokens=4))
+        assert proxy.served_503 == 3  # the probe at connect time and the rollout both went through retries
+        assert samples[0].response_length == 4 and samples[0].candidates.num_rows == 4
+        _assert_follows(samples, model)
+        proxy.failures += 10  # more failures than retries: the error names the attempts and the last status
+        with pytest.raises(SGLangRequestError, match="after 5 attempts.*HTTP 503"):
+            SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
 
 
 def test_server_process_group_gone_after_close(engine):
