@@ -8,6 +8,7 @@ Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,7 +187,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     torch.set_num_threads(cfg.get("num_threads") or torch.get_num_threads())
     run = build_run(cfg)
     try:
-        with run.engine:
+        with run.engine, warnings.catch_warnings():
+            # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
+            warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
             run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
     finally:
         for logger in run.loggers:  # a sweep runs jobs in one process: close each W&B run
