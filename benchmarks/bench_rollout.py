@@ -96,7 +96,7 @@ def main() -> None:
     overhead = median["embedded_norecord"] / median["embedded_record"]
     vs_dense = median["embedded_dense_sort"] / median["embedded_record"]
     if args.sglang != "off":
-        rows += _sglang_rows(model, prompts, params, args)
+        rows += _sglang_rows(model, args)
     print(
         f"model qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch} "
         f"prompt={args.prompt_len} new={args.new_tokens} top_p={args.top_p} top_k={args.top_k} "
@@ -122,9 +122,9 @@ def main() -> None:
         )
 
 
-def _sglang_rows(model, prompts, params, args) -> list[dict]:
+def _sglang_rows(model, args) -> list[dict]:
     try:  # built in parallel with this benchmark; optional here
-        from topp_rl.rollout.sglang import SGLangEngine
+        from topp_rl.rollout.sglang_bench import sglang_tokens_per_s
         from topp_rl.rollout.sglang_server import sglang_python
     except ImportError as err:
         if args.sglang == "on":
@@ -138,14 +138,17 @@ def _sglang_rows(model, prompts, params, args) -> list[dict]:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         save_model(model, None, tmp)
-        with SGLangEngine(model_path=tmp, progress=False) as engine:
-            engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
-            rates = []
-            for rep in range(max(1, args.reps // 2)):
-                start = time.perf_counter()
-                samples = engine.generate(prompts, params, seed=rep)
-                rates.append(sum(s.response_length for s in samples) / (time.perf_counter() - start))
-    return [{"name": "sglang_server", "tokens_per_s": statistics.median(rates), "reps": rates}]
+        # Same prompts as the embedded arms (seed-0 randint over [3, vocab), same shape), candidates recorded.
+        result = sglang_tokens_per_s(
+            model_path=tmp,
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            reps=max(1, args.reps // 2),
+        )
+    return [{"name": "sglang_server", "tokens_per_s": result["tokens_per_s"], "reps": result["reps"]}]
 
 
 if __name__ == "__main__":
