@@ -17,6 +17,7 @@ def test_from_lists_round_trip(rows):
     assert c.ids.dtype == torch.int32 and c.offsets.dtype == torch.int32
     assert c.num_rows == len(rows) == len(c)
     assert c.to_lists() == rows
+    assert c == Candidates.from_lists(rows) and c != Candidates.from_lists(rows + [[1]])
     assert c.row_lengths().tolist() == [len(r) for r in rows]
     assert c.row_of_ids().tolist() == [i for i, r in enumerate(rows) for _ in r]
     assert c.nonempty_rows().tolist() == [i for i, r in enumerate(rows) if r]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Candidates:
     """CSR candidate sets: `ids` int32 [K], `offsets` int32 [N + 1] (offsets[0] = 0, non-decreasing, [-1] = K)."""
 
@@ -48,6 +48,17 @@ class Candidates:
                 f"Candidates.offsets decrease at row {row} ({int(self.offsets[row])} -> "
                 f"{int(self.offsets[row + 1])}); offsets must be non-decreasing (row i = ids[offsets[i]:offsets[i+1]])"
             )
+
+    def __eq__(self, other: object) -> bool:
+        """Same rows with the same ids in the same order (tensor-valued fields make the dataclass default
+        ambiguous)."""
+        if not isinstance(other, Candidates):
+            return NotImplemented
+        return torch.equal(self.offsets.cpu(), other.offsets.cpu()) and torch.equal(
+            self.ids.cpu(), other.ids.cpu()
+        )
+
+    __hash__ = None  # mutable tensor contents: not hashable
 
     @property
     def num_rows(self) -> int:
