@@ -230,7 +230,7 @@ class _FlakyProxy(ThreadingHTTPServer):
     overloaded server), which a real SGLang cannot be made to do on demand."""
 
     def __init__(self, target: str, failures: int) -> None:
-        self.target, self.failures, self.served_503 = target, failures, 0
+        self.target, self.failures, self.served_503, self.forwarded_generate = target, failures, 0, 0
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -250,6 +250,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             proxy.served_503 += 1
             status, payload = 503, b"overloaded"
         else:
+            proxy.forwarded_generate += method == "POST" and self.path == "/generate"
             resp = requests.request(method, proxy.target + self.path, data=body or None,
                                     headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
             status, payload = resp.status_code, resp.content
@@ -265,7 +266,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self._forward("POST")
 
 
-def test_5xx_is_retried_with_backoff(engine, model_dir, model):
+def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, model):
     proxy = _FlakyProxy(engine.urls[0], failures=3)
     try:
         client = SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
@@ -274,6 +275,11 @@ def test_5xx_is_retried_with_backoff(engine, model_dir, model):
         assert proxy.served_503 == 3  # the probe at connect time and the rollout both went through retries
         assert samples[0].response_length == 4 and samples[0].candidates.num_rows == 4
         _assert_follows(samples, model)
+        # Round-robin over two URLs (the proxy and the server itself): every other sample goes through the proxy.
+        before = proxy.forwarded_generate
+        with SGLangEngine(urls=[engine.urls[0], proxy.url], model_path=model_dir, progress=False) as both:
+            both.generate(PROMPTS[:1], SamplingParams(top_p=0.9, max_new_tokens=2, n=6))
+        assert proxy.forwarded_generate - before == 1 + 3  # its connect-time probe + samples 1, 3, 5
         proxy.failures += 10  # more failures than retries: the error names the attempts and the last status
         with pytest.raises(SGLangRequestError, match="after 5 attempts.*HTTP 503"):
             SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
