@@ -16,7 +16,8 @@ timed against one decode step of a sort-based torch sampler on [64, V] logits.
 Every case runs in a fresh subprocess (--quick: in-process) with the inputs built first; peak memory is the
 growth of the peak RSS over the RSS after setup (the peak is reset through /proc/self/clear_refs), time the
 median over --reps repetitions. Timings on a shared machine are noisy: compare ratios from one run. On an
-oversubscribed machine small ops stall at OpenMP barriers (ms each with 2 threads); --threads 1 avoids that.
+oversubscribed machine spinning OpenMP workers stall small ops, so the script sets OMP_WAIT_POLICY=passive
+(unless already set) for every case; --threads 1 is the other way out.
 """
 
 from __future__ import annotations
@@ -24,15 +25,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Before torch loads OpenMP: idle OpenMP workers sleep instead of spinning. On a shared, oversubscribed machine
+# spinning threads stall every parallel op (the same case varied 0.8-3.6 s with spinning, 0.13-0.16 s without);
+# it applies to every case alike. Override by setting OMP_WAIT_POLICY yourself.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from topp_rl.ops import Candidates, candidate_head_logprobs, keep_mask, sampling_candidates, token_logprobs
+import torch  # noqa: E402
+
+from topp_rl.ops import (  # noqa: E402
+    Candidates,
+    candidate_head_logprobs,
+    keep_mask,
+    sampling_candidates,
+    token_logprobs,
+)
 
 SHAPES = {
     "full": dict(rows=4096, hidden=576, vocab=49152, mask_rows=16384, mask_vocab=75968, decode_batch=64),
@@ -318,7 +331,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     targets = _targets(by_name)
     for tg in targets:
         tg["met"] = _meets(tg["value"], tg["target"])
-    print(f"shape={shape_name} {SHAPES[shape_name]} reps={reps} threads={torch.get_num_threads()}")
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    print(
+        f"shape={shape_name} {SHAPES[shape_name]} reps={reps} threads={torch.get_num_threads()} OMP_WAIT_POLICY={omp}"
+    )
     print(f"{'case':36s} {'ms':>10s} {'peak MB':>9s} {'ratio':>7s}  (ratio = ms / ms of)")
     for r in results:
         print(f"{r['name']:36s} {r['ms']:10.1f} {r['peak_mb']:9.1f} {r['ratio']:7.3f}  {r['ratio_to']}")
