@@ -1,4 +1,5 @@
-"""`MegatronStrategy` under a real Lightning Trainer on 4 CPU processes: `PolicyModule` (GRPO loss, SGD, grad
+"""`MegatronStrategy` under a real Lightning Trainer on 4 CPU processes: `PolicyModule` (GRPO loss with a KL term to the frozen
+reference, which the strategy converts too; SGD, grad
 clipping, two micro-batches per step; SGD because Adam's m / sqrt(v) turns 1e-7 gradient noise on near-zero
 gradients into lr-sized weight differences) trained through Megatron at (TP, CP, DP) = (2, 1, 2), (1, 2, 2) and
 (2, 2, 1) ends with the same weights (exported under HF names) and the same gradient norms as the same module
@@ -85,7 +86,7 @@ def fit(policy, items, *, strategy, devices: int, tmp: str):
     from topp_rl.module import PolicyModule
 
     module = PolicyModule(
-        policy=policy, loss=GRPOLoss(eps_clip=0.2, eps_clip_high=0.28), hook=ToppLogProb(temperature=0.9),
+        policy=policy, loss=GRPOLoss(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.05), hook=ToppLogProb(temperature=0.9),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5), grad_clip=0.5,
     )
     record = _Record()
