@@ -1,10 +1,11 @@
-"""`MegatronStrategy` under a real Lightning Trainer on 4 CPU processes: `PolicyModule` (GRPO loss with a KL term to the frozen
-reference, which the strategy converts too; SGD, grad
-clipping, two micro-batches per step; SGD because Adam's m / sqrt(v) turns 1e-7 gradient noise on near-zero
-gradients into lr-sized weight differences) trained through Megatron at (TP, CP, DP) = (2, 1, 2), (1, 2, 2) and
+"""`MegatronStrategy` under a real Lightning Trainer on 4 CPU processes.
+
+`PolicyModule` (GRPO loss with a KL term to the frozen reference, which the strategy converts too; SGD; grad
+clipping; two micro-batches per step) trained through Megatron at (TP, CP, DP) = (2, 1, 2), (1, 2, 2) and
 (2, 2, 1) ends with the same weights (exported under HF names) and the same gradient norms as the same module
 trained on the HF model in one process over the union of the DP shards. This checks the policy conversion, the
 DP sampler split, the gradient sum over DP x CP with accumulation, TP-aware clipping and the export together.
+SGD, because Adam's first step is sign(g): 1e-7 noise on near-zero gradients becomes lr-sized weight differences.
 A checkpoint round trip (HF-named full weights + per-TP-rank optimizer state) is checked at the end.
 """
 
