@@ -22,6 +22,7 @@ from topp_rl.models import build_tiny_model, save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
 from topp_rl.rollout.sglang_server import _group_alive, free_port, sglang_python
+from topp_rl.rollout.wire import decode_candidates
 
 pytestmark = pytest.mark.sglang
 if sglang_python() is None:
@@ -87,6 +88,13 @@ def test_patched_server_detected(engine):
     # The compact arrays come from the server (not a client-side re-encoding), one row per output token.
     assert "candidate_ids_b64" in compact and "output_token_sampling_mask" not in compact
     assert compact["output_token_sampling_mask_length"] == 4
+    # "support" mode: one renormalised log-prob per kept id, row by row, next to the compact rows.
+    support = requests.post(f"{engine.urls[0]}/generate", json={**body, "sampling_logprobs_mode": "support"},
+                            timeout=60).json()["meta_info"]  # fmt: skip
+    cands = decode_candidates(support, num_tokens=4, vocab_size=VOCAB)
+    rows = support["output_token_sampling_logprobs"]
+    assert [len(r) for r in rows] == cands.row_lengths().tolist()
+    assert all(abs(torch.tensor(r).exp().sum().item() - 1) < 1e-4 for r in rows)  # each row renormalised
     body.pop("return_sampling_mask_b64")
     nested = requests.post(f"{engine.urls[0]}/generate", json=body, timeout=60).json()["meta_info"]
     assert "candidate_ids_b64" not in nested and len(nested["output_token_sampling_mask"]) == 4
@@ -217,6 +225,8 @@ def test_bad_input_and_unreachable_server(engine):
         engine.generate([[VOCAB]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="sampling-mask-max-tokens"):
         engine.generate([[1]], SamplingParams(top_k=VOCAB + 1, max_new_tokens=2))
+    with pytest.raises(ValueError, match="config.json does not exist"):
+        SGLangEngine(model_path=Path(engine.model_path).parent / "no-such-model")
     start = time.monotonic()
     with pytest.raises(SGLangRequestError, match="after 3 attempts"):
         SGLangEngine(
