@@ -77,6 +77,7 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.devices=2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
         ("trainer.devices=3 parallel.tp_size=2", "parallel.tp_size * parallel.cp_size"),
+        ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),
         ("module.ppo_epochs=0", "module.ppo_epochs"),
         ("optimizer.lr=0", "optimizer.lr"),
     ],

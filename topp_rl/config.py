@@ -51,6 +51,11 @@ def validate_parallel(cfg: DictConfig) -> None:
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
               f"use a multiple of {dp}, so that every rank gets whole prompt groups")
+    if world > 1 and not p.get("strategy"):
+        # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
+        # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.
+        _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
+              "use trainer.devices=1, or a parallel/ config with a strategy (e.g. the Megatron ones)")
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.checkpoint import AtomicCheckpointIO, RolloutCheckpoint
@@ -184,20 +185,28 @@ def print_summary(summary: dict[str, float], output_dir: str) -> None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit one run from a composed config; returns the summary figures (also printed)."""
-    torch.set_num_threads(cfg.get("num_threads") or torch.get_num_threads())
-    run = build_run(cfg)
+    threads = torch.get_num_threads()
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
     try:
-        with run.engine, warnings.catch_warnings():
-            # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
-            warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
+        run = build_run(cfg)
+        fit(run)
     finally:
-        for logger in run.loggers:  # a sweep runs jobs in one process: close each W&B run
-            finish = getattr(getattr(logger, "experiment", None), "finish", None)
-            if finish is not None and type(logger).__name__ == "WandbLogger":
-                finish()
+        torch.set_num_threads(threads)  # tests run several trainings in one process
     summary = run.summary.summary()
     if run.trainer.is_global_zero:
         print_summary(summary, str(cfg.paths.output_dir))
         OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=False)
     return summary
+
+
+def fit(run: Run) -> None:
+    try:
+        with run.engine, warnings.catch_warnings():
+            # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
+            warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
+            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.cfg.get("ckpt_path"))
+    finally:
+        for logger in run.loggers:  # a sweep runs its jobs in one process: close each W&B run
+            if isinstance(logger, WandbLogger):
+                logger.experiment.finish()
