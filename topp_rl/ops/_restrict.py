@@ -117,6 +117,8 @@ def reduce_over_tp(
 
 @dataclass(frozen=True)
 class Plan:
+    """Which rows are restricted (and their pairs) and which stream the full vocabulary, for one call."""
+
     tokens: torch.Tensor  # int64 [T] global ids
     vocab_start: int
     vocab_local: int
@@ -125,7 +127,14 @@ class Plan:
     free_rows: torch.Tensor | None  # int64 rows without candidates; None = all rows
 
 
-def make_plan(tokens, restricted, *, num_rows: int, vocab_local: int, vocab_start: int) -> Plan:
+def make_plan(
+    tokens: torch.Tensor,
+    restricted: tuple[Candidates, torch.Tensor] | None,
+    *,
+    num_rows: int,
+    vocab_local: int,
+    vocab_start: int,
+) -> Plan:
     if restricted is None:
         empty = torch.zeros(0, dtype=torch.int64, device=tokens.device)
         return Plan(tokens, vocab_start, vocab_local, cand_rows=empty, pairs=None, free_rows=None)
