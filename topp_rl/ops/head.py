@@ -38,7 +38,11 @@ def candidate_head_logprobs(
     vocab_start: int = 0,
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Log-probs [T] of `tokens` under logits hidden [T, H] @ weight[V_local, H].T / temperature, restricted."""
+    """Log-probs [T] of `tokens` under logits hidden [T, H] @ weight[V_local, H].T / temperature, restricted.
+
+    Equals token_logprobs(hidden @ weight.T, tokens, cands=..., rows=..., ...) in values and in gradients
+    w.r.t. hidden and weight; `cands=None` leaves every row unrestricted.
+    """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [T, H] and [V_local, H] "

@@ -50,6 +50,9 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [T] (float32, or float64 for float64 logits) of `tokens` under `logits` [T, V_local].
 
+    Equals log_softmax(z)[i, tokens[i]] with z = L / temperature and z[i, v] = -inf outside
+    cands(i) U {tokens[i]} for candidate rows (L = all TP shards side by side); see the module docstring.
+
     `rows` [cands.num_rows] maps candidate row j to local logits row rows[j] (None: identity). Every candidate
     row must be non-empty; rows not listed are unrestricted. With `return_entropy`, returns (logprobs, entropy).
     """
