@@ -1,7 +1,7 @@
 """Time per RL step of the default run, split into generation, old-log-prob pass and optimisation, with the
 candidate mask on and off, side by side in one process.
 
-    .venv/bin/python benchmarks/bench_train_step.py [--steps 6] [--json out.json] [hydra overrides ...]
+    .venv/bin/python benchmarks/bench_train_step.py [--steps N] [--repeats 2] [--json out.json] [overrides ...]
 
 Each variant runs the default config (`train.py algo=grpo rollout.top_p=0.9` unless overridden) through the real
 Trainer. Generation is the time from the previous step's end (after the weight sync) to this step's start, i.e.
@@ -17,10 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.train import build_run
+from topp_rl.train import build_run, fit
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("generate_s", "old_logprob_s", "optim_s", "step_s")
@@ -50,25 +51,27 @@ class StepTimer(Callback):
         self._mark = end
 
 
-def run_variant(overrides: list[str], *, steps: int, use_mask: bool) -> list[dict[str, float]]:
+def run_variant(overrides: list[str], *, steps: int | None, use_mask: bool) -> list[dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="bench_train_step_") as tmp:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("config", overrides=[
                 "algo=grpo", "rollout.top_p=0.9", "logger=none", "checkpoint.every_n_steps=0",
-                f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false", f"paths.output_dir={tmp}",
+                *([f"trainer.max_steps={steps}"] if steps else []), "trainer.enable_progress_bar=false",
+                f"paths.output_dir={tmp}",
                 f"module.use_mask={str(use_mask).lower()}", "+rollout.engine.progress=false", *overrides,
             ])
+        if cfg.num_threads:
+            torch.set_num_threads(int(cfg.num_threads))  # as train() does
         run = build_run(cfg)
         timer = StepTimer()
         run.trainer.callbacks.append(timer)
-        with run.engine:
-            run.trainer.fit(run.module, datamodule=run.datamodule)
+        fit(run)
     return timer.rows[1:] or timer.rows  # the first step is warm-up
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=None, help="rollout steps per run (default: the config's)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant, interleaved on/off/on/off")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. rollout.n_samples=16")
