@@ -39,6 +39,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 cons=(-c scripts/sglang-constraints.txt)
 "${pip[@]}" "${cons[@]}" torch==2.13.0 >&2
 "${pip[@]}" --no-deps sglang==0.5.23 >&2
+# pip then lists "sglang 0.5.23 requires X, which is not installed / but you have Y": expected, since sglang's
+# metadata pins the CUDA stack (torch 2.14.1, sglang-kernel, flashinfer, ...) that we replace on purpose.
 "${pip[@]}" "${cons[@]}" -r scripts/sglang-requirements.txt >&2
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

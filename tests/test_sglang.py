@@ -208,11 +208,15 @@ def test_weight_sync_changes_and_restores_outputs(engine, model, sync):
 def test_aborted_requests_give_empty_aborted_samples(engine):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
-    worker.start()
-    time.sleep(3.0)
-    requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
-    worker.join(timeout=120)
+    engine.extra_sampling_params = {"ignore_eos": True}  # runs far past the abort (3000 tokens, >= 6 s here)
+    try:
+        worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
+        worker.start()
+        time.sleep(1.5)
+        requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
+        worker.join(timeout=120)
+    finally:
+        engine.extra_sampling_params = {}
     samples = result["samples"]
     assert [s.status for s in samples] == [SampleStatus.ABORTED] * 2
     for s in samples:

@@ -65,6 +65,7 @@ class SGLangEngine(RolloutEngine):
         max_backoff_s: float = 8.0,
         request_timeout_s: float = 600.0,
         progress: bool = True,
+        extra_sampling_params: dict[str, Any] | None = None,
         server_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not urls and model_path is None:
@@ -84,6 +85,8 @@ class SGLangEngine(RolloutEngine):
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.request_timeout_s = request_timeout_s
         self.progress = progress
+        # SGLang-only sampling keys (e.g. {"ignore_eos": True} for benchmarks), added to every request.
+        self.extra_sampling_params = dict(extra_sampling_params or {})
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
         self._distributed: DistributedWeightSender | None = None
@@ -148,8 +151,9 @@ class SGLangEngine(RolloutEngine):
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         futures = [
             self._pool.submit(
-                self._generate_one,
+                self._post,
                 self.urls[i % len(self.urls)],
+                "/generate",
                 self._payload(prompt, params, top_k=top_k, wants_mask=wants_mask, seed=seed, index=i),
             )
             for i, (_, prompt) in enumerate(expanded)
@@ -195,6 +199,12 @@ class SGLangEngine(RolloutEngine):
             "max_new_tokens": params.max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids),
         }
+        clash = sampling.keys() & self.extra_sampling_params.keys()
+        if clash:
+            raise ValueError(
+                f"extra_sampling_params sets {sorted(clash)}, which SamplingParams controls; set them there"
+            )
+        sampling.update(self.extra_sampling_params)
         if seed is not None and params.min_p == 0:
             sampling["sampling_seed"] = (seed * _SEED_STRIDE + index) % (2**63)
         payload = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
@@ -203,9 +213,6 @@ class SGLangEngine(RolloutEngine):
             if self.patched:
                 payload["return_sampling_mask_b64"] = True
         return payload
-
-    def _generate_one(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self._post(url, "/generate", payload)
 
     def _to_sample(self, prompt: list[int], out: dict[str, Any], *, wants_mask: bool) -> Sample:
         meta = out["meta_info"]

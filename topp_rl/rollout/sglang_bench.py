@@ -1,8 +1,9 @@
 """Throughput of a real SGLang CPU server through `SGLangEngine`, for `benchmarks/bench_rollout.py`.
 
 Generated tokens per second of wall time for a batch of prompts sent at once (the server batches them
-continuously), median over repetitions after one warm-up call. Candidate recording is on (the patched compact
-wire format when available), so the figure is what a rollout step costs, mask transfer included.
+continuously), median over repetitions after one warm-up call; EOS is ignored so every sample generates exactly
+`new_tokens`. Candidate recording is on (the patched compact wire format when available), so the figure is what
+a rollout step costs, mask transfer included.
 """
 
 import statistics
@@ -37,6 +38,8 @@ def sglang_tokens_per_s(
         )
     owned = engine is None
     engine = engine or SGLangEngine(model_path=model_path, progress=False)
+    extra = engine.extra_sampling_params
+    engine.extra_sampling_params = {**extra, "ignore_eos": True}  # every sample runs to new_tokens
     try:
         gen = torch.Generator().manual_seed(seed)
         # Distinct prompts, so the radix cache cannot share prefills between them.
@@ -49,6 +52,7 @@ def sglang_tokens_per_s(
             samples = engine.generate(prompts, params)
             rates.append(sum(s.response_length for s in samples) / (time.perf_counter() - start))
     finally:
+        engine.extra_sampling_params = extra
         if owned:
             engine.close()
     return {"tokens_per_s": statistics.median(rates), "reps": rates, "batch": batch, "new_tokens": new_tokens}
