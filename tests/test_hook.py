@@ -1,5 +1,5 @@
 """`ToppLogProb` against the dense masked reference: values and gradients on a packed batch (CP 1 here, CP 2 over
-gloo in one spawn), the mask switch, empty (unrestricted) candidate rows, and the logits / entropy paths."""
+gloo in one spawn, with PolicyModule's CP gather), the mask switch, empty (unrestricted) candidate rows, and the logits / entropy paths."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from topp_rl.hook import ToppLogProb
+from topp_rl.module import gather_tokens
 from topp_rl.ops import Candidates
 from topp_rl.parallel import ParallelLayout, cp_local_positions
 from topp_rl.rollout.packing import PackedBatch
@@ -141,11 +142,12 @@ def _cp_worker(rank: int) -> dict:
         local_hidden = hidden[positions.clamp(min=0)].clone().requires_grad_()
         layout = ParallelLayout(vocab_size=V, cp_size=world, cp_rank=rank, cp_mode=mode, cp_group=dist.group.WORLD)
         out = ToppLogProb(temperature=TEMP)(batch, layout=layout, hidden=local_hidden, weight=weight)
-        w = torch.linspace(-1, 2, R, dtype=torch.float64)[out.token_index]
-        (out.logprobs * w).sum().backward()
+        # PolicyModule's CP gather: every rank sees all R values; gradient flows only into its own tokens.
+        full = gather_tokens(out.logprobs, out.token_index, num_tokens=R, group=dist.group.WORLD)
+        (full * torch.linspace(-1, 2, R, dtype=torch.float64)).sum().backward()
         real = (positions >= 0)[:, None]
         grad = torch.zeros_like(hidden).index_add_(0, positions.clamp(min=0), local_hidden.grad * real)
-        results[mode] = (out.token_index, out.logprobs.detach(), grad)
+        results[mode] = (out.token_index, out.logprobs.detach(), grad, full.detach())
     return results
 
 
@@ -162,4 +164,6 @@ def test_cp2_ranks_together_equal_the_reference():
         assert torch.equal(index.sort().values, torch.arange(R)), mode  # every token exactly once
         assert all(r[mode][0].numel() > 0 for r in results), mode  # both ranks hold response tokens
         torch.testing.assert_close(values, ref.detach()[index], rtol=1e-10, atol=1e-10)
+        for r in results:
+            torch.testing.assert_close(r[mode][3], ref.detach(), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(results[0][mode][2] + results[1][mode][2], h.grad, rtol=1e-9, atol=1e-10)
