@@ -18,7 +18,7 @@ biased lm_head are not supported (their logits are not hidden @ weight.T).
 
 import copy
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import lightning as L
 import torch
@@ -214,7 +214,20 @@ class PolicyModule(L.LightningModule):
         return {"rollout": batch, "onpolicy": OnPolicyRecord.concat(list(records)), "metrics": metrics}
 
     def clip_and_norm(self) -> float:
-        """Total gradient 2-norm before clipping (clipped in place when `grad_clip` is set)."""
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        """Total gradient 2-norm before clipping (clipped in place when `grad_clip` is set).
+
+        A backbone sharded over TP (`clip_grad_norm_` method) computes the norm of the unsharded model.
+        """
         max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+        if hasattr(self.policy, "clip_grad_norm_"):
+            return float(self.policy.clip_grad_norm_(max_norm))
+        params = [p for p in self.policy.parameters() if p.grad is not None]
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs of the policy for `WeightSync` (a sharded backbone gathers its TP shards)."""
+        if hasattr(self.policy, "hf_named_tensors"):
+            yield from self.policy.hf_named_tensors()
+            return
+        for name, param in self.policy.named_parameters():
+            yield name, param.detach()
