@@ -22,7 +22,7 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,18 +158,20 @@ class SGLangEngine(RolloutEngine):
             )
             for i, (_, prompt) in enumerate(expanded)
         ]
-        samples = []
         bar = tqdm(total=len(futures), desc="sglang rollout", unit="sample", disable=not self.progress)
         try:
-            for i, ((group, prompt), fut) in enumerate(zip(expanded, futures, strict=True)):
-                sample = self._to_sample(prompt, fut.result(), wants_mask=wants_mask)
-                sample.index, sample.group_index = i, group
-                samples.append(sample)
+            for fut in as_completed(futures):  # the bar moves as responses arrive, in any order
+                fut.result()  # the first failure raises here, before any Sample is built
                 bar.update(1)
         finally:
             bar.close()
             for fut in futures:
                 fut.cancel()
+        samples = []
+        for i, ((group, prompt), fut) in enumerate(zip(expanded, futures, strict=True)):
+            sample = self._to_sample(prompt, fut.result(), wants_mask=wants_mask)
+            sample.index, sample.group_index = i, group
+            samples.append(sample)
         return samples
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
