@@ -15,7 +15,7 @@ from topp_rl.parallel import ParallelLayout
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                        reason="megatron-core (the `megatron` extra) is not installed"),
 ]
 
