@@ -80,6 +80,7 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),
         ("module.ppo_epochs=0", "module.ppo_epochs"),
         ("optimizer.lr=0", "optimizer.lr"),
+        ("rollout=sglang parallel=tp2", "rollout"),
     ],
 )
 def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):

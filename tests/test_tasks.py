@@ -41,6 +41,15 @@ def test_arithmetic_prompts_are_seeded_and_rewards_exact():
     assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_chat_template_prompt_ids():
+    """transformers 5's apply_chat_template returns a BatchEncoding: the prompt must be its input ids."""
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    task = get_task("arithmetic", digits=1, seed=0, chat_template=True)
+    record = task.prompt(0, tok)
+    assert record.prompt_ids == tok.encode(f"<{record.text}>", add_special_tokens=False)
+
+
 def test_arithmetic_mod_and_partial_credit():
     task = ArithmeticTask(digits=1, ops="+", mod=10, partial_credit=0.1)
     rec = task.prompt(0, TOK)

@@ -51,6 +51,11 @@ def validate_parallel(cfg: DictConfig) -> None:
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
               f"use a multiple of {dp}, so that every rank gets whole prompt groups")
+    if model_parallel > 1 and "sglang" in str(cfg.rollout.engine.get("_target_", "")):
+        # TP/CP peers must train on identical rollouts; SGLang on CPU ignores seeds, so each peer's server
+        # would sample different tokens for the same prompts.
+        _fail("rollout", "sglang", f"the embedded engine when parallel.tp_size * parallel.cp_size > 1 "
+              f"(here {model_parallel})", "use rollout=embedded with tensor/context parallelism")
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.

@@ -21,7 +21,7 @@ import math
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,8 @@ class Task(ABC):
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # transformers 5 returns a BatchEncoding (a Mapping, not a dict subclass); older ones a list.
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         bos = getattr(tokenizer, "bos_token_id", None)
         return [bos, *ids] if self.add_bos and bos is not None else ids
