@@ -16,14 +16,13 @@ Departures from NeMo's MegatronStrategy: no pipeline parallelism, no distributed
 `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient clipping goes through the backbone's
 TP-aware `clip_grad_norm_`.
 
-Seams into `PolicyModule` (adapters installed on the module instance in `setup_environment`, until the module
-grows them): `hf_named_tensors()` for `WeightSync`, and `clip_and_norm()` routed to the backbone's TP-aware
-clipping. Every rank must call `hf_named_tensors()` (TP all-gathers).
+Seams: `PolicyModule.hf_named_tensors()` (for `WeightSync`) and `PolicyModule.clip_and_norm()` delegate to the
+backbone, whose versions gather / reduce over TP, so every rank must call them; `RolloutDataModule` reads the
+data-parallel rank and size from `distributed_sampler_kwargs`, so TP / CP peers draw the same prompts.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -98,14 +97,6 @@ class MegatronStrategy(DDPStrategy):
                 setattr(module, slot, backbone)
         if hasattr(module, "_layout"):
             module._layout = None  # rebuilt lazily by ParallelLayout.from_megatron
-        policy = module.policy
-        module.hf_named_tensors = policy.hf_named_tensors
-        if hasattr(module, "clip_and_norm"):
-            module.clip_and_norm = types.MethodType(_clip_and_norm, module)
-
-    def setup(self, trainer) -> None:
-        _share_data_within_model_parallel(trainer.datamodule, dp_rank=self.dp_rank, dp_size=self.dp_size)
-        super().setup(trainer)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: gradients are summed in post_backward
@@ -183,24 +174,5 @@ class MegatronStrategy(DDPStrategy):
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
 
 
-def _share_data_within_model_parallel(datamodule, *, dp_rank: int, dp_size: int) -> None:
-    """Adapter: a `RolloutDataModule` built without `dp_rank` / `dp_size` would shard by global rank, giving TP / CP
-    peers different samples; give it the Megatron DP coordinates (an explicit setting is left alone)."""
-    dp = getattr(datamodule, "_dp", None)
-    if dp == (None, None):
-        datamodule._dp = (dp_rank, dp_size)
-    elif dp is not None and tuple(dp) != (dp_rank, dp_size):
-        raise ValueError(
-            f"datamodule dp_rank/dp_size={tuple(dp)} but Megatron's data-parallel rank/size is {(dp_rank, dp_size)}; "
-            "leave them unset under MegatronStrategy"
-        )
-
-
 def _backbone_slots(module) -> list[str]:
     return [s for s in _MODEL_SLOTS if isinstance(getattr(module, s, None), MegatronBackbone)]
-
-
-def _clip_and_norm(self) -> float:
-    """`PolicyModule.clip_and_norm` for a TP-sharded policy: the unsharded model's norm, clipped like torch."""
-    max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
-    return self.policy.clip_grad_norm_(max_norm)

@@ -89,16 +89,22 @@ class RolloutDataModule(L.LightningDataModule):
     def dp_size(self) -> int:
         if self._dp[1] is not None:
             return self._dp[1]
-        return self.trainer.world_size if self._trainer_attached() else 1
+        return self._sampler_kwargs().get("num_replicas", 1)
 
     @property
     def dp_rank(self) -> int:
         if self._dp[0] is not None:
             return self._dp[0]
-        return self.trainer.global_rank if self._trainer_attached() else 0
+        return self._sampler_kwargs().get("rank", 0)
 
     def _trainer_attached(self) -> bool:
         return getattr(self, "trainer", None) is not None
+
+    def _sampler_kwargs(self) -> dict:
+        # Lightning's data-parallel coordinates: the global rank / world size under DDP, the data-parallel rank /
+        # size under a model-parallel strategy (MegatronStrategy), so TP / CP peers draw the same prompts.
+        kwargs = self.trainer.distributed_sampler_kwargs if self._trainer_attached() else None
+        return kwargs or {}
 
     def _local_prompts(self) -> int:
         if self.prompts_per_step % self.dp_size:
