@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from topp_rl.ops import Candidates, sampling_candidates
-from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.engine import RolloutEngine, check_prompts
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
 
@@ -62,13 +62,7 @@ class EmbeddedEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
     ) -> list[Sample]:
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(
-                    f"prompt {i} has token ids outside the model vocabulary [0, {self.vocab_size})"
-                )
+        check_prompts(prompts, self.vocab_size)
         longest = max(map(len, prompts), default=0) + params.max_new_tokens
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and longest > limit:

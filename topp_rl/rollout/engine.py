@@ -32,3 +32,12 @@ class RolloutEngine(Protocol):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Every engine's input check: non-empty prompts of ids inside the model vocabulary."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the model vocabulary [0, {vocab_size})")

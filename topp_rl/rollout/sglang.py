@@ -30,7 +30,7 @@ import requests
 import torch
 from tqdm.auto import tqdm
 
-from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.engine import RolloutEngine, check_prompts
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
 from topp_rl.rollout.sglang_server import SGLangServer
@@ -140,7 +140,7 @@ class SGLangEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
     ) -> list[Sample]:
-        self._check_prompts(prompts)
+        check_prompts(prompts, self.vocab_size)
         top_k = params.top_k or self.vocab_size
         wants_mask = params.truncates
         if wants_mask and top_k > self.mask_max_tokens:
@@ -173,15 +173,6 @@ class SGLangEngine(RolloutEngine):
             sample.index, sample.group_index = i, group
             samples.append(sample)
         return samples
-
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(
-                    f"prompt {i} has token ids outside the model vocabulary [0, {self.vocab_size})"
-                )
 
     def _payload(
         self,
