@@ -9,14 +9,9 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
-from topp_rl.metrics import SumCount, reduce_sums
-
-
-def distributed(trainer) -> bool:
-    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+from topp_rl.metrics import SumCount, distributed, reduce_sums
 
 
 def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:
@@ -31,13 +26,6 @@ def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:
     padded[:, : values.shape[1]] = values
     parts = trainer.strategy.all_gather(padded.to(device)).cpu()  # [W, K, max]
     return torch.cat([part[:, :n] for part, n in zip(parts, sizes, strict=True)], dim=1)
-
-
-def reduce_tensor(trainer, values: torch.Tensor, *, op: str) -> torch.Tensor:
-    """all_reduce `values` with op "sum" or "max" (identity on one rank); returns a CPU tensor."""
-    if not distributed(trainer):
-        return values.cpu()
-    return trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op=op).cpu()
 
 
 def quantile_from_counts(counts: torch.Tensor, q: float) -> float:

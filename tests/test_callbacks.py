@@ -102,7 +102,7 @@ class SyntheticPolicy(L.LightningModule):
         return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
 
 
-def fit(tmp_path, callbacks, *, logger, **trainer_kwargs):
+def fit(tmp_path, callbacks, *, logger, module=None, datamodule=None, **trainer_kwargs):
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
@@ -115,7 +115,7 @@ def fit(tmp_path, callbacks, *, logger, **trainer_kwargs):
         log_every_n_steps=1,
         **trainer_kwargs,
     )
-    trainer.fit(SyntheticPolicy())
+    trainer.fit(module or SyntheticPolicy(), datamodule=datamodule)
     return trainer
 
 
@@ -317,16 +317,7 @@ def test_weight_sync_makes_the_engine_equal_to_the_policy(tmp_path):
     engine = EmbeddedEngine(policy, progress=False)
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     sync = WeightSync()
-    L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        callbacks=[sync],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(TinyPolicy(policy), datamodule=EngineDataModule(engine))
+    fit(tmp_path, [sync], logger=False, module=TinyPolicy(policy), datamodule=EngineDataModule(engine))
     assert sync.pushes == STEPS + 1  # once at start, once per step
     engine_state = engine.model.state_dict()
     for name, param in policy.state_dict().items():
@@ -336,14 +327,7 @@ def test_weight_sync_makes_the_engine_equal_to_the_policy(tmp_path):
 
 def test_weight_sync_needs_an_engine(tmp_path):
     with pytest.raises(ValueError, match="trainer.datamodule.engine"):
-        L.Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            logger=False,
-            callbacks=[WeightSync()],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-        ).fit(SyntheticPolicy())
+        fit(tmp_path, [WeightSync()], logger=False)
 
 
 def test_counts_file_name_matches_the_report():
@@ -371,15 +355,6 @@ def test_weight_sync_walks_the_export_on_ranks_without_an_engine(tmp_path):
 
     module = CountingExport(build_tiny_model())
     sync = WeightSync()
-    L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        callbacks=[sync],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(module, datamodule=EngineDataModule(None))
+    fit(tmp_path, [sync], logger=False, module=module, datamodule=EngineDataModule(None))
     assert sync.pushes == 0
     assert module.exported == (STEPS + 1) * len(list(module.policy.parameters()))

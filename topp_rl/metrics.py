@@ -20,6 +20,17 @@ def add_sums(into: dict[str, SumCount], new: Mapping[str, SumCount]) -> dict[str
     return into
 
 
+def distributed(trainer) -> bool:
+    return trainer is not None and trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def reduce_tensor(trainer, values: torch.Tensor, *, op: str) -> torch.Tensor:
+    """all_reduce `values` with op "sum" or "max" (identity on one rank); returns a CPU tensor."""
+    if not distributed(trainer):
+        return values.cpu()
+    return trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op=op).cpu()
+
+
 def reduce_sums(trainer, sums: Mapping[str, SumCount]) -> dict[str, float]:
     """Means of (sum, count) pairs over all ranks: one all_reduce of a stacked [N, 2] tensor.
 
@@ -29,8 +40,5 @@ def reduce_sums(trainer, sums: Mapping[str, SumCount]) -> dict[str, float]:
     names = list(sums)
     if not names:
         return {}
-    pairs = torch.tensor([sums[n] for n in names], dtype=torch.float64)
-    world = trainer.world_size if trainer is not None else 1
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        pairs = trainer.strategy.reduce(pairs.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+    pairs = reduce_tensor(trainer, torch.tensor([sums[n] for n in names], dtype=torch.float64), op="sum")
     return {n: float(s / c) for n, (s, c) in zip(names, pairs.tolist(), strict=True) if c > 0}

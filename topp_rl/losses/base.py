@@ -7,6 +7,8 @@ values count this micro-batch's share of the global denominator, so the reduced 
 loss however the step was split.
 """
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -29,7 +31,7 @@ def to_floats(pairs: Pairs) -> dict[str, tuple[float, float]]:
     return {name: (s, c) for name, (s, c) in zip(pairs, flat.tolist(), strict=True)}
 
 
-class PolicyLoss:
+class PolicyLoss(ABC):
     """Base class: `__call__(inputs: LossInputs) -> (loss [], metrics)`; subclasses implement `policy_term`."""
 
     default_aggregation = "token-mean"
@@ -73,9 +75,9 @@ class PolicyLoss:
     def needs_ref_logprobs(self) -> bool:
         return self.kl.enabled
 
+    @abstractmethod
     def policy_term(self, inputs: LossInputs, *, advantages: Tensor) -> tuple[Tensor, Pairs]:
         """Per-token policy loss [R] (before mask and aggregation) and its metrics."""
-        raise NotImplementedError
 
     def shaped_advantages(self, inputs: LossInputs) -> tuple[Tensor, Pairs]:
         """Advantages [R] the policy term uses; the datamodule's by default."""
