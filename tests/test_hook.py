@@ -109,11 +109,12 @@ def test_empty_rows_are_unrestricted_and_support_sizes_reported():
     assert bool((out.logprobs[~empty] > unmasked[~empty]).all())  # restricting can only raise the log-prob
 
 
-def test_onpolicy_returns_masked_unmasked_and_entropy_without_grad():
+@pytest.mark.parametrize("chunk_rows", [2048, 3])  # one block, and many blocks splitting candidate rows
+def test_onpolicy_returns_masked_unmasked_and_entropy_without_grad(chunk_rows):
     batch, hidden, weight = _inputs()
     hidden.requires_grad_()
     out = ToppLogProb(use_mask=False, temperature=TEMP).onpolicy(
-        batch, layout=ParallelLayout.single(V), hidden=hidden, weight=weight
+        batch, layout=ParallelLayout.single(V), hidden=hidden, weight=weight, chunk_rows=chunk_rows
     )
     masked, entropy = dense_reference(batch, hidden.detach(), weight)
     unmasked, _ = dense_reference(batch, hidden.detach(), weight, use_mask=False)

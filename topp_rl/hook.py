@@ -92,20 +92,38 @@ class ToppLogProb:
 
     @torch.no_grad()
     def onpolicy(
-        self, batch, *, layout: ParallelLayout, hidden: torch.Tensor, weight: torch.Tensor
+        self,
+        batch,
+        *,
+        layout: ParallelLayout,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        chunk_rows: int = 2048,
     ) -> TokenLogProbs:
-        """Masked and unmasked log-probs plus entropy from one [R_local, V_local] logits block (no grad).
+        """Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad).
 
         Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
-        see both figures; the row logits are formed once and shared by the two reductions.
+        see both figures; each block of row logits is formed once and shared by the two reductions, and blocks
+        bound the memory of this pass (TP peers hold the same rows, so their collectives stay in step).
         """
         rows, token_index, tokens, cands, kept, sizes = self._locate(batch, layout)
         vocab_start, _ = layout.vocab_range()
         common = dict(temperature=self.temperature, vocab_start=vocab_start, tp_group=layout.tp_group)
-        row_logits = hidden[rows] @ weight.T
-        masked, entropy = token_logprobs(row_logits, tokens, cands=cands, rows=kept, return_entropy=True, **common)
-        unmasked = token_logprobs(row_logits, tokens, **common)
+        masked, entropy, unmasked = [], [], []
+        for a in range(0, max(rows.numel(), 1), chunk_rows):
+            b = min(a + chunk_rows, rows.numel())
+            block = hidden[rows[a:b]] @ weight.T
+            block_cands, block_kept = None, None
+            if cands is not None:
+                ka, kb = torch.searchsorted(kept, torch.tensor([a, b], device=kept.device)).tolist()
+                block_cands, block_kept = cands[ka:kb], kept[ka:kb] - a
+            lp, ent = token_logprobs(
+                block, tokens[a:b], cands=block_cands, rows=block_kept, return_entropy=True, **common
+            )
+            masked.append(lp)
+            entropy.append(ent)
+            unmasked.append(token_logprobs(block, tokens[a:b], **common))
         return TokenLogProbs(
-            logprobs=masked, token_index=token_index, support_size=sizes, entropy=entropy,
-            logprobs_unmasked=unmasked,
+            logprobs=torch.cat(masked), token_index=token_index, support_size=sizes, entropy=torch.cat(entropy),
+            logprobs_unmasked=torch.cat(unmasked),
         )
