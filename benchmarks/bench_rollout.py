@@ -11,6 +11,7 @@ vocabulary sort, as HF's and SGLang's torch samplers do. When the SGLang venv ex
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +20,10 @@ import torch
 
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine, sglang_keep_mask
+from topp_rl.rollout.embedded import EmbeddedEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from oracles import sglang_keep_mask  # noqa: E402  (the tests' full-sort reference is this arm's sampler)
 
 
 class DenseSortEngine(EmbeddedEngine):

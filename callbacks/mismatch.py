@@ -4,9 +4,9 @@ The old-log-prob pass runs with the weights the engine sampled with, so for ever
 d = log pi_train(y) - log pi_rollout(y) should be ~0 when the trainer scores over the recorded candidate set;
 the `_unmasked` figures score over the full vocabulary and show the bias the mask removes. Per token:
 |d| (mean, max, p99), the IS ratio exp(d) (mean, min, max, share outside [0.9, 1.1]) and the k3 estimate of
-KL(pi_rollout || pi_train) = exp(d) - 1 - d. Also logs `train/entropy` and the module's step metrics
-(`outputs["metrics"]`: train/loss, train/grad_norm, ...) in the same reduction, so a run with this callback
-has its training curves. Order statistics are exact over all ranks (all-gather of the per-token figures).
+KL(pi_rollout || pi_train) = exp(d) - 1 - d. Only these mismatch figures: the module logs its own training
+curves (train/loss, train/entropy, train/grad_norm, ...). Order statistics are exact over all ranks
+(all-gather of the per-token figures).
 """
 
 import torch
@@ -31,8 +31,7 @@ class LogProbMismatch(Callback):
         keep = record.loss_mask > 0
         rollout = record.rollout_logprobs[keep].double()
         n = float(keep.sum())
-        sums = dict(outputs.get("metrics", {}))
-        sums["train/entropy"] = (float(record.entropy[keep].double().sum()), n)
+        sums: dict[str, tuple[float, float]] = {}
         columns = {}
         for suffix, logprobs in (("", record.logprobs), ("_unmasked", record.logprobs_unmasked)):
             d = logprobs[keep].double() - rollout

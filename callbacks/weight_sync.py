@@ -1,25 +1,27 @@
 """`WeightSync`: push the policy's weights to the rollout engine after every optimisation round.
 
-The engine is `trainer.datamodule.engine`; ranks whose datamodule holds none (`None`) still run the export,
-which may be collective, and drop the tensors. Tensors go
-out under their HF names, detached but neither copied nor cast (the engine decides its dtype), as a lazy
-iterator so no second copy of the model is built. A module that stores the policy in another layout (Megatron)
-provides `hf_named_tensors()`; otherwise `pl_module.policy.named_parameters()` (an HF model) is used. Weights are
-also pushed once at train start, so a run resumed from a checkpoint does not sample with the initial weights.
+The engine is `trainer.datamodule.engine`; the weights come from the module's `hf_named_tensors()` (the
+`topp_rl.backbone.WeightSource` protocol, which `PolicyModule` implements by delegating to its backbone; a
+sharded backbone gathers its TP shards there, collectively). Tensors go out under their HF names, detached but
+neither copied nor cast (the engine decides its dtype), as a lazy iterator so no second copy of the model is
+built. Weights are also pushed once at train start, so a run resumed from a checkpoint does not sample with the
+initial weights.
 """
 
-from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from topp_rl.backbone import WeightSource
+from topp_rl.rollout.engine import RolloutEngine
 
-def hf_named_tensors(pl_module) -> Iterator[tuple[str, torch.Tensor]]:
-    if hasattr(pl_module, "hf_named_tensors"):
-        yield from pl_module.hf_named_tensors()
-        return
-    for name, param in pl_module.policy.named_parameters():
-        yield name, param.detach()
+
+@runtime_checkable
+class EngineHolder(Protocol):
+    """A datamodule that samples with a rollout engine (`RolloutDataModule`)."""
+
+    engine: RolloutEngine
 
 
 class WeightSync(Callback):
@@ -28,30 +30,31 @@ class WeightSync(Callback):
         self.pushes = 0
 
     @staticmethod
-    def engine(trainer):
+    def engine(trainer) -> RolloutEngine:
         datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "engine"):
+        if not (isinstance(datamodule, EngineHolder) and isinstance(datamodule.engine, RolloutEngine)):
             raise ValueError(
-                f"WeightSync needs trainer.datamodule.engine, but the datamodule is {type(datamodule).__name__}; "
-                "fit with a RolloutDataModule (or drop WeightSync from the callbacks)"
+                f"WeightSync needs trainer.datamodule.engine (a RolloutEngine), but the datamodule is "
+                f"{type(datamodule).__name__}; fit with a RolloutDataModule (or drop WeightSync from the callbacks)"
             )
         return datamodule.engine
 
+    @staticmethod
+    def source(pl_module) -> WeightSource:
+        if not isinstance(pl_module, WeightSource):
+            raise TypeError(
+                f"WeightSync exports weights through hf_named_tensors(), which {type(pl_module).__name__} does "
+                "not define; use topp_rl.module.PolicyModule (or implement topp_rl.backbone.WeightSource)"
+            )
+        return pl_module
+
     def push(self, trainer, pl_module) -> None:
-        engine = self.engine(trainer)
         with torch.no_grad():
-            named = hf_named_tensors(pl_module)
-            if engine is None:
-                # Exporting can be collective (Megatron all-gathers TP shards layer by layer): ranks without an
-                # engine still walk the export so the ranks with one do not hang.
-                for _ in named:
-                    pass
-                return
-            engine.update_weights(named)
+            self.engine(trainer).update_weights(self.source(pl_module).hf_named_tensors())
         self.pushes += 1
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.engine(trainer)  # fail at start, not after the first step
+        self.engine(trainer), self.source(pl_module)  # fail at start, not after the first step
         if self.sync_on_start:
             self.push(trainer, pl_module)
 

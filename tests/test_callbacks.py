@@ -4,7 +4,6 @@ checked against numpy computations of the same figures; WeightSync against a rea
 
 import csv
 import json
-import time
 from pathlib import Path
 
 import lightning as L
@@ -14,8 +13,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
+from topp_rl.metrics import reduce_sums
 from topp_rl.records import OnPolicyRecord
-from topp_rl.report import wandb_records, wandb_run_finished
 from topp_rl.rollout.packing import RolloutBatch
 from topp_rl.rollout.sample import Sample, SampleStatus
 
@@ -66,12 +65,14 @@ def make_samples(step: int, rank: int = 0) -> list[Sample]:
 
 
 class SyntheticPolicy(L.LightningModule):
-    """Manual optimisation like PolicyModule: one optimizer step per rollout step, outputs per the contract."""
+    """Manual optimisation like PolicyModule: one optimizer step per rollout step, outputs per the contract;
+    like PolicyModule it logs its own step metrics, reduced once across ranks (`log_metrics=False`: none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, log_metrics: bool = True) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.policy = torch.nn.Linear(3, 2)
+        self.log_metrics = log_metrics
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -80,6 +81,13 @@ class SyntheticPolicy(L.LightningModule):
         self.manual_backward(loss)
         opt.step()
         rank = self.global_rank
+        metrics = {
+            "train/loss": (float(loss.detach()) * (rank + 1), rank + 1.0),
+            "train/grad_norm": (3.0, 1.0),
+            "train/probe": (1.0 + 3 * rank, 1.0 + rank),
+        }
+        if self.log_metrics:
+            self.log_dict(reduce_sums(self.trainer, metrics), on_step=True, on_epoch=False, batch_size=1)
         return {
             "rollout": RolloutBatch(
                 micro_batches=[],  # the callbacks read samples and stats only
@@ -88,11 +96,7 @@ class SyntheticPolicy(L.LightningModule):
                 stats={"rollout/gen_seconds": (2.0 + rank, 1.0)},
             ),
             "onpolicy": make_record(batch_idx, rank),
-            "metrics": {
-                "train/loss": (float(loss.detach()) * (rank + 1), rank + 1.0),
-                "train/grad_norm": (3.0, 1.0),
-                "train/probe": (1.0 + 3 * rank, 1.0 + rank),
-            },
+            "metrics": metrics,
         }
 
     def configure_optimizers(self):
@@ -135,7 +139,7 @@ def expected_mismatch(records: list[OnPolicyRecord]) -> dict[str, float]:
         f: np.concatenate([getattr(r, f).double().numpy() for r in records])[keep]
         for f in records[0].__dataclass_fields__
     }
-    out = {"train/entropy": col["entropy"].mean()}
+    out = {}
     for suffix, lp in (("", col["logprobs"]), ("_unmasked", col["logprobs_unmasked"])):
         d = lp - col["rollout_logprobs"]
         ratio = np.exp(d)
@@ -220,47 +224,46 @@ def test_metric_callbacks_log_exact_values(tmp_path):
     assert support.state_dict()["steps"] == STEPS
 
 
-def read_offline_history(root: Path, *, timeout: float = 20.0) -> dict[tuple[str, ...], object]:
-    """Last value of every (nested) history key of the W&B offline run under `root`. `finish()` can return
-    before the service has written the log's tail, so poll until the run's exit record is there."""
-    from wandb.proto import wandb_internal_pb2 as pb
+def test_log_prob_mismatch_logs_only_mismatch_figures(tmp_path):
+    fit(tmp_path, [LogProbMismatch(histograms=False)], logger=CSVLogger(tmp_path, name="csv"),
+        module=SyntheticPolicy(log_metrics=False))
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert set().union(*rows) - {"epoch"} == set(expected_mismatch([make_record(0)]))
 
-    (log,) = root.rglob("run-*.wandb")
-    deadline = time.monotonic() + timeout
-    while not wandb_run_finished(log) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    records = [pb.Record.FromString(payload) for payload in wandb_records(log)]
-    last = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            for item in record.history.item:  # nested keys: ("<name>_hist", "_type" | "values" | "bins")
-                last[tuple(item.nested_key) or (item.key,)] = json.loads(item.value_json)
-    return last
+
+class RecordingWandbLogger(WandbLogger):
+    """A real (offline) W&B logger that also keeps what it was asked to log, read through public objects
+    (`wandb.Histogram.histogram` / `.bins`) instead of W&B's private transaction log."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.logged: list[dict] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+        super().log_metrics(metrics, step)
 
 
 def test_mismatch_histograms_reach_wandb_offline(tmp_path):
-    logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="topp_rl_test")
+    import wandb
+
+    logger = RecordingWandbLogger(offline=True, save_dir=str(tmp_path), project="topp_rl_test")
     fit(tmp_path, [LogProbMismatch(), SupportStats()], logger=logger)
     logger.experiment.finish()
-    last = read_offline_history(tmp_path)
-
-    def summary(name):
-        if (name,) in last:
-            return last[(name,)]
-        return {key[1]: value for key, value in last.items() if key[0] == name and len(key) == 2}
-
-    hist = summary("train/rollout_logprob_abs_diff_unmasked_hist")
-    assert hist["_type"] == "histogram"
+    last = {k: v for metrics in logger.logged for k, v in metrics.items()}
+    hist = last["train/rollout_logprob_abs_diff_unmasked_hist"]
+    assert isinstance(hist, wandb.Histogram)
     d = make_record(STEPS - 1)
     keep = d.loss_mask > 0
     expected = (d.logprobs_unmasked[keep].double() - d.rollout_logprobs[keep].double()).abs()
-    assert sum(hist["values"]) == int(keep.sum())
-    assert hist["bins"][0] == pytest.approx(float(expected.min()), rel=1e-6)
-    assert hist["bins"][-1] == pytest.approx(float(expected.max()), rel=1e-6)
-    assert summary("rollout/support_size_hist")["_type"] == "histogram"
-    assert summary("train/rollout_logprob_abs_diff") == pytest.approx(
+    assert sum(hist.histogram) == int(keep.sum())
+    assert hist.bins[0] == pytest.approx(float(expected.min()), rel=1e-6)
+    assert hist.bins[-1] == pytest.approx(float(expected.max()), rel=1e-6)
+    assert isinstance(last["rollout/support_size_hist"], wandb.Histogram)
+    assert last["train/rollout_logprob_abs_diff"] == pytest.approx(
         expected_mismatch([d])["train/rollout_logprob_abs_diff"]
     )
+    assert list(tmp_path.rglob("offline-run-*")), "the run was written offline"
 
 
 @pytest.mark.distributed
@@ -308,6 +311,10 @@ class TinyPolicy(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
+    def hf_named_tensors(self):  # the WeightSource protocol WeightSync exports through
+        for name, param in self.policy.named_parameters():
+            yield name, param.detach()
+
 
 def test_weight_sync_makes_the_engine_equal_to_the_policy(tmp_path):
     from topp_rl.models import build_tiny_model
@@ -337,24 +344,3 @@ def test_counts_file_name_matches_the_report():
     assert COUNTS_FILE == REPORT_COUNTS_FILE
 
 
-class CountingExport(TinyPolicy):
-    """A module with its own HF export (like the Megatron adapter) that counts the tensors consumed."""
-
-    def __init__(self, policy) -> None:
-        super().__init__(policy)
-        self.exported = 0
-
-    def hf_named_tensors(self):
-        for name, param in self.policy.named_parameters():
-            self.exported += 1
-            yield name, param.detach()
-
-
-def test_weight_sync_walks_the_export_on_ranks_without_an_engine(tmp_path):
-    from topp_rl.models import build_tiny_model
-
-    module = CountingExport(build_tiny_model())
-    sync = WeightSync()
-    fit(tmp_path, [sync], logger=False, module=module, datamodule=EngineDataModule(None))
-    assert sync.pushes == 0
-    assert module.exported == (STEPS + 1) * len(list(module.policy.parameters()))

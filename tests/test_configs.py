@@ -43,7 +43,7 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     key = f"{group}={option}"
     cfg = _compose([key], tmp_path)
     targets = _targets(cfg)
-    assert targets, "every composed config instantiates something"
+    assert len(targets) >= 6  # model, engine, task, advantage, loss, optimizer, trainer, ...
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
     if group not in ("parallel", "experiment"):  # those may need several ranks / other venvs
@@ -56,13 +56,19 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
     policy, tokenizer = instantiate(cfg.model)
     assert policy.get_output_embeddings().weight.shape[0] >= len(tokenizer)
     for algo in _options("algo"):
-        loss = instantiate(_compose([f"algo={algo}"], tmp_path).algo.loss)
-        assert callable(loss)
+        algo_cfg = _compose([f"algo={algo}"], tmp_path).algo
+        loss, advantage = instantiate(algo_cfg.loss), instantiate(algo_cfg.advantage)
+        assert type(loss).__name__ == algo_cfg.loss._target_.rsplit(".", 1)[1]
+        assert (loss.eps_clip, loss.aggregation) == (algo_cfg.loss.eps_clip, algo_cfg.loss.get("aggregation",
+                                                                                                 loss.aggregation))
+        assert type(advantage).__name__ == algo_cfg.advantage._target_.rsplit(".", 1)[1]
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-    assert len(callbacks) == 4
+    assert [type(c).__name__ for c in callbacks] == ["LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync"]
     trainer = instantiate(cfg.trainer, logger=[instantiate(cfg.logger.csv)], callbacks=callbacks)
-    assert trainer.max_steps == cfg.trainer.max_steps
-    assert instantiate(cfg.task) is not None
+    assert trainer.max_steps == cfg.trainer.max_steps == 120
+    task = instantiate(cfg.task)
+    record = task.prompt(0, tokenizer)
+    assert record.text == f"{record.answer}:" and task.reward(record.answer, record) == 1.0  # copy_digit
 
 
 @pytest.mark.parametrize(
@@ -80,13 +86,39 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),
         ("module.ppo_epochs=0", "module.ppo_epochs"),
         ("optimizer.lr=0", "optimizer.lr"),
-        ("rollout=sglang parallel=tp2", "rollout"),
+        ("rollout=sglang parallel=tp2", "rollout.engine"),
+        ("parallel=cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
+        ("parallel=tp2_cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
+        # Wrong types name the key instead of raising a raw TypeError; bools are not numbers.
+        ("rollout.top_p=abc", "rollout.top_p"),
+        ("rollout.top_k=true", "rollout.top_k"),
+        ("rollout.top_k=0.5", "rollout.top_k"),
+        ("rollout.temperature=1e-45", "rollout.temperature"),
+        ("optimizer.lr=abc", "optimizer.lr"),
+        ("rollout.n_samples=true", "rollout.n_samples"),
+        ("trainer.max_steps=abc", "trainer.max_steps"),
+        # Group advantages need groups, whatever the algorithm is called.
+        ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
+         "rollout.n_samples=1", "rollout.n_samples"),
     ],
 )
 def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):
     cfg = _compose(override.split(), tmp_path)
     with pytest.raises(ValueError, match=rf"config {re.escape(key)}=.*must be .*;"):
         validate_config(cfg)
+
+
+def test_batch_advantages_allow_one_sample_per_prompt(tmp_path):
+    validate_config(_compose(["algo=reinforce_pp", "rollout.n_samples=1"], tmp_path))
+
+
+def test_megatron_strategy_rejects_allgather_cp():
+    pytest.importorskip("megatron.core", reason="megatron-core (the `megatron` extra) is not installed")
+    from topp_rl.megatron.strategy import MegatronStrategy
+
+    with pytest.raises(ValueError, match=r"cp_mode='allgather'.*supports only 'zigzag'.*parallel.cp_mode=zigzag"):
+        MegatronStrategy(cp_size=2, cp_mode="allgather")
+    assert MegatronStrategy(tp_size=2, cp_mode="allgather").cp_mode == "allgather"  # no CP: nothing to split
 
 
 def test_sweep_values_parse_as_numbers(tmp_path):

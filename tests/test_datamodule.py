@@ -6,8 +6,8 @@ import torch
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.ops import Candidates
-from topp_rl.rollout import RolloutDataModule, Sample, SampleStatus, SamplingParams, get_task
-from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, RLOOAdvantage, make_advantage
+from topp_rl.rollout import RolloutDataModule, Sample, SampleStatus, SamplingParams
+from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
 from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.packing import RolloutBatch, pack_samples, plan_micro_batches
@@ -87,10 +87,9 @@ def test_advantages():
     torch.testing.assert_close(batch, (r - r.mean()) / r.std())
     doubled = BatchAdvantage(eps=0.0)(r, g, reduce=lambda t: 2 * t)  # two DP ranks holding the same data
     torch.testing.assert_close(doubled, (r - r.mean()) / (r.std() * (10 / 11) ** 0.5))  # n=12 pooled
-    assert make_advantage({"mode": "group", "normalize_std": False}) == GroupAdvantage(normalize_std=False)
-    assert make_advantage({"mode": "rloo", "normalize_std": True}) == RLOOAdvantage()
-    with pytest.raises(ValueError, match="advantage mode 'ppo' is not one of"):
-        make_advantage("ppo")
+    # Config validation reads this to demand n_samples >= 2.
+    assert [c.group_relative for c in (GroupAdvantage, RLOOAdvantage, BatchAdvantage, NoBaseline)] == [
+        True, True, False, False]
 
 
 class _LengthTask(CopyDigitTask):
@@ -103,7 +102,7 @@ class _LengthTask(CopyDigitTask):
 def _datamodule(engine, *, prompts=4, n=4, seed=0, task=None, **kwargs):
     return RolloutDataModule(
         engine=engine,
-        task=task or get_task("copy_digit"),
+        task=task or CopyDigitTask(),
         tokenizer=TOK,
         params=SamplingParams(top_p=0.9, max_new_tokens=3, n=n),
         prompts_per_step=prompts,
@@ -120,7 +119,7 @@ def engine():
 
 
 def test_rollout_step(engine):
-    dm = _datamodule(engine, advantage={"mode": "group", "normalize_std": False})
+    dm = _datamodule(engine, advantage=GroupAdvantage(normalize_std=False))
     ticket = dm.ticket(0)
     batch = dm.on_before_batch_transfer(ticket, 0)
     assert isinstance(batch, RolloutBatch) and batch.step == 0 and dm.step == 1
@@ -248,7 +247,7 @@ def _dp_rollout(rank: int) -> dict:
             prompts=4,
             n=3,
             task=_LengthTask(),
-            advantage={"mode": "batch"},
+            advantage=BatchAdvantage(),
             dp_rank=dp_rank,
             dp_size=dp_size,
         )

@@ -113,7 +113,7 @@ def test_empty_rows_are_unrestricted_and_support_sizes_reported():
 def test_onpolicy_returns_masked_unmasked_and_entropy_without_grad(chunk_rows):
     batch, hidden, weight = _inputs()
     hidden.requires_grad_()
-    out = ToppLogProb(use_mask=False, temperature=TEMP).onpolicy(
+    _, out = ToppLogProb(use_mask=False, temperature=TEMP).onpolicy(
         batch, layout=ParallelLayout.single(V), hidden=hidden, weight=weight, chunk_rows=chunk_rows
     )
     masked, entropy = dense_reference(batch, hidden.detach(), weight)

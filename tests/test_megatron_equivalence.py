@@ -69,6 +69,7 @@ def packed_batch(vocab: int):
         tokens=tokens, seq_lengths=seq_lengths, response_lengths=response_lengths,
         response_tokens=response_tokens, candidates=Candidates.from_lists(rows),
         weights=torch.randn(int(response_lengths.sum()), generator=g),
+        rollout_log_probs=torch.zeros(int(response_lengths.sum())), loss_mask=torch.ones(int(response_lengths.sum())),
     )
 
 
@@ -108,7 +109,8 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
         model = hf_model(family)
         batch = packed_batch(model.config.vocab_size)
         ref_logits, ref_logprobs, ref_grads = reference(model, batch)
-        backbone = MegatronBackbone(model.config, tp_size=tp, cp_size=cp)
+        layout = ParallelLayout.from_megatron(model.config.vocab_size)
+        backbone = MegatronBackbone(model.config, layout=layout)
         load_hf_into(backbone.model, model.state_dict(), model.config, tp_size=tp,
                      tp_rank=ps.get_tensor_model_parallel_rank())
         exported = hf_state_dict(backbone)
@@ -116,8 +118,8 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
             save_hf_checkpoint(backbone, tmp)
             reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).state_dict()
         hf_dir_exact = all(torch.equal(reloaded[n], t) for n, t in model.state_dict().items())
-        layout = ParallelLayout.from_megatron(backbone.vocab_size)
-        hidden, weight, positions = backbone.forward_hidden(batch, layout)
+        hidden, weight = backbone.forward_hidden(batch)
+        positions = layout.local_positions(batch.seq_lengths)
         lo, hi = layout.vocab_range()
         real = positions >= 0
         logit_err = ((hidden[real] @ weight.T) - ref_logits[positions[real], lo:hi]).abs().max().detach()
@@ -130,9 +132,9 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
             for p in backbone.parameters():
                 dist.all_reduce(p.grad, group=layout.cp_group)
         grads = hf_state_dict(backbone, grads=True)
-        onpolicy = ToppLogProb(temperature=TEMPERATURE).onpolicy(batch, layout=layout, hidden=hidden.detach(),
-                                                                 weight=weight.detach())
-        onpolicy_err = (onpolicy.logprobs - ref_logprobs[onpolicy.token_index]).abs().max()
+        token_index, onpolicy = ToppLogProb(temperature=TEMPERATURE).onpolicy(
+            batch, layout=layout, hidden=hidden.detach(), weight=weight.detach())
+        onpolicy_err = (onpolicy.logprobs - ref_logprobs[token_index]).abs().max()
         state = model.state_dict()
         return {
             "logits": float(logit_err),

@@ -54,11 +54,11 @@ def _compare(family: str, dtype: torch.dtype, *, force_torch_attention: bool):
     if force_torch_attention:
         bb_mod.use_transformer_engine = lambda dtype: False
     try:
-        backbone = bb_mod.MegatronBackbone.from_hf(model, tp_size=1, cp_size=1).cuda()
+        layout = ParallelLayout.from_megatron(model.config.vocab_size)
+        backbone = bb_mod.MegatronBackbone.from_hf(model, layout=layout).cuda()
     finally:
         bb_mod.use_transformer_engine = original
-    layout = ParallelLayout.from_megatron(backbone.vocab_size)
-    hidden, weight, _ = backbone.forward_hidden(batch, layout)
+    hidden, weight = backbone.forward_hidden(batch)
     out = ToppLogProb(temperature=TEMPERATURE)(batch, layout=layout, hidden=hidden.float(), weight=weight.float())
     (batch.weights[out.token_index] * out.logprobs).sum().backward()
     grads = hf_state_dict(backbone, grads=True)

@@ -82,12 +82,13 @@ def fit(policy, items, *, strategy, devices: int, tmp: str):
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from topp_rl.backbone import HFBackbone
     from topp_rl.hook import ToppLogProb
     from topp_rl.losses import GRPOLoss
     from topp_rl.module import PolicyModule
 
     module = PolicyModule(
-        policy=policy, loss=GRPOLoss(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.05), hook=ToppLogProb(temperature=0.9),
+        policy=HFBackbone(policy), loss=GRPOLoss(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.05), hook=ToppLogProb(temperature=0.9),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5), grad_clip=0.5,
     )
     record = _Record()
@@ -137,7 +138,7 @@ def _worker(rank: int, tmp: str) -> dict:
             data = steps_data(dp, vocab=128)
             items = [SimpleNamespace(micro_batches=[mb for shard in step for mb in shard]) for step in data]
             ref, norms, _ = fit(build_tiny_model("qwen2", seed=5), items, strategy="auto", devices=1, tmp=tmp)
-            results[(tp, cp)]["ref_weights"] = {k: v.detach().clone() for k, v in ref.policy.state_dict().items()}
+            results[(tp, cp)]["ref_weights"] = {k: v.clone() for k, v in ref.policy.hf_named_tensors()}
             results[(tp, cp)]["ref_norms"] = norms
     return results
 

@@ -48,8 +48,7 @@ def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = 
     run = build_run(cfg)
     with run.engine:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
-    exported = dict(run.module.hf_named_tensors()) if hasattr(run.module, "hf_named_tensors") else {
-        n: p.detach() for n, p in run.module.policy.named_parameters()}
+    exported = dict(run.module.hf_named_tensors())
     engine_state = run.engine.model.state_dict()
     synced = all(torch.equal(engine_state[n], t) for n, t in exported.items())
     return (_metrics(output_dir) if run.trainer.is_global_zero else {}), synced

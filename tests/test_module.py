@@ -4,10 +4,11 @@
 import pytest
 import torch
 
+from topp_rl.backbone import HFBackbone
 from topp_rl.hook import ToppLogProb
 from topp_rl.losses import DrGRPOLoss, GRPOLoss, GSPOLoss, ReinforcePPLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
-from topp_rl.module import PolicyModule, packed_hidden
+from topp_rl.module import PolicyModule
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.rollout.packing import PackedBatch
 
@@ -64,7 +65,8 @@ def pack(samples, index: list[int], *, advantages: torch.Tensor) -> PackedBatch:
 def test_packed_forward_equals_per_sequence_forward(policy):
     samples = make_samples(policy)
     batch = pack(samples, list(range(len(samples))), advantages=torch.zeros(len(samples)))
-    hidden = packed_hidden(policy, batch)
+    hidden, weight = HFBackbone(policy).forward_hidden(batch)
+    assert weight is policy.lm_head.weight
     start = 0
     for prompt, response, _ in samples:
         ids = torch.tensor([prompt + response])
@@ -75,7 +77,7 @@ def test_packed_forward_equals_per_sequence_forward(policy):
 
 
 def _module(policy, loss, *, use_mask=True):
-    return PolicyModule(policy=policy, loss=loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    return PolicyModule(policy=HFBackbone(policy), loss=loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                         hook=ToppLogProb(use_mask=use_mask, temperature=TEMP))
 
 
@@ -124,7 +126,7 @@ def test_onpolicy_record_and_mask_switch(policy):
     old_off, _ = off.onpolicy_pass(batch)
     torch.testing.assert_close(old_off, record.logprobs_unmasked)
     with torch.no_grad():
-        torch.testing.assert_close(off.score(policy, batch, use_mask=False), record.logprobs_unmasked,
+        torch.testing.assert_close(off.score(off.policy, batch, use_mask=False), record.logprobs_unmasked,
                                    rtol=1e-5, atol=1e-6)
 
 
@@ -134,4 +136,7 @@ def test_reference_is_a_frozen_copy_when_the_loss_needs_it(policy):
     assert module.reference is not None and module.reference is not module.policy
     assert not any(p.requires_grad for p in module.reference.parameters())
     with pytest.raises(ValueError, match="ppo_epochs"):
-        PolicyModule(policy=policy, loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb(), ppo_epochs=0)
+        PolicyModule(policy=HFBackbone(policy), loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb(),
+                     ppo_epochs=0)
+    with pytest.raises(TypeError, match="wrap an HF causal LM as HFBackbone"):
+        PolicyModule(policy=policy, loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb())

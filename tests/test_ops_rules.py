@@ -84,8 +84,8 @@ def test_bad_rows_and_candidates(op, args, kwargs, message):
             {"tokens": torch.tensor([0.0, 1, 2, 3])},
             "tokens has dtype torch.float32",
         ),
-        ((ONE, torch.tensor([0])), {"temperature": 0.0}, "temperature=0.0 must be finite and > 0"),
-        ((ONE, torch.tensor([0])), {"temperature": -1.0}, "temperature=-1.0 must be finite and > 0"),
+        ((ONE, torch.tensor([0])), {"temperature": 0.0}, "temperature=0.0 must be finite and >= 1e-06"),
+        ((ONE, torch.tensor([0])), {"temperature": -1.0}, "temperature=-1.0 must be finite and >= 1e-06"),
         ((ONE, torch.tensor([0])), {"vocab_start": 6}, "vocab_start=6 without a tp_group"),
     ],
 )

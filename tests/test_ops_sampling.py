@@ -127,11 +127,11 @@ def test_temperature_applies_before_truncation():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(temperature=0.0), "temperature=0.0 must be > 0"),
-        (dict(top_p=0.0), r"top_p=0.0 must lie in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p=1.5 must lie in \(0, 1\]"),
-        (dict(top_k=-1), "top_k=-1 must be >= 0"),
-        (dict(min_p=1.0), r"min_p=1.0 must lie in \[0, 1\)"),
+        (dict(temperature=0.0), r"temperature=0.0 must be finite and >= 1e-06"),
+        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]; use top_p=1.0"),
+        (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k=-1 must be an integer >= 0; use top_k=0"),
+        (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\)"),
         (dict(top_p=torch.tensor([0.5, 0.5, 0.5])), r"top_p has shape \(3,\)"),
         (dict(convention="hf"), "convention='hf'"),
     ],

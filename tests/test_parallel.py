@@ -161,8 +161,8 @@ def test_layout_validation_names_the_value(kwargs, match):
         ParallelLayout(**kwargs)
 
 
-def test_layout_rejects_vocab_not_divisible_by_tp_and_names_the_padded_size():
-    with pytest.raises(ValueError, match=r"vocab_size=10 is not divisible by tp_size=3.*e\.g\. 12"):
+def test_layout_rejects_vocab_not_divisible_by_tp_and_says_why_padding_is_no_fix():
+    with pytest.raises(ValueError, match=r"vocab_size=10 is not divisible by tp_size=3.*unpadded.*divides 10"):
         ParallelLayout(vocab_size=10, tp_size=3, tp_rank=0)
 
 

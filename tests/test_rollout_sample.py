@@ -104,13 +104,17 @@ def test_constructor_length_mismatch():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p \(1.5\)"),
-        ({"temperature": 0.0}, r"temperature \(0.0\) must be > 0"),
-        ({"top_k": -1}, r"top_k \(-1\) must be >= 0"),
-        ({"min_p": 1.0}, r"min_p \(1.0\) must be in \[0, 1\)"),
-        ({"n": 0}, r"n \(0\) must be >= 1"),
-        ({"max_new_tokens": 0}, r"max_new_tokens \(0\) must be >= 1"),
+        # The same rule texts as the ops (`topp_rl.ops.SAMPLING_RULES`: one definition).
+        ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]; use top_p=1.0"),
+        ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"temperature": 0.0}, r"temperature=0.0 must be finite and >= 1e-06"),
+        ({"temperature": 1e-45}, r"temperature=1e-45 must be finite and >= 1e-06 \(smaller values overflow"),
+        ({"top_k": -1}, r"top_k=-1 must be an integer >= 0"),
+        ({"top_k": True}, r"top_k=True must be an integer >= 0"),
+        ({"top_p": "abc"}, r"top_p='abc' must be a number in \(0, 1\]"),
+        ({"min_p": 1.0}, r"min_p=1.0 must be in \[0, 1\)"),
+        ({"n": 0}, r"n=0 must be an integer >= 1"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0 must be an integer >= 1"),
     ],
 )
 def test_sampling_params_validation(kwargs, message):

@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from topp_rl.models import build_char_tokenizer
-from topp_rl.rollout import Sample, get_task, register_task
-from topp_rl.rollout.tasks import _TASKS, ArithmeticTask, RewardError, Task
+from topp_rl.rollout import Sample
+from topp_rl.rollout.tasks import ArithmeticTask, CopyDigitTask, JsonlTask, RewardError, Task
 
 TOK = build_char_tokenizer()
 
@@ -21,12 +21,12 @@ def _sample(group: int, text: str, index: int = 0) -> Sample:
 
 
 def test_arithmetic_prompts_are_seeded_and_rewards_exact():
-    task = get_task("arithmetic", digits=2, ops="+-*", seed=3)
+    task = ArithmeticTask(digits=2, ops="+-*", seed=3)
     records = [task.prompt(i, TOK) for i in range(50)]
-    again = [get_task("arithmetic", digits=2, ops="+-*", seed=3).prompt(i, TOK) for i in range(50)]
+    again = [ArithmeticTask(digits=2, ops="+-*", seed=3).prompt(i, TOK) for i in range(50)]
     assert [r.text for r in records] == [r.text for r in again]
     assert [r.text for r in records] != [
-        get_task("arithmetic", seed=4).prompt(i, TOK).text for i in range(50)
+        ArithmeticTask(seed=4).prompt(i, TOK).text for i in range(50)
     ]
     for r in records:
         a, op, b = r.data["a"], r.data["op"], r.data["b"]
@@ -45,7 +45,7 @@ def test_chat_template_prompt_ids():
     """transformers 5's apply_chat_template returns a BatchEncoding: the prompt must be its input ids."""
     tok = build_char_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
-    task = get_task("arithmetic", digits=1, seed=0, chat_template=True)
+    task = ArithmeticTask(digits=1, seed=0, chat_template=True)
     record = task.prompt(0, tok)
     assert record.prompt_ids == tok.encode(f"<{record.text}>", add_special_tokens=False)
 
@@ -63,7 +63,7 @@ def test_arithmetic_mod_and_partial_credit():
 
 
 def test_copy_digit_partial_credit():
-    task = get_task("copy_digit", digit_credit=0.25)
+    task = CopyDigitTask(digit_credit=0.25)
     rec = task.prompt(5, TOK)
     assert rec.text == f"{rec.answer}:" and rec.answer.isdigit()
     other = str((int(rec.answer) + 3) % 10)
@@ -71,7 +71,7 @@ def test_copy_digit_partial_credit():
         [_sample(0, rec.answer + "1"), _sample(0, other), _sample(0, "a" + rec.answer)], [rec], TOK
     )
     assert scored == [1.0, 0.25, 0.0]
-    assert len({get_task("copy_digit").prompt(i, TOK).answer for i in range(100)}) == 10
+    assert len({CopyDigitTask().prompt(i, TOK).answer for i in range(100)}) == 10
 
 
 def test_jsonl_task_reward_by_import_path(tmp_path, monkeypatch):
@@ -90,13 +90,13 @@ def test_jsonl_task_reward_by_import_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(5)) + "\n")
-    task = get_task("jsonl", path=data, reward_fn="my_rewards:exact", seed=1)
+    task = JsonlTask(path=data, reward_fn="my_rewards:exact", seed=1)
     first_pass = [task.example(i)[0] for i in range(5)]
     assert sorted(first_pass) == [f"q{i}" for i in range(5)]  # one full pass visits every record once
     assert first_pass != [task.example(i)[0] for i in range(5, 10)]  # the next pass is reshuffled
     rec = task.prompt(0, TOK)
     assert task.score([_sample(0, rec.answer, 0), _sample(0, "9", 1)], [rec], TOK) == [1.0, 0.0]
-    broken = get_task("jsonl", path=data, reward_fn="my_rewards:broken")
+    broken = JsonlTask(path=data, reward_fn="my_rewards:broken")
     with pytest.raises(
         RewardError, match=r"reward function my_rewards:broken raised on sample 7 .*ZeroDivisionError"
     ):
@@ -116,26 +116,19 @@ def test_jsonl_bad_reward_fn(tmp_path, kwargs, message):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=message):
-        get_task("jsonl", path=data, **kwargs)
+        JsonlTask(path=data, **kwargs)
 
 
 def test_jsonl_bad_files(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        get_task("jsonl", path=tmp_path / "missing.jsonl", reward_fn="json:loads")
+        JsonlTask(path=tmp_path / "missing.jsonl", reward_fn="json:loads")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"question": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 has no 'prompt' field"):
-        get_task("jsonl", path=bad, reward_fn="json:loads")
+        JsonlTask(path=bad, reward_fn="json:loads")
 
 
-def test_registry():
-    with pytest.raises(
-        ValueError, match=r"unknown task 'nope'; registered: \['arithmetic', 'copy_digit', 'jsonl'"
-    ):
-        get_task("nope")
-    with pytest.raises(ValueError, match="already registered"):
-        register_task("arithmetic")(ArithmeticTask)
-
+def test_nonfinite_rewards_raise():
     class Const(Task):
         def example(self, index):
             return "x", None, {}
@@ -143,13 +136,9 @@ def test_registry():
         def reward(self, response, record):
             return float("nan")
 
-    register_task("const_for_test")(Const)
-    try:
-        task = get_task("const_for_test")
-        with pytest.raises(RewardError, match="rewards must be finite"):
-            task.score([_sample(0, "1")], [task.prompt(0, TOK)], TOK)
-    finally:
-        _TASKS.pop("const_for_test")
+    task = Const()
+    with pytest.raises(RewardError, match="rewards must be finite"):
+        task.score([_sample(0, "1")], [task.prompt(0, TOK)], TOK)
 
 
 def test_nonfinite_and_bad_options():

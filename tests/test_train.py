@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from topp_rl.train import train
@@ -58,6 +59,22 @@ def test_every_algorithm_trains_end_to_end(tmp_path):
     assert max(column(rows, "train/rollout_logprob_abs_diff")) <= 1e-5
     assert max(column(rows, "train/grad_norm")) > 0  # zero when every group has equal rewards
     assert [int(float(r["step"])) for r in rows if r.get("train/loss")] == [0, 1]
+
+
+def test_module_logs_its_own_training_metrics_without_metric_callbacks(tmp_path, capsys):
+    """callbacks=minimal (WeightSync only): the module's train/* figures still reach metrics.csv, and the run
+    prints its layout once."""
+    out = tmp_path / "minimal"
+    train(compose_cfg(out, "callbacks=minimal", "logger=csv", "optimizer.lr=0.01"))
+    rows = read_metrics(out)
+    keys = set().union(*rows)
+    for key in ("train/loss", "train/pg_loss", "train/clip_frac", "train/grad_norm", "train/lr", "train/entropy",
+                "time/old_logprob_s", "time/optim_s"):
+        assert len(column(rows, key)) == 2, key
+    assert column(rows, "train/lr") == pytest.approx([0.01, 0.01], rel=1e-7)  # Lightning logs float32
+    assert all(0 < v <= math.log(128) for v in column(rows, "train/entropy"))  # tiny model: vocab 128
+    assert not any(k.startswith("train/rollout_logprob") for k in keys)  # LogProbMismatch is not in the run
+    assert capsys.readouterr().out.count("[topp_rl] layout: world=1 dp=1 tp=1 cp=1\n") == 1
 
 
 def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):

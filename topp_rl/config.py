@@ -1,15 +1,44 @@
 """Config validation at start: every user-facing number is checked before any model or engine is built.
 
 Each error names the key, its value, the constraint and the fix, so a bad sweep value fails in a second instead
-of deep inside a rollout step. The sampling checks mirror `SamplingParams` so that a command line override
-(`rollout.top_p=1.2`) fails here, before the model is loaded.
+of deep inside a rollout step. The sampling rules are the ops' own (`topp_rl.ops.SAMPLING_RULES`); what a part
+can do is asked of its class (`_target_`), never guessed from names.
 """
 
+from typing import Any
+
+from hydra._internal.utils import _locate
 from omegaconf import DictConfig
+
+from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 
 
 def _fail(key: str, value, constraint: str, fix: str) -> None:
     raise ValueError(f"config {key}={value!r}: must be {constraint}; {fix}")
+
+
+def _number(cfg: DictConfig, key: str, *, kind: type = float) -> Any:
+    """`cfg[key]` (a dotted path) as an int or float; bools and strings fail naming the key."""
+    value = cfg
+    for part in key.split("."):
+        value = value[part]
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or (kind is int and not isinstance(value, int)):
+        _fail(key, value, "an integer" if kind is int else "a number", f"set {key} to a {kind.__name__} value")
+    return value
+
+
+def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:
+    value = _number(cfg, key, kind=int)
+    if value < 1:
+        _fail(key, value, "an integer >= 1", fix)
+    return value
+
+
+def target_class(node: DictConfig) -> Any:
+    """The class a `_target_` entry builds (a `Class.factory` classmethod target resolves to its class)."""
+    target = _locate(str(node["_target_"]))
+    return getattr(target, "__self__", target)
 
 
 def _world_size(cfg: DictConfig) -> int:
@@ -20,27 +49,26 @@ def _world_size(cfg: DictConfig) -> int:
     return 1  # "auto" / device lists: checked again by Lightning once the devices are known
 
 
-def validate_sampling(r: DictConfig) -> None:
-    if not r.temperature > 0:
-        _fail("rollout.temperature", r.temperature, "> 0", "use e.g. rollout.temperature=1.0")
-    if not 0 < r.top_p <= 1:
-        _fail("rollout.top_p", r.top_p, "in (0, 1]", "use rollout.top_p=1.0 to disable top-p")
-    if not (isinstance(r.top_k, int) and r.top_k >= 0):
-        _fail("rollout.top_k", r.top_k, "an integer >= 0", "use rollout.top_k=0 to disable top-k")
-    if not 0 <= r.min_p < 1:
-        _fail("rollout.min_p", r.min_p, "in [0, 1)", "use rollout.min_p=0.0 to disable min-p")
+def validate_sampling(cfg: DictConfig) -> None:
+    for rule in SAMPLING_RULES:
+        try:
+            check_sampling_value(rule, cfg.rollout[rule.name], key=f"config rollout.{rule.name}")
+        except ValueError as err:
+            raise ValueError(str(err).replace(" must be ", ": must be ", 1)) from None
     for key in ("n_samples", "max_new_tokens", "prompts_per_step"):
-        if not (isinstance(r[key], int) and r[key] >= 1):
-            _fail(f"rollout.{key}", r[key], "an integer >= 1", f"set rollout.{key} to a positive integer")
+        _positive_int(cfg, f"rollout.{key}", f"set rollout.{key} to a positive integer")
 
 
 def validate_parallel(cfg: DictConfig) -> None:
     p, world = cfg.parallel, _world_size(cfg)
     for key in ("tp_size", "cp_size"):
-        if not (isinstance(p[key], int) and p[key] >= 1):
-            _fail(f"parallel.{key}", p[key], "an integer >= 1", f"use parallel.{key}=1 to disable it")
+        _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
     if p.cp_mode not in ("zigzag", "allgather"):
         _fail("parallel.cp_mode", p.cp_mode, "'zigzag' or 'allgather'", "pick one of the two layouts")
+    if p.get("strategy") and p.cp_size > 1 and p.cp_mode != "zigzag":
+        _fail("parallel.cp_mode", p.cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
+              "transformer-engine's CP attention assume the zigzag split; all-gather CP exists only in the ops)",
+              "use parallel.cp_mode=zigzag")
     model_parallel = p.tp_size * p.cp_size
     if world % model_parallel:
         _fail("parallel.tp_size * parallel.cp_size", model_parallel,
@@ -51,11 +79,13 @@ def validate_parallel(cfg: DictConfig) -> None:
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
               f"use a multiple of {dp}, so that every rank gets whole prompt groups")
-    if model_parallel > 1 and "sglang" in str(cfg.rollout.engine.get("_target_", "")):
-        # TP/CP peers must train on identical rollouts; SGLang on CPU ignores seeds, so each peer's server
-        # would sample different tokens for the same prompts.
-        _fail("rollout", "sglang", f"the embedded engine when parallel.tp_size * parallel.cp_size > 1 "
-              f"(here {model_parallel})", "use rollout=embedded with tensor/context parallelism")
+    engine = target_class(cfg.rollout.engine)
+    if model_parallel > 1 and not engine.reproducible:
+        # TP/CP peers must train on identical rollouts; an engine that ignores seeds (SGLang on CPU) would
+        # sample different tokens for the same prompts on each peer.
+        _fail("rollout.engine", engine.__name__, f"an engine whose seeded rollouts reproduce on every rank when "
+              f"parallel.tp_size * parallel.cp_size > 1 (here {model_parallel})",
+              "use rollout=embedded with tensor/context parallelism")
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.
@@ -65,18 +95,19 @@ def validate_parallel(cfg: DictConfig) -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise ValueError on the first invalid setting (see module docstring)."""
-    validate_sampling(cfg.rollout)
-    if cfg.algo.group_relative and cfg.rollout.n_samples < 2:
-        _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 for algo={cfg.algo.name} (group-relative "
-              "advantages are all zero with one sample per prompt)", "use rollout.n_samples=4 or more")
-    if not (isinstance(cfg.trainer.max_steps, int) and cfg.trainer.max_steps >= 1):
-        _fail("trainer.max_steps", cfg.trainer.max_steps, "an integer >= 1", "set the number of rollout steps")
-    if not (isinstance(cfg.module.ppo_epochs, int) and cfg.module.ppo_epochs >= 1):
-        _fail("module.ppo_epochs", cfg.module.ppo_epochs, "an integer >= 1", "use 1 for on-policy updates")
-    if not cfg.optimizer.lr > 0:
+    validate_sampling(cfg)
+    advantage = target_class(cfg.algo.advantage)
+    if advantage.group_relative and cfg.rollout.n_samples < 2:
+        _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "
+              "group-relative advantages are all zero with one sample per prompt)",
+              "use rollout.n_samples=4 or more, or a batch baseline (algo.advantage._target_=...BatchAdvantage)")
+    _positive_int(cfg, "trainer.max_steps", "set the number of rollout steps")
+    _positive_int(cfg, "module.ppo_epochs", "use 1 for on-policy updates")
+    if not _number(cfg, "optimizer.lr") > 0:
         _fail("optimizer.lr", cfg.optimizer.lr, "> 0", "use e.g. optimizer.lr=1e-3 for the tiny model")
-    if cfg.data.max_tokens_per_micro_batch < cfg.rollout.max_new_tokens + 1:
-        _fail("data.max_tokens_per_micro_batch", cfg.data.max_tokens_per_micro_batch,
+    budget = _number(cfg, "data.max_tokens_per_micro_batch", kind=int)
+    if budget < cfg.rollout.max_new_tokens + 1:
+        _fail("data.max_tokens_per_micro_batch", budget,
               f"> rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) plus the prompt length",
               "raise the token budget so that one whole sample fits in a micro-batch")
     validate_parallel(cfg)

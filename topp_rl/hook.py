@@ -14,6 +14,7 @@ import torch
 
 from topp_rl.ops import candidate_head_logprobs, token_logprobs
 from topp_rl.parallel import ParallelLayout, cp_local_positions, response_rows
+from topp_rl.records import OnPolicyRecord
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,6 @@ class TokenLogProbs:
     token_index: torch.Tensor  # int64 index into the micro-batch's R response tokens (for scatter/gather)
     support_size: torch.Tensor  # int64 candidate-set size, 0 = unrestricted
     entropy: torch.Tensor | None = None  # unrestricted, temperature-scaled
-    logprobs_unmasked: torch.Tensor | None = None  # full vocabulary; only from `ToppLogProb.onpolicy`
 
 
 class ToppLogProb:
@@ -99,8 +99,10 @@ class ToppLogProb:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         chunk_rows: int = 2048,
-    ) -> TokenLogProbs:
-        """Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad).
+    ) -> tuple[torch.Tensor, OnPolicyRecord]:
+        """(token index [R_local] into the micro-batch's R response tokens, this rank's `OnPolicyRecord`).
+
+        Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad).
 
         Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
         see both figures; each block of row logits is formed once and shared by the two reductions, and blocks
@@ -123,7 +125,8 @@ class ToppLogProb:
             masked.append(lp)
             entropy.append(ent)
             unmasked.append(token_logprobs(block, tokens[a:b], **common))
-        return TokenLogProbs(
-            logprobs=torch.cat(masked), token_index=token_index, support_size=sizes, entropy=torch.cat(entropy),
-            logprobs_unmasked=torch.cat(unmasked),
+        return token_index, OnPolicyRecord(
+            logprobs=torch.cat(masked), logprobs_unmasked=torch.cat(unmasked),
+            rollout_logprobs=batch.rollout_log_probs[token_index].float(),
+            loss_mask=batch.loss_mask[token_index].float(), entropy=torch.cat(entropy), support_size=sizes,
         )

@@ -171,3 +171,9 @@ def save_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+def build_tiny(*, seed: int = 0, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """(tiny random model, char tokenizer): the model group's contract is to return both."""
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(seed=seed, tokenizer=tokenizer, **kwargs), tokenizer

@@ -1,4 +1,5 @@
-"""`PolicyModule`: the RL LightningModule (manual optimisation) wiring policy, hook, loss and optimizer.
+"""`PolicyModule`: the RL LightningModule (manual optimisation) wiring a `Backbone`, the scorer, a loss and an
+optimizer.
 
 One `training_step` per rollout step:
 1. old-log-prob pass without grad, with the weights the rollout sampled with (so it is also the on-policy pass
@@ -9,11 +10,10 @@ One `training_step` per rollout step:
    counts, so the accumulated gradient equals that of one large batch, whatever the token budget per micro-batch.
    With `ppo_epochs=1` the update is exactly on-policy (ratio 1); more epochs reuse the rollout (PPO-style).
 
-HF attention on CPU does not build block-diagonal masks from packed position_ids, so each packed micro-batch is
-unpacked into a right-padded [B, L] batch for the backbone and the final hidden states are re-packed to [T, H]
-(exact: causal attention never looks at the right padding). The lm_head weight and those hidden states go to
-`ToppLogProb`, which never forms [T, V] logits for rows with candidates. Models with a logit soft-cap or a
-biased lm_head are not supported (their logits are not hidden @ weight.T).
+The backbone returns final hidden states and the output weight (`Backbone.forward_hidden`); `ToppLogProb`
+never forms [T, V] logits for rows with candidates. The parallel layout is the backbone's: the module never
+builds one. The module logs its own `train/*` figures (loss terms from the loss, grad norm, learning rate,
+entropy, phase timings), reduced across ranks once per step.
 """
 
 import copy
@@ -25,50 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from topp_rl.hook import TokenLogProbs, ToppLogProb
+from topp_rl.backbone import Backbone, HFBackbone
+from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs
-from topp_rl.metrics import SumCount, add_sums
+from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout
 from topp_rl.records import OnPolicyRecord
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-def packed_hidden(model: nn.Module, batch) -> torch.Tensor:
-    """Final (normed) hidden states [T, H] of a packed batch, from a padded [B, L] backbone forward."""
-    lengths = batch.seq_lengths.to(batch.tokens.device)
-    width = int(lengths.max())
-    valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [B, L]
-    input_ids = torch.zeros(valid.shape, dtype=torch.long, device=lengths.device)
-    position_ids = torch.zeros_like(input_ids)
-    input_ids[valid] = batch.tokens  # row-major boolean indexing == sequences back to back
-    position_ids[valid] = batch.position_ids
-    out = model.get_decoder()(
-        input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
-    )
-    return out.last_hidden_state[valid]
-
-
-def output_weight(model: nn.Module) -> torch.Tensor:
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(
-            f"{type(model).__name__} has an lm_head bias; ToppLogProb assumes logits = hidden @ weight.T. "
-            "Use a model without an output bias (Qwen2 / Llama families)"
-        )
-    return head.weight
-
-
-def hidden_and_weight(model: nn.Module, batch, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's final hidden states [T_local, H], output weight [V_local, H]).
-
-    Backbones that shard over TP / CP (topp_rl.megatron.MegatronBackbone) expose `forward_hidden(batch, layout)`;
-    an HF causal LM runs whole on this rank.
-    """
-    if hasattr(model, "forward_hidden"):
-        hidden, weight, _ = model.forward_hidden(batch, layout)
-        return hidden, weight
-    return packed_hidden(model, batch), output_weight(model)
 
 
 def gather_tokens(values: torch.Tensor, token_index: torch.Tensor, *, num_tokens: int, group) -> torch.Tensor:
@@ -86,24 +50,35 @@ def gather_tokens(values: torch.Tensor, token_index: torch.Tensor, *, num_tokens
     return full + (others - full.detach())
 
 
+def _check_backbone(model, slot: str) -> Backbone:
+    if not isinstance(model, nn.Module) or not isinstance(model, Backbone):
+        hint = " wrap an HF causal LM as HFBackbone(model);" if isinstance(model, nn.Module) else ""
+        raise TypeError(
+            f"PolicyModule {slot} is a {type(model).__name__}, not a topp_rl.backbone.Backbone;{hint} "
+            "Megatron models come from topp_rl.megatron.MegatronBackbone"
+        )
+    return model
+
+
 class PolicyModule(L.LightningModule):
     """Policy-gradient training over rollout steps (`RolloutBatch`), exact over the rollout's candidate sets.
 
-    `loss` is a `topp_rl.losses.PolicyLoss`; when it needs reference log-probs and no `reference` is given, the
-    reference is a frozen copy of the initial policy. `optimizer` is a factory (Hydra `_partial_`).
+    `policy` (and `reference`) are `Backbone`s; a strategy that shards them hands its own versions over
+    through `use_backbones`. `loss` is a `topp_rl.losses.PolicyLoss`; when it needs reference log-probs and no
+    `reference` is given, the reference is a frozen copy of the initial policy. `optimizer` is a factory
+    (Hydra `_partial_`).
     """
 
     def __init__(
         self,
         *,
-        policy: nn.Module,
+        policy: Backbone,
         loss: Callable[[LossInputs], tuple[torch.Tensor, dict[str, SumCount]]],
         optimizer: OptimizerFactory,
         hook: ToppLogProb,
-        reference: nn.Module | None = None,
+        reference: Backbone | None = None,
         ppo_epochs: int = 1,
         grad_clip: float | None = 1.0,
-        layout: ParallelLayout | None = None,
     ) -> None:
         super().__init__()
         if ppo_epochs < 1:
@@ -111,60 +86,59 @@ class PolicyModule(L.LightningModule):
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip ({grad_clip}) must be > 0, or null to disable clipping")
         self.automatic_optimization = False
-        self.policy = policy
         if reference is None and loss.needs_ref_logprobs:
             reference = copy.deepcopy(policy)
-        self.reference = reference.requires_grad_(False).eval() if reference is not None else None
+        self.use_backbones(policy=policy, reference=reference)
         self.loss_fn = loss
         self.optimizer_factory = optimizer
         self.hook = hook
         self.ppo_epochs = ppo_epochs
         self.grad_clip = grad_clip
-        self._layout = layout
-        self.last_timings: dict[str, float] = {}
+
+    def use_backbones(self, *, policy: Backbone, reference: Backbone | None) -> None:
+        """Install the policy (and frozen reference) backbones: the one hand-over point for strategies."""
+        self.policy = _check_backbone(policy, "policy")
+        self.reference = None
+        if reference is not None:
+            self.reference = _check_backbone(reference, "reference").requires_grad_(False).eval()
+            if reference.layout != policy.layout:
+                raise ValueError(
+                    f"reference layout {reference.layout} differs from the policy's {policy.layout}; build both "
+                    "backbones from the same parallel config"
+                )
 
     @property
     def layout(self) -> ParallelLayout:
-        if self._layout is None:
-            if hasattr(self.policy, "forward_hidden"):
-                self._layout = ParallelLayout.from_megatron(self.policy.vocab_size)
-            else:
-                self._layout = ParallelLayout.single(self.policy.get_output_embeddings().weight.shape[0])
-        return self._layout
+        return self.policy.layout
+
+    def on_fit_start(self) -> None:
+        if self.trainer.is_global_zero:
+            print(f"[topp_rl] layout: {self.layout.describe(world_size=self.trainer.world_size)}", flush=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
 
-    def _gather(self, values: torch.Tensor, out: TokenLogProbs, batch) -> torch.Tensor:
-        return gather_tokens(values, out.token_index, num_tokens=batch.response_tokens.numel(),
+    def _gather(self, values: torch.Tensor, token_index: torch.Tensor, batch) -> torch.Tensor:
+        return gather_tokens(values, token_index, num_tokens=batch.response_tokens.numel(),
                              group=self.layout.cp_group)
 
-    def score(self, model: nn.Module, batch, *, use_mask: bool) -> torch.Tensor:
+    def score(self, model: Backbone, batch, *, use_mask: bool) -> torch.Tensor:
         """Log-probs [R] of the batch's response tokens in sample order (grad when grad mode is on)."""
-        hidden, weight = hidden_and_weight(model, batch, self.layout)
+        hidden, weight = model.forward_hidden(batch)
         hook = self.hook if use_mask == self.hook.use_mask else ToppLogProb(
             use_mask=use_mask, temperature=self.hook.temperature
         )
         out = hook(batch, layout=self.layout, hidden=hidden, weight=weight)
-        return self._gather(out.logprobs, out, batch)
+        return self._gather(out.logprobs, out.token_index, batch)
 
     @torch.no_grad()
     def onpolicy_pass(self, batch) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(old log-probs [R] for the loss, the on-policy record over this rank's tokens)."""
-        hidden, weight = hidden_and_weight(self.policy, batch, self.layout)
-        out = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
-        idx = out.token_index
-        record = OnPolicyRecord(
-            logprobs=out.logprobs.float(),
-            logprobs_unmasked=out.logprobs_unmasked.float(),
-            rollout_logprobs=batch.rollout_log_probs[idx].float(),
-            loss_mask=batch.loss_mask[idx].float(),
-            entropy=out.entropy.float(),
-            support_size=out.support_size,
-        )
+        hidden, weight = self.policy.forward_hidden(batch)
+        token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
-        old = out.logprobs if self.hook.use_mask else out.logprobs_unmasked
-        return self._gather(old, out, batch), record
+        old = record.logprobs if self.hook.use_mask else record.logprobs_unmasked
+        return self._gather(old, token_index, batch), record
 
     def loss_inputs(self, batch, logprobs, old, ref) -> LossInputs:
         seq_index = torch.repeat_interleave(batch.sample_index, batch.response_lengths)
@@ -209,25 +183,30 @@ class PolicyModule(L.LightningModule):
             add_sums(metrics, self.accumulate_gradients(micro, list(old), refs))
             add_sums(metrics, {"train/grad_norm": (self.clip_and_norm(), 1.0)})
             opt.step()
-        # Wall-clock split of this step (read by benchmarks/bench_train_step.py; not logged).
-        self.last_timings = {"old_logprob_s": t1 - t0, "optim_s": time.perf_counter() - t1}
-        return {"rollout": batch, "onpolicy": OnPolicyRecord.concat(list(records)), "metrics": metrics}
+        record = OnPolicyRecord.concat(list(records))
+        keep = record.loss_mask > 0
+        metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
+        metrics["time/old_logprob_s"] = (t1 - t0, 1.0)
+        metrics["time/optim_s"] = (time.perf_counter() - t1, 1.0)
+        self.log_step_metrics(metrics, lr=float(opt.param_groups[0]["lr"]))
+        return {"rollout": batch, "onpolicy": record, "metrics": metrics}
+
+    def log_step_metrics(self, sums: dict[str, SumCount], *, lr: float) -> dict[str, float]:
+        """Reduce the step's (sum, count) pairs across ranks once and log them with the learning rate."""
+        if self._trainer is None:
+            return {}
+        values = reduce_sums(self.trainer, sums) | {"train/lr": lr}
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+        return values
 
     def clip_and_norm(self) -> float:
-        """Total gradient 2-norm before clipping (clipped in place when `grad_clip` is set).
-
-        A backbone sharded over TP (`clip_grad_norm_` method) computes the norm of the unsharded model.
-        """
+        """Total gradient 2-norm of the unsharded model before clipping (clipped in place when `grad_clip`)."""
         max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
-        if hasattr(self.policy, "clip_grad_norm_"):
-            return float(self.policy.clip_grad_norm_(max_norm))
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(self.policy.clip_grad_norm_(max_norm))
 
     def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs of the policy for `WeightSync` (a sharded backbone gathers its TP shards)."""
-        if hasattr(self.policy, "hf_named_tensors"):
-            yield from self.policy.hf_named_tensors()
-            return
-        for name, param in self.policy.named_parameters():
-            yield name, param.detach()
+        """(HF name, tensor) pairs of the policy for `WeightSync` (a TP collective for a sharded backbone)."""
+        return self.policy.hf_named_tensors()
+
+
+__all__ = ["Backbone", "HFBackbone", "PolicyModule", "gather_tokens"]

@@ -14,11 +14,11 @@ import torch
 class OnPolicyRecord:
     """Tensors over this rank's response tokens of one rollout step, in sample order (all [R])."""
 
-    logprobs: torch.Tensor  # float32, over the recorded candidate set (as used for training)
-    logprobs_unmasked: torch.Tensor  # float32, over the full vocabulary
+    logprobs: torch.Tensor  # float (the scoring dtype), over the recorded candidate set (as used for training)
+    logprobs_unmasked: torch.Tensor  # float, over the full vocabulary
     rollout_logprobs: torch.Tensor  # float32, as recorded by the engine
     loss_mask: torch.Tensor  # float32, 1 = trainable token
-    entropy: torch.Tensor  # float32, of the unrestricted temperature-scaled distribution
+    entropy: torch.Tensor  # float, of the unrestricted temperature-scaled distribution
     support_size: torch.Tensor  # int64, candidate-set size; 0 = no candidate data (unrestricted)
 
     def __post_init__(self) -> None:

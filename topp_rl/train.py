@@ -19,13 +19,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import AtomicCheckpointIO, RolloutCheckpoint
 from topp_rl.config import validate_config
 from topp_rl.hook import ToppLogProb
-from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.module import PolicyModule
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -33,26 +32,6 @@ SUMMARY_KEYS = (
     "train/rollout_logprob_abs_diff_unmasked",
     "train/rollout_logprob_abs_diff_max",
 )
-
-
-def build_tiny(*, seed: int = 0, **kwargs):
-    """(tiny random model, char tokenizer): the model group's contract is to return both."""
-    tokenizer = build_char_tokenizer()
-    return build_tiny_model(seed=seed, tokenizer=tokenizer, **kwargs), tokenizer
-
-
-def embedded_engine(*, model, tokenizer, workdir: Path, **kwargs) -> EmbeddedEngine:
-    """In-process engine holding its own copy of the policy's weights (`workdir` unused: no files)."""
-    return EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                          **kwargs)
-
-
-def sglang_engine(*, model, tokenizer, workdir: Path, **kwargs):
-    """SGLang server launched on the initial weights, written once to `workdir/init` (SGLang reads disk)."""
-    from topp_rl.rollout.sglang import SGLangEngine
-
-    path = save_model(model, tokenizer, Path(workdir) / "init")
-    return SGLangEngine(model_path=path, vocab_size=int(model.config.vocab_size), **kwargs)
 
 
 def sampling_params(rollout: DictConfig) -> SamplingParams:
@@ -154,12 +133,13 @@ def build_run(cfg: DictConfig) -> Run:
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
     datamodule = instantiate(cfg.data, _partial_=True)(
         engine=engine, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
-        prompts_per_step=cfg.rollout.prompts_per_step, advantage=cfg.algo.advantage, seed=cfg.seed,
+        prompts_per_step=cfg.rollout.prompts_per_step, advantage=instantiate(cfg.algo.advantage), seed=cfg.seed,
     )
     loss = instantiate(cfg.algo.loss)
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=cfg.rollout.temperature)
+    # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
-        policy=policy, loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        policy=HFBackbone(policy), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
     )
     summary = RunSummary()

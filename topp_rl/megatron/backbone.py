@@ -1,9 +1,11 @@
 """A megatron-core GPTModel backbone for HF Qwen2 / Llama configs, returning final hidden states, not logits.
 
-`MegatronBackbone.forward_hidden(batch, layout)` runs one packed (THD) micro-batch and returns this rank's
-final hidden states (after the final norm) [T_local, H], the output-layer weight shard [V_local, H] and each
-local row's position in the unsharded packed stream (-1 = CP padding). The loss side feeds these straight into
-`ToppLogProb` / `candidate_head_logprobs`, so no [T, V] logits exist for rows with candidates.
+A `topp_rl.backbone.Backbone`: `MegatronBackbone.forward_hidden(batch)` runs one packed (THD) micro-batch and
+returns this rank's final hidden states (after the final norm) [T_local, H] in the layout's CP order
+(`layout.local_positions(seq_lengths)` gives each row's position in the unsharded packed stream, -1 = CP
+padding) and the output-layer weight shard [V_local, H]. The loss side feeds these straight into
+`ToppLogProb` / `candidate_head_logprobs`, so no [T, V] logits exist for rows with candidates. The backbone is
+built for one `ParallelLayout` (the strategy's, built once from its process groups) and keeps it.
 
 TP gradient contract: the hidden-state gradient is summed over TP exactly once, inside
 `candidate_head_logprobs` (its backward all-reduces d hidden over `tp_group`). We never call Megatron's
@@ -11,7 +13,9 @@ TP gradient contract: the hidden-state gradient is summed over TP exactly once, 
 
 CP: sequences are split zigzag (`cp_local_positions(mode="zigzag")`: each sequence padded to a multiple of
 2 * cp_size, rank r holds chunks r and 2 * cp_size - 1 - r), which is also the layout Megatron's THD RoPE
-expects from `cu_seqlens_q_padded`.
+expects from `cu_seqlens_q_padded`. The all-gather layout (contiguous slices of the packed stream) is not
+supported: Megatron's THD RoPE and transformer-engine's CP attention both assume the load-balanced zigzag
+split, so a layout with cp_mode="allgather" and cp_size > 1 is rejected.
 
 Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron's
 `make_vocab_size_divisible_by`) would put extra logits into every unrestricted softmax and break exactness
@@ -27,43 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from topp_rl.megatron import cpu_shims
-from topp_rl.parallel import ParallelLayout, cp_local_positions, cp_padded_lengths, cp_shard, cu_seqlens
-
-SUPPORTED_ARCHS = ("qwen2", "llama")
-
-
-def hf_inv_freq(hf_config) -> Tensor:
-    """RoPE inverse frequencies exactly as HF computes them (default or llama3 scaling)."""
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
-        base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = head_dim(hf_config)
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope_type != "llama3":
-        raise ValueError(
-            f"rope_type={rope_type!r} is not supported by the Megatron backbone (supported: 'default', "
-            "'llama3'); use the HF backbone for this model"
-        )
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
-    assert scaling == 1.0, "llama3 RoPE has no attention scaling"
-    return inv_freq
-
-
-def head_dim(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def model_type(hf_config) -> str:
-    kind = getattr(hf_config, "model_type", None)
-    if kind not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"model_type={kind!r} is not supported by the Megatron backbone (supported: {SUPPORTED_ARCHS}); "
-            "use the HF backbone for this model"
-        )
-    return kind
+from topp_rl.megatron.hf_config import head_dim, hf_inv_freq, model_type
+from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
 
 
 def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dtype = torch.float32):
@@ -114,6 +83,20 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dt
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         **extra,
     )
+
+
+def check_layout(hf_config, layout: ParallelLayout) -> None:
+    """The layout must describe this model's vocabulary and a CP split the backbone can run."""
+    if layout.vocab_size != hf_config.vocab_size:
+        raise ValueError(
+            f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
+            "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
+        )
+    if layout.cp_size > 1 and layout.cp_mode != "zigzag":
+        raise ValueError(
+            f"cp_mode={layout.cp_mode!r}: the Megatron backbone splits sequences zigzag only (Megatron's THD "
+            "RoPE and transformer-engine's CP attention assume it); use cp_mode='zigzag'"
+        )
 
 
 def use_transformer_engine(dtype: torch.dtype) -> bool:
@@ -179,45 +162,50 @@ def packed_seq_params(seq_lengths: Tensor, *, cp_size: int, cp_group=None):
 class MegatronBackbone(torch.nn.Module):
     """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract."""
 
-    def __init__(self, hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
+    def __init__(self, hf_config, *, layout: ParallelLayout, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        check_layout(hf_config, layout)
         self.hf_config = hf_config
-        self.tp_size, self.cp_size = tp_size, cp_size
-        self.model = build_gpt_model(hf_config, tp_size=tp_size, cp_size=cp_size, seed=seed, dtype=dtype)
+        self._layout = layout
+        self.model = build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size, seed=seed,
+                                     dtype=dtype)
 
     @classmethod
-    def from_hf(cls, hf_model: torch.nn.Module, *, tp_size: int, cp_size: int, seed: int = 0) -> MegatronBackbone:
+    def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0) -> MegatronBackbone:
         """This rank's backbone holding the HF model's weights (parallel_state must be initialised)."""
-        from megatron.core import parallel_state
-
         from topp_rl.megatron.convert import load_hf_into
 
         dtype = next(hf_model.parameters()).dtype
-        backbone = cls(hf_model.config, tp_size=tp_size, cp_size=cp_size, seed=seed, dtype=dtype)
-        load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=tp_size,
-                     tp_rank=parallel_state.get_tensor_model_parallel_rank())
+        backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype)
+        load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=layout.tp_size,
+                     tp_rank=layout.tp_rank)
         backbone.train(hf_model.training)
         return backbone
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self._layout
+
+    @property
+    def tp_size(self) -> int:
+        return self._layout.tp_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
 
     def hf_named_tensors(self):
         """(HF name, full tensor) pairs, layer by layer; a collective over the TP group (see `export`)."""
         from topp_rl.megatron.export import hf_named_tensors
 
-        return hf_named_tensors(self)
+        return hf_named_tensors(self, tp_group=self._layout.tp_group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before clipping."""
-        from megatron.core import parallel_state
-
         from topp_rl.megatron.grads import clip_grad_norm_
 
-        group = parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        return clip_grad_norm_(self.parameters(), max_norm, tp_group=group)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return clip_grad_norm_(self.parameters(), max_norm, tp_group=self._layout.tp_group)
 
     def output_weight(self) -> Tensor:
         """This rank's output-layer weight shard [V / tp, H] (the embedding when tied)."""
@@ -225,30 +213,13 @@ class MegatronBackbone(torch.nn.Module):
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
-    def forward_hidden(self, batch, layout: ParallelLayout) -> tuple[Tensor, Tensor, Tensor]:
-        """(hidden [T_local, H], weight shard [V_local, H], positions [T_local]) for a `PackedBatch`."""
-        if (layout.tp_size, layout.cp_size) != (self.tp_size, self.cp_size):
-            raise ValueError(
-                f"layout (tp={layout.tp_size}, cp={layout.cp_size}) does not match the backbone "
-                f"(tp={self.tp_size}, cp={self.cp_size}); build both from the same parallel config"
-            )
-        if self.cp_size > 1 and layout.cp_mode != "zigzag":
-            raise ValueError(
-                f"cp_mode={layout.cp_mode!r}: the Megatron backbone splits sequences zigzag; set cp_mode='zigzag'"
-            )
-        positions = cp_local_positions(
-            batch.seq_lengths, cp_size=self.cp_size, cp_rank=layout.cp_rank, mode=layout.cp_mode
-        )
+    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+        """(hidden [T_local, H], weight shard [V_local, H]) for a `PackedBatch`; rows in the layout's CP order."""
+        layout = self._layout
+        positions = layout.local_positions(batch.seq_lengths)
         tokens = cp_shard(batch.tokens, positions)  # padding rows hold token 0; they are never scored
-        params = packed_seq_params(batch.seq_lengths, cp_size=self.cp_size, cp_group=layout.cp_group)
-        hidden = self.hidden_states(tokens, params)
-        if layout.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"layout vocab_size={layout.vocab_size} != model vocab_size={self.vocab_size}; build the layout "
-                "with ParallelLayout.from_megatron(model.vocab_size)"
-            )
-        weight = self.output_weight()  # [V / tp, H], exactly layout.vocab_range()
-        return hidden, weight, positions
+        params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
+        return self.hidden_states(tokens, params), self.output_weight()  # weight: exactly layout.vocab_range()
 
     def hidden_states(self, tokens: Tensor, params) -> Tensor:
         """Final-norm hidden states [T_local, H] of local packed tokens [T_local]."""

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from topp_rl.megatron.backbone import head_dim
+from topp_rl.megatron.hf_config import head_dim
 
 HF_LAYER = "model.layers.{i}."
 MG_LAYER = "decoder.layers.{i}."

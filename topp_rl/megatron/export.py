@@ -1,9 +1,10 @@
-"""Export a Megatron backbone's weights under HF names: to a rollout engine, to disk, or as a state dict.
+"""Export a Megatron backbone's weights under HF names: as a lazy iterator, to disk, or as a state dict.
 
 Every TP rank all-gathers each parameter's shards over the TP group (a collective: ALL ranks of the group must
 call these functions, also those that hold no engine), then `convert.megatron_to_hf` maps them back to HF names.
-The result is bit-exact (pure indexing). Engines receive it through their `update_weights(named_tensors)`
-(the embedded engine copies in memory; the SGLang engine writes safetensors for `/update_weights_from_disk`).
+The result is bit-exact (pure indexing). Engines receive it as `Backbone.hf_named_tensors()`, which `WeightSync`
+hands to their `update_weights` (the embedded engine copies in memory; the SGLang engine writes safetensors for
+`/update_weights_from_disk`).
 Layers are exported one at a time (`hf_named_tensors`), so peak extra memory is one layer's full weights plus
 the embeddings, not a second copy of the model.
 """
@@ -50,14 +51,11 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
                      grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) for every HF parameter, layer by layer; `grads=True` exports `.grad` instead.
 
-    Collective over `tp_group` (default: Megatron's TP group when TP > 1). Tied models yield `lm_head.weight`
+    Collective over `tp_group` (default: the backbone layout's TP group). Tied models yield `lm_head.weight`
     only when the HF config unties it (HF ties it to `model.embed_tokens.weight` itself).
     """
     model, hf_config = backbone.model, backbone.hf_config
-    if tp_group is None and backbone.tp_size > 1:
-        from megatron.core import parallel_state
-
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = tp_group if tp_group is not None else backbone.layout.tp_group
     te = _te_names(model)
 
     def value(p: torch.nn.Parameter) -> Tensor:
@@ -82,17 +80,6 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
 def hf_state_dict(backbone, *, tp_group=None, grads: bool = False) -> dict[str, Tensor]:
     """The full HF state dict (collective over TP); `lm_head.weight` included only for untied models."""
     return dict(hf_named_tensors(backbone, tp_group=tp_group, grads=grads))
-
-
-def push_to_engine(engine, backbone, *, tp_group=None) -> None:
-    """Gather TP shards and hand HF-named tensors to `engine.update_weights` (collective over TP: every TP
-    rank must call it; ranks with `engine=None` take part in the gathers and skip the update)."""
-    named = hf_named_tensors(backbone, tp_group=tp_group)
-    if engine is None:
-        for _ in named:
-            pass
-        return
-    engine.update_weights(named)
 
 
 def save_hf_checkpoint(backbone, path: str | os.PathLike, *, tp_group=None, write: bool = True) -> Path | None:

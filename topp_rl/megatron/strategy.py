@@ -3,22 +3,24 @@
 What it adds to `DDPStrategy`:
 - `setup_distributed`: after the process group, `parallel_state.initialize_model_parallel(tp, cp)` (kept after
   `fit`, so the backbone can still export; the next setup re-initialises it);
-- `setup_environment`: swaps the module's HF `policy` (and `reference`) for `MegatronBackbone`s holding the same
-  weights, so configs, engines and tests keep building plain HF models;
+- `setup_environment`: builds this rank's `ParallelLayout` once from the process groups it just created and
+  hands the module `MegatronBackbone`s for that layout, holding the weights of its `HFBackbone` policy (and
+  reference), through `PolicyModule.use_backbones`; configs, engines and tests keep building plain HF models;
 - data-parallel sampler kwargs from the DP rank / size (TP and CP ranks of one DP replica see the same data),
   also handed to a `RolloutDataModule` that was built without explicit `dp_rank` / `dp_size`;
 - no DDP wrapper: each backward's gradient increment is summed over the data-parallel-with-context-parallel
   group (`grads.GradSync`); torch DDP would average, and would need one backward per forward;
-- checkpoints hold the FULL model under HF names (gathered over TP), so weights resume at any TP; optimizer
+- checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
+  weights resume at any TP; optimizer
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError).
 
 Departures from NeMo's MegatronStrategy: no pipeline parallelism, no distributed optimizer, no
 `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient clipping goes through the backbone's
 TP-aware `clip_grad_norm_`.
 
-Seams: `PolicyModule.hf_named_tensors()` (for `WeightSync`) and `PolicyModule.clip_and_norm()` delegate to the
-backbone, whose versions gather / reduce over TP, so every rank must call them; `RolloutDataModule` reads the
-data-parallel rank and size from `distributed_sampler_kwargs`, so TP / CP peers draw the same prompts.
+Seams: the module reaches the backbone only through the `Backbone` protocol; its `hf_named_tensors()` (for
+`WeightSync`) and `clip_grad_norm_` gather / reduce over TP, so every rank must call them; `RolloutDataModule`
+reads the data-parallel rank and size from `distributed_sampler_kwargs`, so TP / CP peers draw the same prompts.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
 from topp_rl.megatron.grads import GradSync
+from topp_rl.parallel import ParallelLayout
 
 _MODEL_SLOTS = ("policy", "reference")
 
@@ -40,12 +44,20 @@ class MegatronStrategy(DDPStrategy):
 
     strategy_name = "megatron"
 
-    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, cp_mode: str = "zigzag", seed: int = 0,
+                 **kwargs: Any) -> None:
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if not (isinstance(value, int) and value >= 1):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"MegatronStrategy {name}={value!r} must be an int >= 1; use 1 to disable it")
+        if cp_size > 1 and cp_mode != "zigzag":
+            raise ValueError(
+                f"MegatronStrategy cp_mode={cp_mode!r}: the Megatron backbone supports only 'zigzag' context "
+                "parallelism (Megatron's THD RoPE and transformer-engine's CP attention assume it); use "
+                "parallel.cp_mode=zigzag"
+            )
         super().__init__(**kwargs)
-        self.tp_size, self.cp_size, self.seed = tp_size, cp_size, seed
+        self.tp_size, self.cp_size, self.cp_mode, self.seed = tp_size, cp_size, cp_mode, seed
+        self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
         self._grad_sync: GradSync | None = None
 
     # ---- process groups -------------------------------------------------------------------------------------
@@ -86,17 +98,27 @@ class MegatronStrategy(DDPStrategy):
         if module is not None:
             self.convert_module(module)
 
-    def convert_module(self, module: torch.nn.Module) -> None:
-        """HF `policy` / `reference` -> MegatronBackbone (same weights), plus the module adapters."""
-        for slot in _MODEL_SLOTS:
-            model = getattr(module, slot, None)
-            if model is not None and not isinstance(model, MegatronBackbone):
-                backbone = MegatronBackbone.from_hf(model, tp_size=self.tp_size, cp_size=self.cp_size, seed=self.seed)
-                if slot == "reference":
-                    backbone.requires_grad_(False).eval()
-                setattr(module, slot, backbone)
-        if hasattr(module, "_layout"):
-            module._layout = None  # rebuilt lazily by ParallelLayout.from_megatron
+    def convert_module(self, module) -> None:
+        """Build this rank's layout and hand the module Megatron backbones with its HF weights."""
+        self.layout = ParallelLayout.from_megatron(module.policy.layout.vocab_size, cp_mode=self.cp_mode)
+        policy = self._megatron(module.policy, "policy")
+        reference = self._megatron(module.reference, "reference") if module.reference is not None else None
+        module.use_backbones(policy=policy, reference=reference)
+
+    def _megatron(self, backbone, slot: str) -> MegatronBackbone:
+        if isinstance(backbone, MegatronBackbone):
+            if backbone.layout != self.layout:
+                raise ValueError(
+                    f"the module's {slot} is a MegatronBackbone for {backbone.layout}, but this strategy runs "
+                    f"{self.layout}; build it with the strategy's layout or pass an HFBackbone"
+                )
+            return backbone
+        if not isinstance(backbone, HFBackbone):
+            raise TypeError(
+                f"MegatronStrategy converts HFBackbone policies, got a {type(backbone).__name__} as {slot}; wrap "
+                "the HF model as topp_rl.backbone.HFBackbone(model)"
+            )
+        return MegatronBackbone.from_hf(backbone.model, layout=self.layout, seed=self.seed)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: gradients are summed in post_backward
@@ -117,7 +139,8 @@ class MegatronStrategy(DDPStrategy):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights under `<slot>.<HF name>` (a TP collective: Lightning calls it on every rank)."""
+        """Full weights under `<slot>.model.<HF name>`, the keys of an `HFBackbone` module's checkpoint (a TP
+        collective: Lightning calls it on every rank)."""
         module = self.lightning_module
         state = {}
         for name, tensor in module.state_dict().items():
@@ -125,12 +148,10 @@ class MegatronStrategy(DDPStrategy):
                 state[name] = tensor
         for slot in _backbone_slots(module):
             for name, tensor in getattr(module, slot).hf_named_tensors():
-                state[f"{slot}.{name}"] = tensor.clone()
+                state[f"{slot}.model.{name}"] = tensor.clone()
         return state
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        from megatron.core import parallel_state as ps
-
         from topp_rl.megatron.convert import load_hf_into
 
         module, state = self.lightning_module, checkpoint["state_dict"]
@@ -139,29 +160,24 @@ class MegatronStrategy(DDPStrategy):
         module.load_state_dict(rest, strict=False)
         for slot in slots:
             backbone = getattr(module, slot)
-            prefix = slot + "."
+            prefix = slot + ".model."
             hf_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             if backbone.hf_config.tie_word_embeddings:
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
             load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
-                         tp_rank=ps.get_tensor_model_parallel_rank())
+                         tp_rank=self.layout.tp_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Every TP rank's optimizer state (moments of its shards), gathered to all ranks of the TP group."""
-        from megatron.core import parallel_state as ps
-
         local = super().optimizer_state(optimizer)
         states: list[Any] = [None] * self.tp_size
-        group = ps.get_tensor_model_parallel_group()
         if self.tp_size > 1:
-            dist.all_gather_object(states, local, group=group)
+            dist.all_gather_object(states, local, group=self.layout.tp_group)
         else:
             states = [local]
         return {"megatron_tp_size": self.tp_size, "per_tp_rank": states}
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        from megatron.core import parallel_state as ps
-
         wrapped = []
         for state in checkpoint["optimizer_states"]:
             saved_tp = state.get("megatron_tp_size")
@@ -170,7 +186,7 @@ class MegatronStrategy(DDPStrategy):
                     f"optimizer state was saved at tp_size={saved_tp}, this run has tp_size={self.tp_size}; "
                     "resume at the saved TP size (model weights alone load at any TP: use weights_only)"
                 )
-            wrapped.append(state["per_tp_rank"][ps.get_tensor_model_parallel_rank()])
+            wrapped.append(state["per_tp_rank"][self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from topp_rl.ops.candidates import Candidates
@@ -19,30 +24,63 @@ def per_row(value: ParamT, *, name: str, n: int, dtype: torch.dtype, device: tor
     return t
 
 
+@dataclass(frozen=True)
+class SamplingRule:
+    """One sampling parameter's constraint, written once: `ok` works on Python numbers and on tensors."""
+
+    name: str
+    kind: type  # float or int (bools are rejected for both: `top_k=true` is a typo, not greedy)
+    ok: Callable[[Any], Any]
+    constraint: str
+    fix: str
+
+
+# Smallest temperature accepted: logits / T must stay finite in float32 for logits of a few hundred.
+MIN_TEMPERATURE = 1e-6
+
+SAMPLING_RULES: tuple[SamplingRule, ...] = (
+    SamplingRule("temperature", float, lambda t: (t >= MIN_TEMPERATURE) & (t < math.inf),
+                 f"finite and >= {MIN_TEMPERATURE:g} (smaller values overflow logits / temperature)",
+                 "use e.g. temperature=1.0, or top_k=1 for a one-token (greedy) set"),
+    SamplingRule("top_p", float, lambda t: (t > 0) & (t <= 1), "in (0, 1]", "use top_p=1.0 to disable top-p"),
+    SamplingRule("top_k", int, lambda t: t >= 0, "an integer >= 0", "use top_k=0 to disable top-k"),
+    SamplingRule("min_p", float, lambda t: (t >= 0) & (t < 1), "in [0, 1)", "use min_p=0.0 to disable min-p"),
+)
+
+
+def check_sampling_value(rule: SamplingRule, value: Any, *, key: str | None = None) -> float | int:
+    """A scalar sampling parameter checked against its rule; raises ValueError naming `key` (default: the
+    parameter's name), the value, the constraint and the fix. Returns the value as the rule's type."""
+    label = key or rule.name
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if not numeric or (rule.kind is int and not isinstance(value, int)):
+        constraint = rule.constraint if rule.kind is int else f"a number {rule.constraint}"
+        raise ValueError(f"{label}={value!r} must be {constraint}; {rule.fix}")
+    if not rule.ok(value):
+        raise ValueError(f"{label}={value!r} must be {rule.constraint}; {rule.fix}")
+    return rule.kind(value)
+
+
 def check_sampling_params(
     *, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
 ) -> None:
-    def first_bad(t: torch.Tensor, bad: torch.Tensor) -> float:
-        return t[bad.nonzero()[0]].item()
-
-    if bool((bad := ~(temperature > 0)).any()):
-        raise ValueError(
-            f"temperature={first_bad(temperature, bad)} must be > 0; greedy decoding has no candidate set "
-            "(use top_k=1 for a one-token set)"
-        )
-    if bool((bad := ~((top_p > 0) & (top_p <= 1))).any()):
-        raise ValueError(f"top_p={first_bad(top_p, bad)} must lie in (0, 1]; use 1.0 to disable top-p")
-    if bool((bad := top_k < 0).any()):
-        raise ValueError(f"top_k={first_bad(top_k, bad)} must be >= 0; use 0 to disable top-k")
-    if bool((bad := ~((min_p >= 0) & (min_p < 1))).any()):
-        raise ValueError(f"min_p={first_bad(min_p, bad)} must lie in [0, 1); use 0.0 to disable min-p")
+    """Per-row [n] parameters against `SAMPLING_RULES`; the error names the first offending value."""
+    values = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    for rule in SAMPLING_RULES:
+        t = values[rule.name]
+        bad = ~rule.ok(t)
+        if bool(bad.any()):
+            value = t[bad.nonzero()[0]].item()
+            raise ValueError(f"{rule.name}={value} must be {rule.constraint}; {rule.fix}")
 
 
 def check_temperature(temperature: float) -> float:
+    """The scoring temperature, checked by the same rule the sampler's is (it must be the rollout's)."""
+    rule = SAMPLING_RULES[0]
     t = float(temperature)
-    if not t > 0 or t == float("inf"):
+    if not rule.ok(t):
         raise ValueError(
-            f"temperature={temperature} must be finite and > 0; pass the rollout's sampling temperature"
+            f"temperature={temperature} must be {rule.constraint}; pass the rollout's sampling temperature"
         )
     return t
 

@@ -1,13 +1,15 @@
 """Tensor- and context-parallel layout: `ParallelLayout`, the CP index map and the rows that predict responses."""
 
 from topp_rl.parallel.context import (
+    CP_MODES,
+    CPMode,
     cp_local_lengths,
     cp_local_positions,
     cp_padded_lengths,
     cp_shard,
     cu_seqlens,
 )
-from topp_rl.parallel.layout import CP_MODES, CPMode, ParallelLayout
+from topp_rl.parallel.layout import ParallelLayout
 from topp_rl.parallel.rows import response_rows
 
 __all__ = [

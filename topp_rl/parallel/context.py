@@ -18,9 +18,12 @@ one vectorised index map (no Python loop over tokens or sequences) serves every 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from topp_rl.parallel.layout import CP_MODES
+CPMode = Literal["zigzag", "allgather"]
+CP_MODES: tuple[str, ...] = ("zigzag", "allgather")
 
 
 def cp_local_positions(seq_lengths: torch.Tensor, *, cp_size: int, cp_rank: int, mode: str) -> torch.Tensor:

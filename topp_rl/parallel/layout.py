@@ -5,21 +5,20 @@ Math code never reads parallel state from globals; it receives this frozen, vali
 library works without the `megatron` extra).
 
 Vocabulary rule: the vocabulary is split into `tp_size` equal contiguous shards, rank r owning
-[r * V / tp_size, (r + 1) * V / tp_size). A vocabulary not divisible by `tp_size` is rejected: pad it to a
-multiple first, as Megatron does with `make_vocab_size_divisible_by` (the padded ids then hold logits the
-model learns to push down, and no sampler ever keeps them).
+[r * V / tp_size, (r + 1) * V / tp_size). A vocabulary not divisible by `tp_size` is rejected. Padding it
+(Megatron's `make_vocab_size_divisible_by`) is not a fix here: padded ids would add logits to every
+unrestricted softmax, so log-probs would no longer equal the HF model's; choose a TP size that divides the
+vocabulary instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-CPMode = Literal["zigzag", "allgather"]
-CP_MODES: tuple[str, ...] = ("zigzag", "allgather")
+from topp_rl.parallel.context import CP_MODES, CPMode, cp_local_positions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +48,10 @@ class ParallelLayout:
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"ParallelLayout cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
         if self.vocab_size % self.tp_size:
-            padded = -(-self.vocab_size // self.tp_size) * self.tp_size
             raise ValueError(
                 f"ParallelLayout vocab_size={self.vocab_size} is not divisible by tp_size={self.tp_size}; "
-                f"pad the vocabulary to a multiple of tp_size (e.g. {padded}), as Megatron's "
-                "make_vocab_size_divisible_by does, and pass the padded size"
+                "exact log-probs need equal unpadded vocabulary shards: choose a tp_size that divides "
+                f"{self.vocab_size}"
             )
         for dim in ("tp", "cp"):
             _check_group(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"),
@@ -101,10 +99,19 @@ class ParallelLayout:
         start = self.tp_rank * self.vocab_shard_size
         return start, start + self.vocab_shard_size
 
+    def describe(self, *, world_size: int) -> str:
+        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag)`."""
+        model_parallel = self.tp_size * self.cp_size
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of tp_size * cp_size = {model_parallel}; "
+                "launch a multiple of the model-parallel size"
+            )
+        mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
+        return f"world={world_size} dp={world_size // model_parallel} tp={self.tp_size} cp={self.cp_size}{mode}"
+
     def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
         """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""
-        from topp_rl.parallel.context import cp_local_positions
-
         return cp_local_positions(seq_lengths, cp_size=self.cp_size, cp_rank=self.cp_rank, mode=self.cp_mode)
 
 

@@ -20,8 +20,9 @@ _LAZY = {
     "RolloutDataModule": "topp_rl.rollout.datamodule",
     "RolloutTicket": "topp_rl.rollout.datamodule",
     "Task": "topp_rl.rollout.tasks",
-    "get_task": "topp_rl.rollout.tasks",
-    "register_task": "topp_rl.rollout.tasks",
+    "ArithmeticTask": "topp_rl.rollout.tasks",
+    "CopyDigitTask": "topp_rl.rollout.tasks",
+    "JsonlTask": "topp_rl.rollout.tasks",
 }
 
 __all__ = ["RolloutEngine", "Sample", "SampleStatus", "SamplingParams", *_LAZY]

@@ -6,12 +6,13 @@
 - `BatchAdvantage` (REINFORCE++): r - mean(batch), optionally / (std(batch) + eps); the batch statistics span
   every DP rank through `reduce` (a sum over ranks).
 - `NoBaseline`: the raw reward.
-`make_advantage(mode=..., normalize_std=...)` builds one from config (`algo.advantage`).
+Config: `algo.advantage` is a `_target_` entry naming one of these classes. `group_relative` tells config
+validation whether the estimator compares samples of one prompt (and so needs `rollout.n_samples >= 2`).
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -23,6 +24,8 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 class AdvantageEstimator(Protocol):
+    group_relative: ClassVar[bool]  # the baseline comes from the sample's own prompt group
+
     def __call__(
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
@@ -45,6 +48,7 @@ def _group_stats(
 
 @dataclass(frozen=True)
 class GroupAdvantage:
+    group_relative: ClassVar[bool] = True
     normalize_std: bool = True
     eps: float = 1e-6
 
@@ -62,6 +66,7 @@ class GroupAdvantage:
 
 @dataclass(frozen=True)
 class RLOOAdvantage:
+    group_relative: ClassVar[bool] = True
     def __call__(
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
@@ -74,6 +79,7 @@ class RLOOAdvantage:
 
 @dataclass(frozen=True)
 class BatchAdvantage:
+    group_relative: ClassVar[bool] = False
     normalize_std: bool = True
     eps: float = 1e-6
 
@@ -93,30 +99,8 @@ class BatchAdvantage:
 
 @dataclass(frozen=True)
 class NoBaseline:
+    group_relative: ClassVar[bool] = False
     def __call__(
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
         return rewards.float()
-
-
-_MODES = {"group": GroupAdvantage, "rloo": RLOOAdvantage, "batch": BatchAdvantage, "none": NoBaseline}
-
-
-def make_advantage(spec: AdvantageEstimator | Mapping[str, Any] | str | None = None) -> AdvantageEstimator:
-    """An estimator from an instance, a mode name, or a mapping {"mode": ..., other fields}."""
-    if spec is None:
-        return GroupAdvantage()
-    if isinstance(spec, str):
-        spec = {"mode": spec}
-    if not isinstance(spec, Mapping):
-        return spec
-    options = dict(spec)
-    mode = options.pop("mode", "group")
-    if mode not in _MODES:
-        raise ValueError(f"advantage mode {mode!r} is not one of {sorted(_MODES)}")
-    if mode in ("rloo", "none"):
-        options.pop("normalize_std", None)  # these have no std normalisation; accept the shared config key
-    try:
-        return _MODES[mode](**options)
-    except TypeError as err:
-        raise ValueError(f"advantage mode {mode!r} got unexpected options {sorted(options)}: {err}") from None

@@ -17,7 +17,7 @@ State (`state_dict`): the next step to generate and the seed; prompts and genera
 """
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from topp_rl.rollout.advantages import AdvantageEstimator, make_advantage
+from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
 from topp_rl.rollout.engine import RolloutEngine
 from topp_rl.rollout.packing import RolloutBatch, pack_samples
 from topp_rl.rollout.params import SamplingParams
@@ -58,13 +58,13 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
         *,
-        engine: RolloutEngine | None,
+        engine: RolloutEngine,
         task: Task,
         tokenizer: Any,
         params: SamplingParams,
         prompts_per_step: int,
         max_tokens_per_micro_batch: int = 2048,
-        advantage: AdvantageEstimator | Mapping[str, Any] | str | None = None,
+        advantage: AdvantageEstimator | None = None,
         drop_zero_variance_groups: bool = False,
         seed: int = 0,
         dp_rank: int | None = None,
@@ -78,7 +78,12 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine, self.task, self.tokenizer, self.params = engine, task, tokenizer, params
         self.prompts_per_step = prompts_per_step
         self.max_tokens = max_tokens_per_micro_batch
-        self.advantage = make_advantage(advantage)
+        if advantage is not None and not callable(advantage):
+            raise TypeError(
+                f"advantage is a {type(advantage).__name__}; pass an estimator such as "
+                "topp_rl.rollout.advantages.GroupAdvantage() (in config: algo.advantage._target_)"
+            )
+        self.advantage = advantage if advantage is not None else GroupAdvantage()
         self.drop_zero_variance_groups = drop_zero_variance_groups
         self.seed = seed
         self._dp = (dp_rank, dp_size)
@@ -132,10 +137,6 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- one rollout step -----
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
-        if self.engine is None:
-            raise ValueError(
-                "RolloutDataModule.engine is None; pass the rollout engine that generates samples"
-            )
         start = time.perf_counter()
         samples = self.engine.generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
         gen_seconds = time.perf_counter() - start

@@ -13,18 +13,22 @@ import inspect
 import math
 import os
 from collections.abc import Iterable
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.ops import Candidates, keep_mask, sampling_candidates
 from topp_rl.rollout.engine import RolloutEngine, check_prompts
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
 
 
 class EmbeddedEngine(RolloutEngine):
+    reproducible: ClassVar[bool] = True  # the same seed gives the same rollout on every rank
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -53,6 +57,12 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
+
+    @classmethod
+    def for_policy(cls, *, model: PreTrainedModel, tokenizer, workdir: Path, **kwargs) -> "EmbeddedEngine":
+        """The config factory (`rollout.engine`): an engine holding its own copy of the policy's weights, with
+        the tokenizer's stop / pad ids (`workdir` is unused: the embedded engine writes no files)."""
+        return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +159,9 @@ class EmbeddedEngine(RolloutEngine):
         cands = sampling_candidates(
             logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
         )
-        return _mask_from_candidates(cands, logits.shape), cands
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        mask = keep_mask(cands, rows, num_rows=logits.shape[0], vocab_start=0, vocab_end=logits.shape[1])
+        return mask, cands
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's own model, in memory (tied weights update together)."""
@@ -168,32 +180,6 @@ class EmbeddedEngine(RolloutEngine):
 
     def close(self) -> None:
         """Nothing to release: the model is garbage-collected with the engine."""
-
-
-def sglang_keep_mask(scaled: torch.Tensor, *, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
-    """Dense keep mask [N, V] of SGLang's rule by one full sort (a cross-check, and the benchmark's baseline).
-
-    p = softmax(scaled); rank by p descending (ties: lower id first); keep rank r iff (top_k == 0 or r < top_k)
-    and (mass of ranks before r) <= top_p and p_r >= min_p * p_max.
-    """
-    probs = scaled.softmax(-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted = before <= top_p
-    if top_k > 0:
-        keep_sorted[:, top_k:] = False
-    if min_p > 0:
-        keep_sorted &= sorted_p >= min_p * sorted_p[:, :1]
-    keep_sorted[:, 0] = True
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-
-
-def _mask_from_candidates(cands: Candidates, shape: torch.Size) -> torch.Tensor:
-    offsets = cands.offsets.to(torch.long)
-    rows = torch.repeat_interleave(torch.arange(shape[0], device=offsets.device), offsets[1:] - offsets[:-1])
-    keep = torch.zeros(shape, dtype=torch.bool, device=cands.ids.device)
-    keep[rows.to(keep.device), cands.ids.to(torch.long)] = True
-    return keep
 
 
 class _StepRecords:

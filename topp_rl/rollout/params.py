@@ -7,6 +7,8 @@ first, then top-k, top-p over the untruncated probabilities, then min-p relative
 
 from dataclasses import dataclass
 
+from topp_rl.ops import SAMPLING_RULES, check_sampling_value
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -19,20 +21,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"temperature ({self.temperature}) must be > 0; use a small value such as 1e-3 for near-greedy sampling"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]; use 1.0 to disable top-p")
-        if self.top_k < 0:
-            raise ValueError(f"top_k ({self.top_k}) must be >= 0; use 0 to disable top-k")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p ({self.min_p}) must be in [0, 1); use 0.0 to disable min-p")
-        if self.n < 1:
-            raise ValueError(f"n ({self.n}) must be >= 1 (samples per prompt)")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        for rule in SAMPLING_RULES:  # the one definition of the sampling rules (shared with the ops, config)
+            object.__setattr__(self, rule.name, check_sampling_value(rule, getattr(self, rule.name)))
+        for name in ("n", "max_new_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         # Accept any iterable (a Hydra ListConfig, say) but store a hashable tuple of ints.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

@@ -105,6 +105,15 @@ class SGLangEngine(RolloutEngine):
             self.close()
             raise
 
+    @classmethod
+    def for_policy(cls, *, model, tokenizer, workdir: Path, **kwargs) -> "SGLangEngine":
+        """The config factory (`rollout.engine`): a server launched on the policy's initial weights, written
+        once to `workdir/init` (SGLang loads weights from disk)."""
+        from topp_rl.models import save_model
+
+        path = save_model(model, tokenizer, Path(workdir) / "init")
+        return cls(model_path=path, vocab_size=int(model.config.vocab_size), **kwargs)
+
     # ---- connection -------------------------------------------------------------------------------------
     def _connect(self, wire: WireMode) -> None:
         infos = [self._get(url, "/server_info") for url in self.urls]

@@ -1,4 +1,4 @@
-"""Tasks: prompts and rewards, looked up by name (`register_task`, `get_task`).
+"""Tasks: prompts and rewards (config: `task._target_` names the class, e.g. `topp_rl.rollout.tasks.ArithmeticTask`).
 
 A task produces prompt records deterministically from an index (`example(index)`), so the datamodule's data
 position is one integer and a resumed run draws the same prompts. Prompts and responses cross the tokenizer
@@ -28,7 +28,6 @@ from typing import Any
 
 from topp_rl.rollout.sample import Sample
 
-_TASKS: dict[str, Callable[..., "Task"]] = {}
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
 
@@ -109,23 +108,6 @@ class Task(ABC):
         return random.Random(f"{type(self).__name__}:{self.seed}:{index}")
 
 
-def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
-    def add(factory: Callable[..., Task]) -> Callable[..., Task]:
-        if name in _TASKS:
-            raise ValueError(f"task {name!r} is already registered; pick another name")
-        _TASKS[name] = factory
-        return factory
-
-    return add
-
-
-def get_task(name: str, **kwargs: Any) -> Task:
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; registered: {sorted(_TASKS)} (add one with @register_task)")
-    return _TASKS[name](**kwargs)
-
-
-@register_task("arithmetic")
 class ArithmeticTask(Task):
     reward_name = "arithmetic exact match"
 
@@ -163,7 +145,6 @@ class ArithmeticTask(Task):
         return 1.0 if match.group(1) == record.answer else self.partial_credit
 
 
-@register_task("copy_digit")
 class CopyDigitTask(Task):
     """ "d:" -> "d": 1 when the response starts with d, `digit_credit` when it starts with another digit."""
 
@@ -186,7 +167,6 @@ class CopyDigitTask(Task):
         return self.digit_credit if first.isdigit() else 0.0
 
 
-@register_task("jsonl")
 class JsonlTask(Task):
     def __init__(
         self,

@@ -1,9 +1,9 @@
 """Step time of the Megatron backbone per (TP, CP) layout against the HF backbone, on CPU.
 
-    python -m topp_rl.megatron.bench [--layers 4 --hidden 256 --seqs 8 --seq-len 128 --iters 5 --threads 1]
+    .venv/bin/python benchmarks/bench_megatron.py [--layers 4 --hidden 256 --seqs 8 --seq-len 128 --iters 5 --threads 1]
 
 One "step" = forward + backward of the masked log-prob loss (`ToppLogProb`, candidate sets recorded) over one
-packed micro-batch: the part of an RL step the backbone changes. HF: `topp_rl.module.packed_hidden` in one
+packed micro-batch: the part of an RL step the backbone changes. HF: `topp_rl.backbone.HFBackbone` in one
 process. Megatron: `tp * cp` gloo processes (spawned per layout), one intra-op thread each. Prints the median
 ms per step and the ratio to HF. On a 2-core machine layouts with 4 ranks oversubscribe the cores, so their
 times measure overhead, not speed-up.
@@ -62,17 +62,15 @@ def _time(step, iters: int) -> float:
 
 
 def bench_hf(args) -> float:
+    from topp_rl.backbone import HFBackbone
     from topp_rl.hook import ToppLogProb
-    from topp_rl.module import output_weight, packed_hidden
-    from topp_rl.parallel import ParallelLayout
 
-    model, batch, hook = _model(args), _batch(args), ToppLogProb()
-    layout = ParallelLayout.single(args.vocab)
+    backbone, batch, hook = HFBackbone(_model(args)), _batch(args), ToppLogProb()
 
     def step():
-        model.zero_grad(set_to_none=True)
-        out = hook(batch, layout=layout, hidden=packed_hidden(model, batch), weight=output_weight(model))
-        out.logprobs.sum().backward()
+        backbone.zero_grad(set_to_none=True)
+        hidden, weight = backbone.forward_hidden(batch)
+        hook(batch, layout=backbone.layout, hidden=hidden, weight=weight).logprobs.sum().backward()
 
     return _time(step, args.iters)
 
@@ -87,13 +85,13 @@ def _megatron_rank(rank: int, world: int, tp: int, cp: int, store: str, args, re
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-    backbone = MegatronBackbone.from_hf(_model(args), tp_size=tp, cp_size=cp)
+    layout = ParallelLayout.from_megatron(args.vocab)
+    backbone = MegatronBackbone.from_hf(_model(args), layout=layout)
     batch, hook = _batch(args), ToppLogProb()
-    layout = ParallelLayout.from_megatron(backbone.vocab_size)
 
     def step():
         backbone.zero_grad(set_to_none=True)
-        hidden, weight, _ = backbone.forward_hidden(batch, layout)
+        hidden, weight = backbone.forward_hidden(batch)
         hook(batch, layout=layout, hidden=hidden, weight=weight).logprobs.sum().backward()
         dist.barrier()
 

@@ -1,0 +1,110 @@
+"""`Backbone`: what `PolicyModule` needs from a policy body, and `HFBackbone`, its adapter for HF causal LMs.
+
+A backbone turns a packed micro-batch into this rank's final hidden states and output-layer weight; the scorer
+(`ToppLogProb`) does the rest, so no backbone ever forms [T, V] logits. Every backbone carries the
+`ParallelLayout` it was built for (the one owner of a run's layout is whoever builds the backbone: `HFBackbone`
+for a single rank, `MegatronStrategy` under TP / CP), so the module reads its layout from the backbone instead
+of rebuilding it from globals. Implementations: `HFBackbone` (here) and `topp_rl.megatron.MegatronBackbone`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from topp_rl.parallel import ParallelLayout
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Anything that exports a policy's weights under HF names (`PolicyModule`, every `Backbone`)."""
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF parameter name, full tensor) pairs; a collective over the TP group where sharded."""
+        ...
+
+
+@runtime_checkable
+class Backbone(WeightSource, Protocol):
+    """A policy body (an `nn.Module`) seen through the four things training needs from it."""
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """This rank's TP / CP coordinates; `vocab_size` is the model's full vocabulary."""
+        ...
+
+    @property
+    def hf_config(self):
+        """The HF `PretrainedConfig` the body was built from (architecture, vocabulary, export)."""
+        ...
+
+    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+        """(final normed hidden states [T_local, H] in `layout`'s CP order, output weight [V_local, H])."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip gradients like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def requires_grad_(self, requires_grad: bool = True) -> Backbone: ...
+
+    def eval(self) -> Backbone: ...
+
+
+class HFBackbone(nn.Module):
+    """An HF causal LM run whole on one rank (no TP / CP), as a `Backbone`.
+
+    HF attention on CPU does not build block-diagonal masks from packed position ids, so each packed batch is
+    unpacked into a right-padded [B, L] batch and the final hidden states are re-packed to [T, H] (exact:
+    causal attention never looks at the right padding). Requires logits = hidden @ lm_head.weight.T (no
+    output bias).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        head = model.get_output_embeddings()
+        if head is None or getattr(head, "bias", None) is not None:
+            raise ValueError(
+                f"{type(model).__name__} has {'no output layer' if head is None else 'an lm_head bias'}; "
+                "training needs logits = hidden @ lm_head.weight.T: use a causal LM without an output bias "
+                "(Qwen2 / Llama families)"
+            )
+        self.model = model
+        self._layout = ParallelLayout.single(int(head.weight.shape[0]))
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self._layout
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    def output_weight(self) -> Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+        lengths = batch.seq_lengths.to(batch.tokens.device)
+        width = int(lengths.max())
+        valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [B, L]
+        input_ids = torch.zeros(valid.shape, dtype=torch.long, device=lengths.device)
+        position_ids = torch.zeros_like(input_ids)
+        input_ids[valid] = batch.tokens  # row-major boolean indexing == sequences back to back
+        position_ids[valid] = batch.position_ids
+        out = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
+        )
+        return out.last_hidden_state[valid], self.output_weight()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        params = [p for p in self.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
