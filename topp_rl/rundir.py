@@ -150,7 +150,7 @@ def _select(tree: dict, key: str) -> Any:
 
 
 def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
-    """`key: old -> new` for every leaf under `keys` that differs (a key absent on one side shows `<absent>`)."""
+    """`key: old -> new` for every leaf under `keys` that differs, sorted (absent on one side: `<absent>`)."""
     changes = []
     for key in keys:
         before, after = _leaves(_select(old, key), key), _leaves(_select(new, key), key)
@@ -158,7 +158,7 @@ def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
             a, b = before.get(leaf, _MISSING), after.get(leaf, _MISSING)
             if a != b:
                 changes.append(f"{leaf}: {a!r} -> {b!r}")
-    return changes
+    return sorted(set(changes))
 
 
 def check_resume_config(cfg: DictConfig, checkpoint: Path) -> None:
