@@ -159,14 +159,16 @@ def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: 
         assert got["responses"] == want["responses"], got["global_step"]
 
 
-def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str) -> tuple[subprocess.Popen, str]:
-    """Start a long run, send `signum` once its first step is done; (process, stderr) after it exits."""
-    proc = subprocess.Popen(_cmd(out, dump, "trainer.max_steps=40", *extra), cwd=ROOT, env=_env(),
+def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: int = 40,
+                      meanwhile=lambda: None) -> tuple[subprocess.Popen, str]:
+    """Start a long run, call `meanwhile` and send `signum` once its first step is done; (process, stderr)."""
+    proc = subprocess.Popen(_cmd(out, dump, f"trainer.max_steps={steps}", *extra), cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not (dump.exists() and dump.read_text()) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
+        meanwhile()
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -222,11 +224,24 @@ def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, re
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_after_the_current_step_and_exits_130(tmp_path):
+def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_path):
     out, dump = tmp_path / "run", tmp_path / "run.jsonl"
     last = out / "checkpoints" / "last.ckpt"
-    proc, stderr = _start_and_signal(out, dump, signal.SIGINT, "checkpoint.every_n_steps=0")
+    second = {}
+
+    def start_a_second_run_in_the_same_dir():  # while the first one trains (and holds the run dir's lock)
+        second["proc"] = subprocess.run(_cmd(out, tmp_path / "other.jsonl"), cwd=ROOT, env=_env(),
+                                        capture_output=True, text=True, timeout=300)
+
+    proc, stderr = _start_and_signal(out, dump, signal.SIGINT, "checkpoint.every_n_steps=0", steps=1000,
+                                     meanwhile=start_a_second_run_in_the_same_dir)
     assert proc.returncode == 130, stderr[-3000:]
     done = len(_lines(dump))
+    assert 1 <= done < 1000
     assert f"[topp_rl] stopped by SIGINT after step {done}; checkpoint saved to {last}" in stderr
     assert torch.load(last, weights_only=True, mmap=True)["global_step"] == done
+    other = second["proc"]
+    assert other.returncode == 1
+    assert (f"ValueError: run dir {out} is in use by another run (pid {proc.pid}, holding {out}/.lock); wait for "
+            "that run to end") in other.stderr
+    assert not (tmp_path / "other.jsonl").exists()  # it trained nothing

@@ -2,6 +2,8 @@
 needs a checkpoint, a resume may not change the guarded config (unless allowed, then recorded), the config
 history is kept, the checkpoint dir is checked at start, stale temp files are removed, one W&B run id per dir."""
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -68,14 +70,38 @@ def test_a_second_run_in_a_locked_run_dir_is_refused_naming_the_holder(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing else was written
 
 
+def _read_only(directory: Path):
+    """Make `directory` unwritable; returns the undo, or None where this machine cannot. Root ignores mode bits,
+    so as root the dir is made immutable (`chattr +i`, ext4 / xfs)."""
+    directory.mkdir(parents=True)
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(directory)]).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+    return None
+
+
 def test_unwritable_checkpoint_dir_fails_at_start_naming_it(tmp_path):
-    """Found only at the first save before (after the first step's rollouts). Root ignores mode bits, so the
-    dir is blocked by a plain file of the same name."""
-    (tmp_path / "checkpoints").write_text("not a dir")
+    """Found only at the first save before, after the first step had run."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("a file where the dir should be")
     with pytest.raises(ValueError) as info:
-        train(compose_cfg(tmp_path))
-    assert str(info.value).startswith(f"checkpoint dir {tmp_path}/checkpoints is not writable (FileExistsError: ")
+        train(compose_cfg(blocked))
+    assert str(info.value).startswith(f"checkpoint dir {blocked}/checkpoints is not writable (FileExistsError: ")
     assert str(info.value).endswith("fix the path or its permissions, or point hydra.run.dir at a writable dir")
+
+    locked = tmp_path / "locked"
+    undo = _read_only(locked / "checkpoints")
+    if undo is None:
+        return  # no way to make a dir unwritable for root here; the blocked case above still ran
+    try:
+        with pytest.raises(ValueError, match=f"^checkpoint dir {locked}/checkpoints is not writable "
+                                             "\\(PermissionError: "):
+            train(compose_cfg(locked))
+    finally:
+        undo()
 
 
 def _stale_temps(checkpoints: Path, live_pid: int) -> dict[str, Path]:
