@@ -71,9 +71,9 @@ def named_read_errors(path: str | Path) -> Iterator[None]:
         path = Path(path)
         size = path.stat().st_size if path.exists() else 0
         raise CheckpointReadError(
-            f"could not read checkpoint {path} ({size} bytes): {type(err).__name__}: {err}; the file is truncated "
-            f"or not a checkpoint: delete it and resume from another one (ckpt_path=<file>), or drop ckpt_path "
-            f"to start over in a new run dir"
+            f"could not read checkpoint {path} ({size} bytes): {type(err).__name__}: {err}; the file is empty, "
+            f"truncated or not a checkpoint torch can load: delete it and resume from another one "
+            f"(ckpt_path=<file>), or drop ckpt_path to start over in a new run dir"
         ) from err
 
 
