@@ -1,9 +1,12 @@
-"""Checkpointing: atomic writes (unit), and a run killed with SIGKILL resumes at the same step with the same next
-rollout as an uninterrupted run (subprocesses running the real `train.py`)."""
+"""Checkpointing: atomic writes, file modes and named read/write errors (unit); a run killed with SIGKILL, or
+stopped with SIGTERM, resumes at the same step with the same next rollouts as an uninterrupted run, and Ctrl-C
+saves too (subprocesses running the real `train.py`)."""
 
 import json
 import os
+import resource
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.checkpoint import AtomicCheckpointIO
+from topp_rl.checkpoint import AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, temp_writer_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +45,66 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     with pytest.raises(ValueError, match="storage_options"):
         io.save_checkpoint({"step": 3}, path, storage_options={"x": 1})
+
+
+def test_checkpoint_gets_the_umask_mode_and_a_temp_name_with_the_writer_pid(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):  # the temp file's name, just before it becomes the checkpoint
+        seen.append(Path(src).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    old = os.umask(0o022)
+    try:
+        io.save_checkpoint({"step": 1}, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # mkstemp gave 0o600: unreadable for the group
+        os.umask(0o077)
+        io.save_checkpoint({"step": 2}, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the umask decides, nothing else
+    finally:
+        os.umask(old)
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert all(n.startswith(".last.ckpt.") and temp_writer_pid(n) == os.getpid() for n in seen), seen
+
+
+def test_full_disk_error_names_the_file_and_the_free_space(tmp_path):
+    """A real write failure through torch's writer (a 1 MiB file-size limit; torch's own message is
+    'unexpected pos 704 vs 598'); the previous checkpoint and no temp file are left."""
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1}, path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the test process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(CheckpointWriteError) as info:
+            io.save_checkpoint({"step": 2, "w": torch.zeros(1 << 20)}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    message = str(info.value)
+    assert message.startswith(f"could not write checkpoint {path}: ")
+    assert f"MiB free in {tmp_path}" in message and "the previous last.ckpt, if any, is kept" in message
+    assert torch.load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_unreadable_checkpoint_error_names_the_file_its_size_and_the_fix(tmp_path):
+    io = AtomicCheckpointIO()
+    empty, cut = tmp_path / "empty.ckpt", tmp_path / "cut.ckpt"
+    empty.touch()  # torch alone: a bare "EOFError: Ran out of input"
+    io.save_checkpoint({"w": torch.arange(1000)}, cut)
+    cut.write_bytes(cut.read_bytes()[:500])  # truncated mid-file
+    for path, size in ((empty, 0), (cut, 500)):
+        with pytest.raises(CheckpointReadError, match=f"could not read checkpoint {path} \\({size} bytes\\)") as info:
+            io.load_checkpoint(path)
+        assert "delete it and resume from another one (ckpt_path=<file>)" in str(info.value)
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
 
 
 class RolloutDump(Callback):
@@ -75,15 +138,49 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path):
-    ref_dump, dump = tmp_path / "ref.jsonl", tmp_path / "run.jsonl"
-    ref = subprocess.run(_cmd(tmp_path / "ref", ref_dump, "checkpoint.every_n_steps=0"), cwd=ROOT, env=_env(),
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The rollouts of an uninterrupted 6-step run, which every interrupted-and-resumed run must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ref = subprocess.run(_cmd(tmp / "ref", tmp / "ref.jsonl", "checkpoint.every_n_steps=0"), cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    reference = _lines(ref_dump)
-    assert [r["global_step"] for r in reference] == list(range(1, 7))
+    lines = _lines(tmp / "ref.jsonl")
+    assert [r["global_step"] for r in lines] == list(range(1, 7))
+    return lines
 
+
+def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: int) -> None:
+    assert [r["global_step"] for r in after] == list(range(first_step, 7))
+    # Same data position, RNG and weights: the resumed run draws exactly the rollouts of the uninterrupted one.
+    for got in after:
+        want = reference[got["global_step"] - 1]
+        assert got["step"] == want["step"]
+        assert got["responses"] == want["responses"], got["global_step"]
+
+
+def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: int = 40,
+                      meanwhile=lambda: None) -> tuple[subprocess.Popen, str]:
+    """Start a long run, call `meanwhile` and send `signum` once its first step is done; (process, stderr)."""
+    proc = subprocess.Popen(_cmd(out, dump, f"trainer.max_steps={steps}", *extra), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (dump.exists() and dump.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        meanwhile()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, stderr
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
+    dump = tmp_path / "run.jsonl"
     out = tmp_path / "run"
     last = out / "checkpoints" / "last.ckpt"
     proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2"), cwd=ROOT, env=_env(),
@@ -103,10 +200,48 @@ def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(t
     resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=2", "ckpt_path=last"), cwd=ROOT,
                              env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = _lines(dump)[killed_lines:]
-    assert [r["global_step"] for r in after] == list(range(saved_step + 1, 7))
-    # Same data position, RNG and weights: the resumed run draws exactly the rollouts of the uninterrupted one.
-    for got in after:
-        want = reference[got["global_step"] - 1]
-        assert got["step"] == want["step"]
-        assert got["responses"] == want["responses"], got["global_step"]
+    _assert_same_rollouts(_lines(dump)[killed_lines:], reference, saved_step + 1)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, reference):
+    """Lightning alone exits 0 on SIGTERM without saving: preemption looked like success."""
+    out, dump = tmp_path / "run", tmp_path / "run.jsonl"
+    last = out / "checkpoints" / "last.ckpt"
+    # No periodic checkpoints: the only checkpoint is the one the signal saves.
+    proc, stderr = _start_and_signal(out, dump, signal.SIGTERM, "checkpoint.every_n_steps=0")
+    assert proc.returncode == 143, stderr[-3000:]
+    done = len(_lines(dump))  # the step under way when the signal came is finished, then saved
+    assert 1 <= done < 6, "the signal came too late for the resume below to train anything"
+    assert f"[topp_rl] stopped by SIGTERM after step {done}; checkpoint saved to {last}" in stderr
+    assert f"hydra.run.dir={out} ckpt_path=last (exit status 143)" in stderr
+    assert torch.load(last, weights_only=True, mmap=True)["global_step"] == done
+
+    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=0", "ckpt_path=last"), cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_rollouts(_lines(dump)[done:], reference, done + 1)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_path):
+    out, dump = tmp_path / "run", tmp_path / "run.jsonl"
+    last = out / "checkpoints" / "last.ckpt"
+    second = {}
+
+    def start_a_second_run_in_the_same_dir():  # while the first one trains (and holds the run dir's lock)
+        second["proc"] = subprocess.run(_cmd(out, tmp_path / "other.jsonl"), cwd=ROOT, env=_env(),
+                                        capture_output=True, text=True, timeout=300)
+
+    proc, stderr = _start_and_signal(out, dump, signal.SIGINT, "checkpoint.every_n_steps=0", steps=1000,
+                                     meanwhile=start_a_second_run_in_the_same_dir)
+    assert proc.returncode == 130, stderr[-3000:]
+    done = len(_lines(dump))
+    assert 1 <= done < 1000
+    assert f"[topp_rl] stopped by SIGINT after step {done}; checkpoint saved to {last}" in stderr
+    assert torch.load(last, weights_only=True, mmap=True)["global_step"] == done
+    other = second["proc"]
+    assert other.returncode == 1
+    assert (f"ValueError: run dir {out} is in use by another run (pid {proc.pid}, holding {out}/.lock); wait for "
+            "that run to end") in other.stderr
+    assert not (tmp_path / "other.jsonl").exists()  # it trained nothing

@@ -1,23 +1,85 @@
-"""Checkpointing: atomic writes, and a ModelCheckpoint for manual-optimisation RL steps.
+"""Checkpointing: atomic writes, named read/write errors, the run's config in every checkpoint, and a save on
+SIGTERM / Ctrl-C.
 
 Lightning's `TorchCheckpointIO` writes through an fsspec transaction, which for local paths stages the file in
 the system temp dir and then `shutil.move`s it: across file systems that is a copy, so a SIGKILL mid-write can
 leave a truncated `last.ckpt`. `AtomicCheckpointIO` writes a temp file next to the target, fsyncs it and
-`os.replace`s it (atomic on POSIX), so a checkpoint path always holds a complete file.
+`os.replace`s it (atomic on POSIX), so a checkpoint path always holds a complete file. The temp file is named
+`.<target>.<pid>.<random>.tmp` (unique per writer; `topp_rl.rundir` removes those of dead writers at start) and
+created with the umask's normal mode (0644 under umask 022; `mkstemp` would give 0600).
+
+Lightning's own SIGTERM handler only stops the loop at the next step boundary and exits 0 without saving.
+`SignalCheckpoint` saves `last.ckpt` there and `fit` turns the stop into exit status 128 + signal number.
 
 The rollout state (step, RNG, data position) travels in the checkpoint through the datamodule's `state_dict`,
 which Lightning saves and restores itself; resume with `ckpt_path=last`.
 """
 
 import os
-import tempfile
+import re
+import secrets
+import shutil
+import signal
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf
+
+RECORD_KEY = "topp_rl"  # checkpoint[RECORD_KEY] = {"config": the run's resolved config}
+_TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the previous file at the path is kept)."""
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint file could not be read (truncated, empty, not a checkpoint)."""
+
+
+def temp_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def temp_writer_pid(name: str) -> int | None:
+    """The pid in a temp file's name as written by `temp_path`, else None."""
+    m = _TEMP.match(name)
+    return int(m["pid"]) if m else None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@contextmanager
+def named_read_errors(path: str | Path) -> Iterator[None]:
+    """Re-raise a failed checkpoint read naming the file, its size and the fix (a bare EOFError names nothing)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        path = Path(path)
+        size = path.stat().st_size if path.exists() else 0
+        raise CheckpointReadError(
+            f"could not read checkpoint {path} ({size} bytes): {type(err).__name__}: {err}; the file is empty, "
+            f"truncated or not a checkpoint torch can load: delete it and resume from another one "
+            f"(ckpt_path=<file>), or drop ckpt_path to start over in a new run dir"
+        ) from err
+
+
+def read_checkpoint(path: str | Path, **load_kwargs) -> dict[str, Any]:
+    with named_read_errors(path):
+        return torch.load(path, **load_kwargs)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -31,21 +93,35 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = temp_path(path)
         try:
-            with os.fdopen(fd, "wb") as f:
+            # O_EXCL: never write into another writer's file; mode 0o666 so the umask decides, as for any file.
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            # torch reports a full disk as an internal error ("unexpected pos 704 vs 598"): name file and space.
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointWriteError(
+                f"could not write checkpoint {path}: {type(err).__name__}: {err}; {_mib(free)} free in "
+                f"{path.parent}; free space there (or point hydra.run.dir at a larger disk) and resume with "
+                f"ckpt_path=last; the previous {path.name}, if any, is kept"
+            ) from err
+        except BaseException:  # KeyboardInterrupt mid-write: no partial temp file left behind
+            tmp.unlink(missing_ok=True)
             raise
         dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+    def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
+        with named_read_errors(path):
+            return super().load_checkpoint(path, *args, **kwargs)
 
 
 class RolloutCheckpoint(ModelCheckpoint):
@@ -59,3 +135,93 @@ class RolloutCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+class RunRecord(Callback):
+    """Writes the run's resolved config into every checkpoint, so a resume can check what it continues."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.config = OmegaConf.to_container(cfg, resolve=True)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECORD_KEY] = {"config": self.config}
+
+
+class RunInterrupted(SystemExit):
+    """A run stopped by a signal after saving its checkpoint: exit status 128 + signal number (143, 130)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+
+
+class SignalCheckpoint(Callback):
+    """SIGTERM or a first Ctrl-C: finish the current step, save `<dirpath>/last.ckpt`, exit 128 + signal.
+
+    Lightning's SIGTERM handler raises `SIGTERMException` at the next step boundary (all ranks); a first Ctrl-C
+    is forwarded to that handler, so both save the same consistent post-step state (a KeyboardInterrupt can land
+    mid-update, where a save would not resume exactly). A second Ctrl-C exits at once without saving.
+    """
+
+    def __init__(self, *, dirpath: Path) -> None:
+        self.path = Path(dirpath) / "last.ckpt"
+        self.signum: int | None = None  # SIGINT when forwarded; a bare SIGTERMException means SIGTERM
+        self.saved: Path | None = None
+        self._previous_sigint = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt("second Ctrl-C: exiting now, without a checkpoint of the current step")
+        self.signum = signal.SIGINT
+        print("\n[topp_rl] Ctrl-C: saving a checkpoint after the current step (Ctrl-C again to exit now, "
+              "unsaved)", flush=True)
+        sigterm = signal.getsignal(signal.SIGTERM)  # Lightning's: it stops all ranks at the step boundary
+        if callable(sigterm):
+            sigterm(signal.SIGTERM, frame)
+        else:  # no Lightning handler (not training): nothing to save
+            raise KeyboardInterrupt
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if isinstance(exception, SIGTERMException):
+            if self.signum is None:
+                self.signum = signal.SIGTERM
+            trainer.save_checkpoint(self.path)
+            self.saved = self.path
+
+    def interrupted(self, step: int) -> RunInterrupted:
+        name = signal.Signals(self.signum).name
+        return RunInterrupted(self.signum, (
+            f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.saved}; resume with the same "
+            f"overrides plus hydra.run.dir={self.path.parent.parent} ckpt_path=last (exit status "
+            f"{128 + self.signum})"
+        ))
+
+
+@contextmanager
+def exit_status_on_signal(trainer) -> Iterator[None]:
+    """Turn Lightning's `SIGTERMException` (a SystemExit with status 0) into `RunInterrupted` (128 + signal)."""
+    try:
+        yield
+    except SIGTERMException:
+        saver = next((c for c in trainer.callbacks if isinstance(c, SignalCheckpoint)), None)
+        if saver is None or saver.saved is None:
+            err = RunInterrupted(signal.SIGTERM, "[topp_rl] stopped by SIGTERM; no checkpoint saved (exit status 143)")
+        else:
+            err = saver.interrupted(trainer.global_step)
+        if trainer.is_global_zero:
+            print(err.message, file=sys.stderr, flush=True)
+        raise err from None

@@ -17,14 +17,21 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from topp_rl.backbone import HFBackbone
-from topp_rl.checkpoint import AtomicCheckpointIO, RolloutCheckpoint
+from topp_rl.checkpoint import (
+    AtomicCheckpointIO,
+    RolloutCheckpoint,
+    RunRecord,
+    SignalCheckpoint,
+    exit_status_on_signal,
+)
 from topp_rl.config import validate_config
 from topp_rl.hook import ToppLogProb
 from topp_rl.module import PolicyModule
 from topp_rl.rollout import SamplingParams
+from topp_rl.rundir import RunDir, resolve_ckpt_path, wandb_run_id
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -104,7 +111,9 @@ def build_loggers(cfg: DictConfig) -> list:
     for name, entry in entries.items():
         if entry is None:
             continue
-        kwargs = {"group": _group_name(cfg)} if name == "wandb" else {}
+        kwargs = {}
+        if name == "wandb":  # one W&B run id per run dir: a resume appends to it instead of starting another run
+            kwargs = {"group": _group_name(cfg), "id": wandb_run_id(Path(cfg.paths.output_dir)), "resume": "allow"}
         loggers.append(instantiate(entry, **kwargs))
     return loggers
 
@@ -117,6 +126,8 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
             RolloutCheckpoint(dirpath=output_dir / "checkpoints", every_n_train_steps=ck.every_n_steps,
                               save_last=True, save_top_k=0)
         )
+    # Every checkpoint records the config (checked on resume); SIGTERM / Ctrl-C save last.ckpt and exit 143 / 130.
+    callbacks += [RunRecord(cfg), SignalCheckpoint(dirpath=output_dir / "checkpoints")]
     callbacks.append(summary)  # last: reads what the metric callbacks logged this step
     return callbacks
 
@@ -169,23 +180,27 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
     try:
-        run = build_run(cfg)
-        fit(run)
+        # Lock the run dir and check a resume (checkpoint present, same config) before anything is built.
+        with RunDir(cfg) as run_dir:
+            run = build_run(cfg)
+            run_dir.record_config(cfg)  # config.yaml, or config.resume-<n>.yaml: the history is kept
+            fit(run)
     finally:
         torch.set_num_threads(threads)  # tests run several trainings in one process
     summary = run.summary.summary()
     if run.trainer.is_global_zero:
         print_summary(summary, str(cfg.paths.output_dir))
-        OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=False)
     return summary
 
 
 def fit(run: Run) -> None:
+    # "last" resolved here: Lightning finds it only through a ModelCheckpoint, else silently starts from scratch.
+    ckpt_path = resolve_ckpt_path(run.cfg.get("ckpt_path"), Path(run.cfg.paths.output_dir) / "checkpoints")
     try:
-        with run.engine, warnings.catch_warnings():
+        with run.engine, warnings.catch_warnings(), exit_status_on_signal(run.trainer):
             # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
             warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.cfg.get("ckpt_path"))
+            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
     finally:
         for logger in run.loggers:  # a sweep runs its jobs in one process: close each W&B run
             if isinstance(logger, WandbLogger):

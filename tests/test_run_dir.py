@@ -1,0 +1,162 @@
+"""The run dir's lifecycle through `train(cfg)` in this process: a locked dir refuses a second run, `ckpt_path=last`
+needs a checkpoint, a resume may not change the guarded config (unless allowed, then recorded), the config
+history is kept, the checkpoint dir is checked at start, stale temp files are removed, one W&B run id per dir."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from topp_rl.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+    "checkpoint.every_n_steps=1", "trainer.enable_progress_bar=false", "rollout.top_p=0.9", "logger=none",
+]
+
+
+def compose_cfg(output_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, *overrides])
+
+
+def test_ckpt_path_last_without_a_checkpoint_fails_naming_the_path(tmp_path):
+    """Lightning warns and trains from scratch: a typo in hydra.run.dir silently lost the run being resumed."""
+    with pytest.raises(ValueError) as info:
+        train(compose_cfg(tmp_path, "ckpt_path=last"))
+    assert str(info.value).startswith(
+        f"ckpt_path=last: no checkpoint at {tmp_path}/checkpoints/last.ckpt, so there is nothing to resume; "
+        "drop ckpt_path to start a new run, or point hydra.run.dir at the dir of the run to resume"
+    )
+    assert not (tmp_path / "config.yaml").exists()
+    with pytest.raises(ValueError, match=f"ckpt_path={tmp_path}/nope.ckpt: no checkpoint at {tmp_path}/nope.ckpt"):
+        train(compose_cfg(tmp_path, f"ckpt_path={tmp_path}/nope.ckpt"))
+
+
+HOLDER = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()}\\n".encode())
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_run_in_a_locked_run_dir_is_refused_naming_the_holder(tmp_path):
+    """Two runs in one dir wrote into each other's checkpoints and config; the lock protocol is `<dir>/.lock`
+    flocked, holder's pid inside (here held by a bare process, as a running `train.py` holds it)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / ".lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ValueError) as info:
+            train(compose_cfg(tmp_path))
+        assert str(info.value) == (
+            f"run dir {tmp_path} is in use by another run (pid {holder.pid}, holding {tmp_path}/.lock); wait for "
+            "that run to end, or start this one in its own dir (another hydra.run.dir)"
+        )
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing else was written
+
+
+def _read_only(directory: Path):
+    """Make `directory` unwritable; returns the undo, or None where this machine cannot. Root ignores mode bits,
+    so as root the dir is made immutable (`chattr +i`, ext4 / xfs)."""
+    directory.mkdir(parents=True)
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(directory)]).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+    return None
+
+
+def test_unwritable_checkpoint_dir_fails_at_start_naming_it(tmp_path):
+    """Found only at the first save before, after the first step had run."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("a file where the dir should be")
+    with pytest.raises(ValueError) as info:
+        train(compose_cfg(blocked))
+    assert str(info.value).startswith(f"checkpoint dir {blocked}/checkpoints is not writable (FileExistsError: ")
+    assert str(info.value).endswith("fix the path or its permissions, or point hydra.run.dir at a writable dir")
+
+    locked = tmp_path / "locked"
+    undo = _read_only(locked / "checkpoints")
+    if undo is None:
+        return  # no way to make a dir unwritable for root here; the blocked case above still ran
+    try:
+        with pytest.raises(ValueError, match=f"^checkpoint dir {locked}/checkpoints is not writable "
+                                             "\\(PermissionError: "):
+            train(compose_cfg(locked))
+    finally:
+        undo()
+
+
+def _stale_temps(checkpoints: Path, live_pid: int) -> dict[str, Path]:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    checkpoints.mkdir(parents=True)
+    temps = {
+        "dead": checkpoints / f".last.ckpt.{int(dead.stdout)}.0123abcd.tmp",  # SIGKILL mid-write
+        "old": checkpoints / ".last.ckpt.x1y2z3.tmp",  # mkstemp name, written before pids were in the names
+        "live": checkpoints / f".other.ckpt.{live_pid}.4567cdef.tmp",  # a writer still running
+    }
+    for p in temps.values():
+        p.write_bytes(b"partial")
+    return temps
+
+
+def test_resume_checks_the_config_keeps_its_history_and_the_wandb_run(tmp_path, capfd):
+    out = tmp_path / "run"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        temps = _stale_temps(out / "checkpoints", live.pid)
+        train(compose_cfg(out, "logger=wandb"))
+        err = capfd.readouterr().err
+        assert not temps["dead"].exists() and not temps["old"].exists() and temps["live"].exists()
+        assert (f"[topp_rl] removed stale temp file {temps['dead']} (7 bytes) left by a writer that is gone "
+                f"(pid {temps['dead'].name.split('.')[3]})") in err
+        assert f"removed stale temp file {temps['old']} (7 bytes)" in err
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+
+    # A second fresh start would overwrite the run's checkpoint and config.
+    with pytest.raises(ValueError, match=f"run dir {out} already holds a run \\(config.yaml\\); resume it with "
+                                         "ckpt_path=last, or start this run in a new dir"):
+        train(compose_cfg(out))
+    # Resuming with other sampling and another seed would continue a different experiment under the same name.
+    with pytest.raises(ValueError) as info:
+        train(compose_cfg(out, "ckpt_path=last", "rollout.top_p=0.8", "seed=1", "rollout.n_samples=4"))
+    message = str(info.value)
+    assert message.startswith(f"resuming {out}/checkpoints/last.ckpt would change 5 setting(s) the run was trained "
+                              "with: model.seed: 0 -> 1; rollout.n_samples: 2 -> 4; rollout.top_p: 0.9 -> 0.8; "
+                              "seed: 0 -> 1; task.seed: 0 -> 1; ")
+    assert message.endswith("or set resume.allow_config_change=true to continue with the new ones")
+
+    # Allowed explicitly: trains step 3 only, says what changed, and the first config stays as it was.
+    train(compose_cfg(out, "ckpt_path=last", "trainer.max_steps=3", "rollout.top_p=0.8", "logger=wandb",
+                      "resume.allow_config_change=true"))
+    assert (f"resuming {out}/checkpoints/last.ckpt with changed settings (resume.allow_config_change=true): "
+            "rollout.top_p: 0.9 -> 0.8") in capfd.readouterr().err
+    checkpoint = torch.load(out / "checkpoints/last.ckpt", weights_only=True, mmap=True)
+    assert checkpoint["global_step"] == 3
+    assert checkpoint["topp_rl"]["config"]["rollout"]["top_p"] == 0.8
+    assert OmegaConf.load(out / "config.yaml").rollout.top_p == 0.9
+    assert OmegaConf.load(out / "config.resume-1.yaml").rollout.top_p == 0.8
+    assert OmegaConf.load(out / "config.resume-1.yaml").ckpt_path == "last"
+    # Both starts logged into one W&B run (offline dirs are named offline-run-<time>-<id>).
+    run_id = (out / "wandb_id").read_text().strip()
+    runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), (runs, run_id)

@@ -1,0 +1,268 @@
+"""The run dir's lifecycle: one run per dir, its config history, and the checks made before anything is built.
+
+A run dir (`paths.output_dir`) holds one run:
+- `.lock`: `fcntl.flock`ed for the life of the process (the kernel drops it when the process dies, even on
+  SIGKILL), so a second run in the same dir fails at start naming the holder's pid;
+- `config.yaml` (the first start's config, never rewritten) and `config.resume-<n>.yaml` (one per resume);
+- `checkpoints/` (probed for writing at start; temp files of dead writers are removed, each one reported);
+- `wandb_id`: the W&B run id, so every resume appends to the same W&B run.
+
+A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over. A resume must find its
+checkpoint, and the checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
+`resume.allow_config_change=true`. Only the launching rank (global rank 0) owns the dir; the ranks Lightning
+starts later only resolve the checkpoint path.
+"""
+
+import fcntl
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+LOCK = ".lock"
+WANDB_ID = "wandb_id"
+_MISSING = "<absent>"
+
+
+def _say(message: str) -> None:
+    print(f"[topp_rl] {message}", file=sys.stderr, flush=True)
+
+
+def is_launching_rank() -> bool:
+    """Global rank 0: every rank variable a launcher may set (torchrun, SLURM, Lightning) is absent or 0."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+
+
+# ----- lock -----
+class RunDirLock:
+    """An exclusive `flock` on `<dir>/.lock`, which also records the holder's pid for the refusal message."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(
+                f"run dir {self.path.parent} is in use by another run (pid {holder}, holding {self.path}); "
+                f"wait for that run to end, or start this one in its own dir (another hydra.run.dir)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock; the file stays (removing it would race a new holder)
+            self.fd = None
+
+
+# ----- checkpoint dir -----
+def probe_writable(directory: Path) -> None:
+    """Create `directory` and write + remove a probe file in it, so a bad dir fails now, not at the first save."""
+    probe = directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"checkpoint dir {directory} is not writable ({type(err).__name__}: {err}); checkpoints and the "
+            f"SIGTERM save go there: fix the path or its permissions, or point hydra.run.dir at a writable dir"
+        ) from err
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Remove checkpoint temp files whose writer is gone (SIGKILL mid-write); called with the run dir locked."""
+    from topp_rl.checkpoint import temp_writer_pid
+
+    removed = []
+    for tmp in sorted(directory.glob(".*.tmp")):
+        pid = temp_writer_pid(tmp.name)
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            continue
+        size = tmp.stat().st_size
+        tmp.unlink()
+        _say(f"removed stale temp file {tmp} ({size} bytes) left by a writer that is gone (pid {pid or 'unknown'})")
+        removed.append(tmp)
+    return removed
+
+
+# ----- resume -----
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
+    """`ckpt_path=last` -> `<checkpoint_dir>/last.ckpt`; either way the file must exist (Lightning would warn and
+    start from scratch)."""
+    if not ckpt_path:
+        return None
+    path = checkpoint_dir / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise ValueError(
+            f"ckpt_path={ckpt_path}: no checkpoint at {path}, so there is nothing to resume; drop ckpt_path to "
+            f"start a new run, or point hydra.run.dir at the dir of the run to resume (it holds "
+            f"checkpoints/last.ckpt)"
+        )
+    return path
+
+
+def read_recorded_config(path: Path) -> dict | None:
+    """The config `RunRecord` stored in a checkpoint (None for checkpoints written before it existed)."""
+    from topp_rl.checkpoint import RECORD_KEY, read_checkpoint
+
+    # mmap: the weights are not read, only the small pickled record.
+    checkpoint = read_checkpoint(path, map_location="cpu", mmap=True, weights_only=True)
+    return (checkpoint.get(RECORD_KEY) or {}).get("config")
+
+
+def _leaves(tree: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_leaves(v, f"{prefix}.{k}"))
+        return out or {prefix: {}}
+    return {prefix: tree}
+
+
+def _select(tree: dict, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
+    """`key: old -> new` for every leaf under `keys` that differs, sorted (absent on one side: `<absent>`)."""
+    changes = []
+    for key in keys:
+        before, after = _leaves(_select(old, key), key), _leaves(_select(new, key), key)
+        for leaf in sorted(set(before) | set(after)):
+            a, b = before.get(leaf, _MISSING), after.get(leaf, _MISSING)
+            if a != b:
+                changes.append(f"{leaf}: {a!r} -> {b!r}")
+    return sorted(set(changes))
+
+
+def check_resume_config(cfg: DictConfig, checkpoint: Path) -> None:
+    """Refuse a resume that changes a guarded key, unless `resume.allow_config_change=true` (then say so)."""
+    allow = bool(cfg.resume.allow_config_change)
+    old = read_recorded_config(checkpoint)
+    if old is None:
+        if not allow:
+            raise ValueError(
+                f"checkpoint {checkpoint} records no config (written before topp_rl stored one), so this resume "
+                f"cannot be checked against it; set resume.allow_config_change=true to resume it unchecked"
+            )
+        _say(f"resuming {checkpoint} unchecked: it records no config (resume.allow_config_change=true)")
+        return
+    new = OmegaConf.to_container(cfg, resolve=True)
+    changes = config_changes(old, new, list(cfg.resume.guarded_keys))
+    if not changes:
+        return
+    listed = "; ".join(changes)
+    if not allow:
+        raise ValueError(
+            f"resuming {checkpoint} would change {len(changes)} setting(s) the run was trained with: {listed}; "
+            f"resume with the run's values (its config.yaml and config.resume-*.yaml record them), or set "
+            f"resume.allow_config_change=true to continue with the new ones"
+        )
+    _say(f"resuming {checkpoint} with changed settings (resume.allow_config_change=true): {listed}")
+
+
+def _existing_run(run_dir: Path) -> str | None:
+    for name in ("config.yaml", "checkpoints/last.ckpt"):
+        if (run_dir / name).exists():
+            return name
+    return None
+
+
+def record_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Write `config.yaml` on the first start, `config.resume-<n>.yaml` on the n-th resume; never overwrite."""
+    path = run_dir / "config.yaml"
+    if path.exists():
+        n = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in run_dir.glob("config.resume-*.yaml")
+                     if p.stem.rsplit("-", 1)[1].isdigit()), default=0)
+        path = run_dir / f"config.resume-{n}.yaml"
+    with path.open("x") as f:  # "x": a name collision is a bug, never a silent overwrite
+        f.write(OmegaConf.to_yaml(cfg, resolve=False))
+    return path
+
+
+# ----- W&B -----
+def wandb_run_id(run_dir: Path) -> str | None:
+    """The run dir's W&B run id, created on first use: a resume logs into the same W&B run (no split history)."""
+    path = Path(run_dir) / WANDB_ID
+    if not path.exists() and is_launching_rank():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(4) + "\n")
+    return path.read_text().strip() if path.exists() else None
+
+
+# ----- the whole start -----
+class RunDir:
+    """Opened by `train` before anything is built; holds the lock until `close`."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.path = Path(cfg.paths.output_dir)
+        self.checkpoint_dir = self.path / "checkpoints"
+        self.owner = is_launching_rank()
+        self.lock: RunDirLock | None = None
+        self.resume_from: Path | None = None
+        self._open(cfg)
+
+    def _open(self, cfg: DictConfig) -> None:
+        if not self.owner:
+            self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"run dir {self.path} cannot be created ({type(err).__name__}: {err}); point "
+                             f"hydra.run.dir (or paths.output_dir) at a writable place") from err
+        self.lock = RunDirLock(self.path).acquire()
+        try:
+            probe_writable(self.checkpoint_dir)
+            remove_stale_temps(self.checkpoint_dir)
+            self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
+            if self.resume_from is None and (found := _existing_run(self.path)):
+                raise ValueError(
+                    f"run dir {self.path} already holds a run ({found}); resume it with ckpt_path=last, or start "
+                    f"this run in a new dir (another hydra.run.dir), or delete {self.path} to start over"
+                )
+            if self.resume_from is not None:
+                check_resume_config(cfg, self.resume_from)
+        except BaseException:
+            self.close()
+            raise
+
+    def record_config(self, cfg: DictConfig) -> Path | None:
+        return record_config(cfg, self.path) if self.owner else None
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
