@@ -6,7 +6,7 @@ candidate mask on and off, side by side in one process.
 Each variant runs the default config (`train.py algo=grpo rollout.top_p=0.9` unless overridden) through the real
 Trainer. Generation is the time from the previous step's end (after the weight sync) to this step's start, i.e.
 `RolloutDataModule.on_before_batch_transfer`; the old-log-prob pass and optimisation are the module's own logged
-`time/old_logprob_s` and `time/optim_s`. The
+`perf/old_logprob_s` and `perf/optim_s`. The
 first step of each run is warm-up and not counted; figures are medians over the remaining steps of `--repeats`
 runs per variant, interleaved (on, off, on, off) so that load changes on a shared machine hit both.
 """
@@ -46,8 +46,8 @@ class StepTimer(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         end = time.perf_counter()
         metrics = trainer.callback_metrics
-        row = {"generate_s": self._generate, "old_logprob_s": float(metrics["time/old_logprob_s"]),
-               "optim_s": float(metrics["time/optim_s"])}
+        row = {"generate_s": self._generate, "old_logprob_s": float(metrics["perf/old_logprob_s"]),
+               "optim_s": float(metrics["perf/optim_s"])}
         row["step_s"] = row["generate_s"] + row["old_logprob_s"] + row["optim_s"]
         row["support_size_mean"] = float(trainer.callback_metrics.get("rollout/support_size_mean", float("nan")))
         self.rows.append(row)

@@ -69,7 +69,7 @@ def test_module_logs_its_own_training_metrics_without_metric_callbacks(tmp_path,
     rows = read_metrics(out)
     keys = set().union(*rows)
     for key in ("train/loss", "train/pg_loss", "train/clip_frac", "train/grad_norm", "train/lr", "train/entropy",
-                "time/old_logprob_s", "time/optim_s"):
+                "perf/old_logprob_s", "perf/optim_s"):
         assert len(column(rows, key)) == 2, key
     assert column(rows, "train/lr") == pytest.approx([0.01, 0.01], rel=1e-7)  # Lightning logs float32
     assert all(0 < v <= math.log(128) for v in column(rows, "train/entropy"))  # tiny model: vocab 128

@@ -186,8 +186,8 @@ class PolicyModule(L.LightningModule):
         record = OnPolicyRecord.concat(list(records))
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
-        metrics["time/old_logprob_s"] = (t1 - t0, 1.0)
-        metrics["time/optim_s"] = (time.perf_counter() - t1, 1.0)
+        metrics["perf/old_logprob_s"] = (t1 - t0, 1.0)
+        metrics["perf/optim_s"] = (time.perf_counter() - t1, 1.0)
         self.log_step_metrics(metrics, lr=float(opt.param_groups[0]["lr"]))
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
