@@ -1,8 +1,9 @@
-"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, weight sync."""
+"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, weight sync, health alarms."""
 
+from callbacks.health import TrainingHealth
 from callbacks.mismatch import LogProbMismatch
 from callbacks.rollout_stats import RolloutStats
 from callbacks.support import SupportStats
 from callbacks.weight_sync import WeightSync
 
-__all__ = ["LogProbMismatch", "RolloutStats", "SupportStats", "WeightSync"]
+__all__ = ["LogProbMismatch", "RolloutStats", "SupportStats", "TrainingHealth", "WeightSync"]

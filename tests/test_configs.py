@@ -63,7 +63,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
                                                                                                  loss.aggregation))
         assert type(advantage).__name__ == algo_cfg.advantage._target_.rsplit(".", 1)[1]
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-    assert [type(c).__name__ for c in callbacks] == ["LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync"]
+    assert [type(c).__name__ for c in callbacks] == ["LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync",
+                                                     "TrainingHealth"]
     trainer = instantiate(cfg.trainer, logger=[instantiate(cfg.logger.csv)], callbacks=callbacks)
     assert trainer.max_steps == cfg.trainer.max_steps == 120
     task = instantiate(cfg.task)
@@ -97,6 +98,7 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("optimizer.lr=abc", "optimizer.lr"),
         ("rollout.n_samples=true", "rollout.n_samples"),
         ("trainer.max_steps=abc", "trainer.max_steps"),
+        ("callbacks.weight_sync=null", "callbacks.weight_sync"),  # off-policy without saying so
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -106,6 +108,10 @@ def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):
     cfg = _compose(override.split(), tmp_path)
     with pytest.raises(ValueError, match=rf"config {re.escape(key)}=.*must be .*;"):
         validate_config(cfg)
+
+
+def test_dropping_the_weight_sync_is_allowed_when_asked_for(tmp_path):
+    validate_config(_compose(["callbacks.weight_sync=null", "allow_stale_weights=true"], tmp_path))
 
 
 def test_batch_advantages_allow_one_sample_per_prompt(tmp_path):

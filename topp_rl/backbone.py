@@ -56,24 +56,76 @@ class Backbone(WeightSource, Protocol):
     def eval(self) -> Backbone: ...
 
 
+# HF config fields that transform the logits after the output layer, with the value that leaves them unchanged.
+# The scorer computes hidden @ W.T; a model that rescales or soft-caps its logits samples from another
+# distribution, and every log-prob would be wrong by that transform.
+LOGIT_TRANSFORMS: dict[str, float | None] = {
+    "logits_scaling": 1.0,  # Granite: logits / logits_scaling
+    "logit_scale": 1.0,  # Cohere: logits * logit_scale
+    "final_logit_softcapping": None,  # Gemma 2 / 3: tanh(logits / cap) * cap
+    "output_multiplier_scale": 1.0,  # muP-style output multipliers
+}
+
+
+def nonfinite_parameters(module: nn.Module) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (one fused check per tensor)."""
+    return [n for n, p in module.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+
+
+def check_plain_logits(model: nn.Module, *, probe_tokens: int = 8) -> None:
+    """Reject models whose logits are not `final hidden @ lm_head.weight.T`: known config fields first, then
+    (for architectures nobody listed) one forward of a few tokens comparing the model's own logits with that
+    product, so an unknown transform fails at start instead of training on wrong log-probs."""
+    config, name = model.config, type(model).__name__
+    for field, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, neutral)
+        if value != neutral:
+            raise ValueError(
+                f"{name} config {field}={value!r} transforms the logits after the output layer (neutral value: "
+                f"{neutral!r}); topp_rl scores tokens with hidden @ lm_head.weight.T, so its log-probs would not be "
+                "the sampler's: use a model without this transform (Qwen2 / Llama families)"
+            )
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"{name} has {'no output layer' if head is None else 'an lm_head bias'}; training needs logits = "
+            "hidden @ lm_head.weight.T: use a causal LM without an output bias (Qwen2 / Llama families)"
+        )
+    vocab = head.weight.shape[0]
+    ids = torch.arange(probe_tokens, device=head.weight.device)[None] % vocab
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0]
+        product = (hidden @ head.weight.T).float()
+    err = float((logits - product).abs().max())
+    bound = 1e-5 * max(1.0, float(logits.abs().max()))
+    if not err <= bound:  # also catches NaN
+        raise ValueError(
+            f"{name}'s logits differ from final hidden @ lm_head.weight.T by {err:.3g} (allowed {bound:.3g}) on a "
+            f"{probe_tokens}-token probe: the model transforms its logits in a way topp_rl does not replicate, so "
+            "its log-probs would be wrong; use a model whose logits are that product (Qwen2 / Llama families)"
+        )
+
+
 class HFBackbone(nn.Module):
     """An HF causal LM run whole on one rank (no TP / CP), as a `Backbone`.
 
     HF attention on CPU does not build block-diagonal masks from packed position ids, so each packed batch is
     unpacked into a right-padded [B, L] batch and the final hidden states are re-packed to [T, H] (exact:
-    causal attention never looks at the right padding). Requires logits = hidden @ lm_head.weight.T (no
-    output bias).
+    causal attention never looks at the right padding). Requires logits = hidden @ lm_head.weight.T, checked at
+    construction (`check_plain_logits`).
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        head = model.get_output_embeddings()
-        if head is None or getattr(head, "bias", None) is not None:
+        bad = nonfinite_parameters(model)
+        if bad:
             raise ValueError(
-                f"{type(model).__name__} has {'no output layer' if head is None else 'an lm_head bias'}; "
-                "training needs logits = hidden @ lm_head.weight.T: use a causal LM without an output bias "
-                "(Qwen2 / Llama families)"
+                f"{type(model).__name__} has non-finite weights (NaN or inf) in {len(bad)} parameter(s), first "
+                f"{bad[0]!r}; training would give NaN log-probs and losses: load a healthy checkpoint"
             )
+        check_plain_logits(model)
+        head = model.get_output_embeddings()
         self.model = model
         self._layout = ParallelLayout.single(int(head.weight.shape[0]))
 

@@ -93,9 +93,23 @@ def validate_parallel(cfg: DictConfig) -> None:
               "use trainer.devices=1, or a parallel/ config with a strategy (e.g. the Megatron ones)")
 
 
+def validate_weight_sync(cfg: DictConfig) -> None:
+    """Without a weight sync the engine keeps sampling with the initial weights: every step after the first
+    trains off-policy while the config claims on-policy updates. Refused unless asked for explicitly."""
+    from callbacks.weight_sync import WeightSync
+
+    entries = [c for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if any(issubclass(target_class(c), WeightSync) for c in entries) or cfg.get("allow_stale_weights"):
+        return
+    _fail("callbacks.weight_sync", None, "a WeightSync callback (the engine must sample with the trained weights "
+          "for on-policy training)", "keep callbacks.weight_sync, or set allow_stale_weights=true to train "
+          "off-policy against the initial weights on purpose")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ValueError on the first invalid setting (see module docstring)."""
     validate_sampling(cfg)
+    validate_weight_sync(cfg)
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:
         _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "

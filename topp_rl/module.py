@@ -17,6 +17,7 @@ entropy, phase timings), reduced across ranks once per step.
 """
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from topp_rl.backbone import Backbone, HFBackbone
+from topp_rl.backbone import Backbone, HFBackbone, nonfinite_parameters
 from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
@@ -115,6 +116,17 @@ class PolicyModule(L.LightningModule):
         if self.trainer.is_global_zero:
             print(f"[topp_rl] layout: {self.layout.describe(world_size=self.trainer.world_size)}", flush=True)
 
+    def on_train_start(self) -> None:
+        # After any checkpoint restore: a NaN saved into a checkpoint must not train silently. Every rank checks
+        # its own shards and all ranks decide together, so none is left waiting in a collective.
+        bad = nonfinite_parameters(self.policy)
+        if not self.trainer.strategy.reduce_boolean_decision(not bad, all=True):
+            where = f"parameter {bad[0]!r} and {len(bad) - 1} more" if bad else "another rank's parameters"
+            raise FloatingPointError(
+                f"the policy holds non-finite weights (NaN or inf) at train start ({where}); a resumed checkpoint "
+                "may be corrupt: resume from an earlier one, or start over"
+            )
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
 
@@ -181,21 +193,49 @@ class PolicyModule(L.LightningModule):
         for _ in range(self.ppo_epochs):
             opt.zero_grad(set_to_none=True)
             add_sums(metrics, self.accumulate_gradients(micro, list(old), refs))
-            add_sums(metrics, {"train/grad_norm": (self.clip_and_norm(), 1.0)})
-            opt.step()
+            grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"step {self.global_step}: train/grad_norm is {grad_norm} (non-finite gradient); the update is not "
+                    "applied. Common causes: a learning rate too high for the model (optimizer.lr), a NaN in the "
+                    "weights or data, rewards of extreme size"
+                )
+            add_sums(metrics, {"train/grad_norm": (grad_norm, 1.0)})
+            self.optimizer_step_checked(opt, step=self.global_step)
         record = OnPolicyRecord.concat(list(records))
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
         metrics["perf/old_logprob_s"] = (t1 - t0, 1.0)
         metrics["perf/optim_s"] = (time.perf_counter() - t1, 1.0)
-        self.log_step_metrics(metrics, lr=float(opt.param_groups[0]["lr"]))
+        self.log_step_metrics(metrics, lr=float(opt.param_groups[0]["lr"]), step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
-    def log_step_metrics(self, sums: dict[str, SumCount], *, lr: float) -> dict[str, float]:
-        """Reduce the step's (sum, count) pairs across ranks once and log them with the learning rate."""
+    @staticmethod
+    def optimizer_step_checked(opt, *, step: int) -> None:
+        """`opt.step()`, with torch's bare overflow error turned into one naming the step and the learning rate."""
+        try:
+            opt.step()
+        except RuntimeError as err:
+            if "overflow" not in str(err):
+                raise
+            lr = opt.param_groups[0]["lr"]
+            raise FloatingPointError(
+                f"step {step}: the optimizer update overflowed float32 ({err}); optimizer.lr={lr:g} is far too "
+                "large for this model: lower it (e.g. 1e-3 for the tiny model, 1e-6 for SmolLM2)"
+            ) from err
+
+    def log_step_metrics(self, sums: dict[str, SumCount], *, lr: float, step: int) -> dict[str, float]:
+        """Reduce the step's (sum, count) pairs across ranks once, stop on a non-finite loss or entropy (the
+        reduced values are equal on every rank, so all ranks stop together), and log them with the lr."""
         if self._trainer is None:
             return {}
         values = reduce_sums(self.trainer, sums) | {"train/lr": lr}
+        for key in ("train/loss", "train/entropy"):
+            if key in values and not math.isfinite(values[key]):
+                raise FloatingPointError(
+                    f"step {step}: {key} is {values[key]} (non-finite); the run stops rather than train on it. "
+                    "Check the weights (a NaN in a resumed checkpoint?), rollout.temperature and the rewards"
+                )
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
         return values
 

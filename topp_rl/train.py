@@ -6,7 +6,6 @@ the module (loss from `algo.loss`, optimizer from `optimizer` as a partial), cal
 Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt_path=last` resumes from there.
 """
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -169,7 +168,7 @@ def print_summary(summary: dict[str, float], output_dir: str) -> None:
     if "reward_first" in summary:
         lines.append(f"  reward mean: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f}")
     for key in SUMMARY_KEYS[1:]:
-        if key in summary and math.isfinite(summary[key]):
+        if key in summary:  # NaN / inf included: a summary must never hide them
             lines.append(f"  {key}: {summary[key]:.3g}")
     print("\n".join(lines), flush=True)
 

@@ -18,7 +18,8 @@ top_p = 0.5, c <= 0.5 also drops id 1: {0}. (SGLang keeps {0, 1} at top_p = 0.5:
 Departures from vLLM: top-p is applied only to rows with top_p < 1 and top-k only to rows with 0 < top_k < V
 (vLLM applies the mask batch-wide, which at top_p = 1 also drops tokens whose probability underflows to 0).
 
-Output: one CSR row per logits row, ids in rank order (most probable first, ties as above).
+Output: one CSR row per logits row, ids in rank order (most probable first, ties as above). A row whose
+logits / temperature define no distribution (a NaN, +inf, or all -inf) raises ValueError naming the row.
 
 Speed ("sglang"): the engine calls this every decode step, so it avoids a full-vocabulary sort: it takes the
 top-k of p for a small k (64), decides every rank inside that window exactly, and grows k only for rows whose
@@ -61,12 +62,27 @@ def sampling_candidates(
     check_sampling_params(temperature=temperature_t, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
     if n == 0:
         return Candidates.empty(0, device=device)
+    if convention not in ("sglang", "vllm"):
+        raise ValueError(f"convention={convention!r} is not one of 'sglang', 'vllm'")
     z = logits.float() / temperature_t[:, None]
+    probs = torch.softmax(z, dim=-1)
+    _check_distribution(probs, temperature_t)
     if convention == "sglang":
-        return _sglang(torch.softmax(z, dim=-1), top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
-    if convention == "vllm":
-        return _vllm(z, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
-    raise ValueError(f"convention={convention!r} is not one of 'sglang', 'vllm'")
+        return _sglang(probs, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+    return _vllm(z, probs, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+
+
+def _check_distribution(probs: torch.Tensor, temperature: torch.Tensor) -> None:
+    """A row whose logits / temperature hold a NaN or +inf (or are all -inf) has no distribution: its softmax
+    sums to NaN. Such a row has no kept set, and a sampler drawing from it would pick an arbitrary token."""
+    bad = ~torch.isfinite(probs.sum(dim=-1))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(
+            f"logits row {row} (of {probs.shape[0]}) is not finite after dividing by temperature="
+            f"{float(temperature[row]):g} (NaN, +inf, or every entry -inf): it defines no distribution to "
+            "truncate; check the model weights for NaN and that the temperature does not overflow the logits"
+        )
 
 
 def _sglang_keep(
@@ -132,9 +148,10 @@ def _next_window(vals: torch.Tensor, k: int, *, top_p: torch.Tensor, top_k: torc
     return max(int(need.max()), k * 2)
 
 
-def _vllm(z: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> Candidates:
+def _vllm(
+    z: torch.Tensor, probs: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> Candidates:
     n, vocab = z.shape
-    probs = torch.softmax(z, dim=-1)
     z = z.masked_fill(probs < (min_p * probs.amax(dim=-1))[:, None], float("-inf"))
     z_sort, ids = torch.sort(z, dim=-1, stable=True)  # ascending, as vLLM sorts
     use_k = (top_k > 0) & (top_k < vocab)

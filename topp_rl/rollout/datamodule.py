@@ -54,6 +54,20 @@ class _TicketStream(IterableDataset):
             step += 1
 
 
+def check_encodable(record: PromptRecord, tokenizer) -> None:
+    """A prompt must reach the model whole: a character the tokenizer maps to its unknown token would be
+    trained on as something else (or, without an unknown token, silently dropped)."""
+    unk = tokenizer.unk_token_id
+    # Some tokenizers reuse a real special token (BOS / EOS) as unk; those ids mean nothing unknown.
+    if unk is None or unk in (tokenizer.bos_token_id, tokenizer.eos_token_id) or unk not in record.prompt_ids:
+        return
+    missing = sorted({c for c in record.text if tokenizer.encode(c, add_special_tokens=False) == [unk]})
+    raise ValueError(
+        f"prompt {record.index} ({record.text[:60]!r}) holds characters the tokenizer cannot encode: {missing}; "
+        "remove them from the data, or use a model whose tokenizer covers them"
+    )
+
+
 class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -125,6 +139,8 @@ class RolloutDataModule(L.LightningDataModule):
         first = self.dp_rank * local
         start = step * self.prompts_per_step + first
         records = [self.task.prompt(start + i, self.tokenizer) for i in range(local)]
+        for record in records:
+            check_encodable(record, self.tokenizer)
         seed = int(np.random.SeedSequence([self.seed, step, self.dp_rank]).generate_state(1)[0])
         return RolloutTicket(step=step, records=records, first_group=first, seed=seed)
 

@@ -1,0 +1,94 @@
+"""`TrainingHealth`: loud warnings when a run goes wrong without crashing (collapse, off-policy drift).
+
+Reads the step's reduced figures from `trainer.callback_metrics` (the same on every rank, so it must come
+after the callbacks that log them) and raises an alarm, printed once to stderr on rank 0 when it turns on and
+logged every step as a 0 / 1 flag:
+- `health/mismatch_alarm`: the masked on-policy mismatch `train/rollout_logprob_abs_diff` exceeds
+  `max_mismatch` (default 1e-3: float32 engines agree to ~1e-6; above 1e-3 the engine samples with other
+  weights, e.g. a missing weight sync, or another model). Needs `LogProbMismatch` in the run.
+- `health/zero_grad_alarm`: `train/grad_norm` is exactly 0 for `zero_grad_steps` steps in a row (every
+  advantage zero: all groups tied, or a collapsed policy whose samples all get one reward).
+- `health/entropy_collapse_alarm`: `train/entropy` below `entropy_collapse_frac` of its first step's value
+  (the policy turned deterministic), or within 0.1% of ln(vocab) after having been lower (it turned uniform,
+  e.g. after a learning-rate blow-up).
+"""
+
+import math
+import sys
+
+from lightning.pytorch.callbacks import Callback
+
+from topp_rl.module import PolicyModule
+
+
+class TrainingHealth(Callback):
+    def __init__(self, *, max_mismatch: float = 1e-3, zero_grad_steps: int = 5,
+                 entropy_collapse_frac: float = 0.01) -> None:
+        if not max_mismatch > 0 or zero_grad_steps < 1 or not 0 < entropy_collapse_frac < 1:
+            raise ValueError(
+                f"TrainingHealth(max_mismatch={max_mismatch}, zero_grad_steps={zero_grad_steps}, "
+                f"entropy_collapse_frac={entropy_collapse_frac}): need max_mismatch > 0, zero_grad_steps >= 1 "
+                "and 0 < entropy_collapse_frac < 1"
+            )
+        self.max_mismatch, self.zero_grad_steps = max_mismatch, zero_grad_steps
+        self.entropy_collapse_frac = entropy_collapse_frac
+        self.zero_grad_run = 0
+        self.first_entropy: float | None = None
+        self.min_entropy = math.inf
+        self.active: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        step = trainer.global_step
+        alarms: dict[str, str | None] = {}
+        mismatch = metrics.get("train/rollout_logprob_abs_diff")
+        if mismatch is not None:
+            alarms["health/mismatch_alarm"] = (
+                f"masked on-policy mismatch train/rollout_logprob_abs_diff={mismatch:.3g} > {self.max_mismatch:g}: "
+                "the engine is not sampling with the trained weights (is callbacks.weight_sync set?) or scores "
+                "another model; the run is training off-policy"
+            ) if not mismatch <= self.max_mismatch else None
+        grad_norm = metrics.get("train/grad_norm")
+        if grad_norm is not None:
+            self.zero_grad_run = self.zero_grad_run + 1 if grad_norm == 0.0 else 0
+            alarms["health/zero_grad_alarm"] = (
+                f"train/grad_norm has been exactly 0 for {self.zero_grad_run} steps: no learning signal (every "
+                "group's rewards tie, or the policy collapsed; check rollout/reward_std and optimizer.lr)"
+            ) if self.zero_grad_run >= self.zero_grad_steps else None
+        entropy = metrics.get("train/entropy")
+        if entropy is not None:
+            alarms["health/entropy_collapse_alarm"] = self._entropy_alarm(entropy, pl_module)
+        for key, message in alarms.items():
+            self._report(trainer, key, message, step)
+        if alarms:
+            pl_module.log_dict({k: float(m is not None) for k, m in alarms.items()}, on_step=True,
+                               on_epoch=False, batch_size=1)
+
+    def _entropy_alarm(self, entropy: float, pl_module) -> str | None:
+        if self.first_entropy is None:
+            self.first_entropy = entropy
+        self.min_entropy = min(self.min_entropy, entropy)
+        if entropy < self.entropy_collapse_frac * self.first_entropy:
+            return (f"train/entropy={entropy:.3g} fell below {self.entropy_collapse_frac:g} x its first value "
+                    f"({self.first_entropy:.3g}): the policy is collapsing to deterministic outputs")
+        uniform = math.log(pl_module.layout.vocab_size) if isinstance(pl_module, PolicyModule) else math.inf
+        if entropy >= 0.999 * uniform and self.min_entropy < 0.99 * uniform:
+            return (f"train/entropy={entropy:.3g} is ln(vocab)={uniform:.3g}: the policy became uniform after "
+                    f"having been sharper ({self.min_entropy:.3g}); likely a learning-rate blow-up")
+        return None
+
+    def _report(self, trainer, key: str, message: str | None, step: int) -> None:
+        if message is None:
+            self.active.discard(key)
+            return
+        if key not in self.active and trainer.is_global_zero:
+            print(f"[topp_rl] WARNING at step {step}: {message}", file=sys.stderr, flush=True)
+        self.active.add(key)
+
+    def state_dict(self) -> dict:
+        return {"zero_grad_run": self.zero_grad_run, "first_entropy": self.first_entropy,
+                "min_entropy": self.min_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.zero_grad_run = state["zero_grad_run"]
+        self.first_entropy, self.min_entropy = state["first_entropy"], state["min_entropy"]
