@@ -433,7 +433,7 @@ class SGLangEngine(RolloutEngine):
         with self._session().request(method, full_url, json=body, timeout=timeout, stream=True) as resp:
             chunks = []
             try:
-                while chunk := resp.raw.read(1 << 16, decode_content=True):
+                while chunk := resp.raw.read1(1 << 16, decode_content=True):  # returns what one recv got
                     chunks.append(chunk)
                     if time.monotonic() - start > bound.total_s:
                         raise _Deadline
