@@ -35,7 +35,9 @@ def sglang_tokens_per_s(
             f"batch ({batch}), reps ({reps}), new_tokens ({new_tokens}), prompt_len ({prompt_len}) must all be >= 1"
         )
     # ignore_eos: every sample runs to new_tokens.
-    with SGLangEngine(model_path=model_path, progress=False, extra_sampling_params={"ignore_eos": True}) as engine:
+    with SGLangEngine(
+        model_path=model_path, progress=False, extra_sampling_params={"ignore_eos": True}
+    ) as engine:
         gen = torch.Generator().manual_seed(seed)
         # Distinct prompts, so the radix cache cannot share prefills between them.
         prompts = torch.randint(3, engine.vocab_size, (batch, prompt_len), generator=gen).tolist()

@@ -422,6 +422,7 @@ class SGLangEngine(RolloutEngine):
             return status, text
         raise SGLangRequestError(
             f"{method} {url}{path} failed after {self.max_retries + 1} attempts; last error: {last}"
+            + self._server_exit_note()
         )
 
     def _send(
@@ -444,6 +445,12 @@ class SGLangEngine(RolloutEngine):
                     err
                 ) from None  # reset mid-body: retried like a refused connection
             return resp.status_code, b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _server_exit_note(self) -> str:
+        """Why a launched server stopped answering, when it is because it exited (not a network problem)."""
+        if self.server is None or self.server._proc.poll() is None:
+            return ""
+        return f"; the launched server exited (code {self.server._proc.returncode}), its log: {self.server.log_path}"
 
     def _timeout_message(self, method: str, url: str, path: str, bound: _Bound, start: float) -> str:
         log = f"; its log: {self.server.log_path}" if self.server is not None else ""
