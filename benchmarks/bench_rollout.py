@@ -127,18 +127,16 @@ def main() -> None:
 
 
 def _sglang_rows(model, args) -> list[dict]:
-    try:  # built in parallel with this benchmark; optional here
-        from topp_rl.rollout.sglang_bench import sglang_tokens_per_s
-        from topp_rl.rollout.sglang_server import sglang_python
-    except ImportError as err:
-        if args.sglang == "on":
-            raise
-        print(f"SGLang skipped: {err}")
-        return []
+    from sglang_bench import sglang_tokens_per_s  # benchmarks/, this script's own dir
+
+    from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, sglang_python
+
     if sglang_python() is None:
         if args.sglang == "on":
-            raise ValueError("--sglang on but no SGLang venv; run scripts/setup_sglang.sh")
-        print("SGLang skipped: no SGLang venv (scripts/setup_sglang.sh builds it)")
+            raise ValueError(
+                f"--sglang on but {SGLANG_PYTHON_ENV} is unset; export it to what scripts/setup_sglang.sh prints"
+            )
+        print(f"SGLang skipped: {SGLANG_PYTHON_ENV} unset (export it to what scripts/setup_sglang.sh prints)")
         return []
     with tempfile.TemporaryDirectory() as tmp:
         save_model(model, None, tmp)

@@ -11,19 +11,21 @@ on 127.0.0.1 and a free port, and stops it (whole process group) on exit.
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from sglang_bench import sglang_tokens_per_s  # noqa: E402
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save_model  # noqa: E402
 from topp_rl.rollout import SamplingParams  # noqa: E402
 from topp_rl.rollout.sglang import SGLangEngine  # noqa: E402
-from topp_rl.rollout.sglang_bench import sglang_tokens_per_s  # noqa: E402
-from topp_rl.rollout.sglang_server import sglang_python  # noqa: E402
+from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, sglang_python  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "what is 9-5? "]
 
@@ -43,10 +45,11 @@ def main() -> None:
     args = ap.parse_args()
 
     if not args.url and sglang_python() is None:
-        print("[rollout_sglang] building the SGLang venv (scripts/setup_sglang.sh) ...", flush=True)
-        subprocess.run(
-            ["bash", str(ROOT / "scripts" / "setup_sglang.sh")], check=True, stdout=subprocess.DEVNULL
+        print("[rollout_sglang] building the SGLang venv if needed (scripts/setup_sglang.sh) ...", flush=True)
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "setup_sglang.sh")], check=True, stdout=subprocess.PIPE, text=True
         )
+        os.environ[SGLANG_PYTHON_ENV] = done.stdout.strip()  # the script prints the venv's python
 
     with tempfile.TemporaryDirectory(prefix="topp_rl-demo-") as tmp:
         if args.model_path is None:

@@ -5,7 +5,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
-bash scripts/setup_sglang.sh   # the real SGLang server's own venv, cached outside the clone
+# The real SGLang server's own venv, cached outside the clone; engines and tests read its python from here.
+TOPP_RL_SGLANG_PYTHON=$(bash scripts/setup_sglang.sh); export TOPP_RL_SGLANG_PYTHON  # (export X=$(...) would hide a failure)
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ $# -eq 0 ]; then set -- -m "not gpu"; fi
 exec .venv/bin/python -m pytest -q --timeout=900 "$@"

@@ -8,7 +8,9 @@ with `topp_rl.ops.sampling_candidates` (SGLang's rule) on its logits.
 """
 
 import copy
+import ipaddress
 import os
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,16 +20,18 @@ import pytest
 import requests
 import torch
 
-from topp_rl.models import build_tiny_model, save_model
+from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
+from topp_rl.rollout.datamodule import RolloutDataModule
 from topp_rl.rollout.sglang_server import _group_alive, free_port, sglang_python
+from topp_rl.rollout.tasks import CopyDigitTask
 from topp_rl.rollout.wire import decode_candidates
 
 pytestmark = pytest.mark.sglang
 if sglang_python() is None:
     pytest.skip(
-        "the SGLang venv is not built (run scripts/setup_sglang.sh, or set TOPP_RL_SGLANG_PYTHON)",
+        "TOPP_RL_SGLANG_PYTHON is unset (scripts/test.sh exports what scripts/setup_sglang.sh prints)",
         allow_module_level=True,
     )
 
@@ -201,8 +205,48 @@ def test_weight_sync_changes_and_restores_outputs(engine, model, sync):
             _assert_follows(after, model)
         engine.update_weights(model.named_parameters())
         _assert_follows(engine.generate(PROMPTS, params), model)
+        if sync == "distributed":  # the weight-sync group is up: its store and gloo sockets are listening
+            _assert_loopback_only(engine)
     finally:
         engine.weight_sync = "disk"
+
+
+def _assert_loopback_only(engine) -> None:
+    """No socket of the trainer (this process) or of the server's process group listens beyond loopback."""
+    server = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == engine.server.pid]
+    found = _listening({os.getpid(), *server})
+    assert len(server) >= 3 and len({pid for _, pid in found}) >= 2, f"too few listeners seen: {found}"
+    wide = [(addr, pid) for addr, pid in found if not addr.is_loopback]
+    assert not wide, f"listening beyond loopback (address, pid): {wide}"
+    assert engine._distributed is not None  # the check ran while the weight-sync group exists
+
+
+def _listening(pids: set[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(bound address, pid) of every listening TCP socket of `pids` (from /proc/net/tcp{,6})."""
+    owner = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owner:  # state 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # each 32-bit word is in host (little-endian) order
+                addr = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                mapped = getattr(addr, "ipv4_mapped", None)
+                found.append((mapped or addr, owner[fields[9]]))
+    return found
 
 
 def test_aborted_requests_give_empty_aborted_samples(engine):
@@ -222,6 +266,51 @@ def test_aborted_requests_give_empty_aborted_samples(engine):
     for s in samples:
         assert s.response_length == 0 and s.rollout_log_probs == [] and s.loss_mask == []
         assert s.prompt_ids == PROMPTS[0]
+
+
+def test_step_with_every_sample_aborted_fails_naming_the_aborts(engine):
+    tokenizer = build_char_tokenizer()
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
+    dm = RolloutDataModule(engine=engine, task=CopyDigitTask(), tokenizer=tokenizer, params=params,
+                           prompts_per_step=1)  # fmt: skip
+    errors = []
+
+    def step() -> None:
+        try:
+            dm.rollout(dm.ticket(0))
+        except RuntimeError as err:
+            errors.append(err)
+
+    engine.extra_sampling_params = {"ignore_eos": True}
+    try:
+        worker = threading.Thread(target=step)
+        worker.start()
+        time.sleep(1.5)
+        requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
+        worker.join(timeout=120)
+    finally:
+        engine.extra_sampling_params = {}
+    (err,) = errors
+    assert str(err).startswith("rollout step 0: 2 of 2 samples on this rank were aborted by the engine ")
+    assert "ckpt_path=last" in str(err) and dm.step == 0  # not advanced: a resume regenerates step 0
+
+
+def test_connect_rejects_a_server_serving_another_model(engine, model_dir, tmp_path):
+    url = engine.urls[0]
+    with pytest.raises(ValueError) as err:
+        SGLangEngine(urls=[url], model_path=model_dir, vocab_size=VOCAB * 2, progress=False)
+    assert str(err.value).startswith(
+        f"SGLang server {url} serves another model than the policy: vocab size {VOCAB} (policy: {VOCAB * 2}); "
+        f"start it with --model-path {model_dir}"
+    )
+    other = save_model(
+        build_tiny_model("llama", vocab_size=256, hidden=32, layers=1), None, tmp_path / "llama"
+    )
+    with pytest.raises(ValueError, match=(
+        rf"{url} serves another model than the policy: vocab size {VOCAB} \(policy: 256\); "
+        r"architectures \['Qwen2ForCausalLM'\] \(policy: \['LlamaForCausalLM'\]\)"
+    )):  # fmt: skip
+        SGLangEngine(urls=[url], model_path=other, progress=False)
 
 
 def test_bad_input_and_unreachable_server(engine):
@@ -293,7 +382,9 @@ def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, mod
         before = proxy.forwarded_generate
         with SGLangEngine(urls=[engine.urls[0], proxy.url], model_path=model_dir, progress=False) as both:
             both.generate(PROMPTS[:1], SamplingParams(top_p=0.9, max_new_tokens=2, n=6))
-        assert proxy.forwarded_generate - before == 1 + 3  # its connect-time probe + samples 1, 3, 5
+        assert (
+            proxy.forwarded_generate - before == 2 + 3
+        )  # connect-time probes (vocab, patch) + samples 1, 3, 5
         proxy.failures += 10  # more failures than retries: the error names the attempts and the last status
         with pytest.raises(SGLangRequestError, match="after 5 attempts.*HTTP 503"):
             SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
@@ -302,12 +393,19 @@ def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, mod
         proxy.server_close()
 
 
-def test_server_process_group_gone_after_close(engine):
+def test_server_process_group_and_work_dir_gone_after_close(engine):
     pgid = engine.server.pid
     members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid]
-    assert len(members) >= 3, "HTTP server, scheduler and detokenizer share the server's process group"
+    assert len(members) >= 4, (
+        "watchdog, HTTP server, scheduler and detokenizer share the server's process group"
+    )
+    assert (
+        engine.server.log_path == engine.workdir / "server.log" and engine.server.log_path.stat().st_size > 0
+    )
+    assert engine.workdir.parent == Path(tempfile.gettempdir())
     engine.close()
     assert not _group_alive(pgid)
+    assert not engine.workdir.exists()  # log, disk-sync copies and rendezvous file with it
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"
 

@@ -173,9 +173,12 @@ class RolloutDataModule(L.LightningDataModule):
         adv = self.advantage(rewards, group_ids, reduce=self._dp_sum)
         totals = self._dp_sum(
             torch.tensor(
-                [float(sum(sum(s.loss_mask) for s in train)), float(len(train))], dtype=torch.float64
+                [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train)],
+                dtype=torch.float64,
             )
         )
+        if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
+            _fail_without_samples(ticket.step, samples)
         micro = pack_samples(
             train,
             adv,
@@ -229,3 +232,21 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.step = int(state["step"])
         self.seed = int(state["seed"])
+
+
+def _fail_without_samples(step: int, samples: list[Sample]) -> None:
+    """A step with no trainable sample on some DP rank stops the run rather than being skipped: a skip would
+    need the module, every callback and every rank to agree on it, and would keep consuming prompts while the
+    engine serves nothing (every sample aborted: someone called /abort_request, or the server is draining).
+    The data position is not advanced, so resuming from the last checkpoint regenerates this very step."""
+    reasons: dict[str, int] = {}
+    for s in samples:
+        if s.status == SampleStatus.ABORTED:
+            reason = (s.metadata.get("finish_reason") or {}).get("message") or "no finish reason"
+            reasons[reason] = reasons.get(reason, 0) + 1
+    aborted = sum(reasons.values())
+    raise RuntimeError(
+        f"rollout step {step}: {aborted} of {len(samples)} samples on this rank were aborted by the engine "
+        f"(finish reasons: {reasons}), and a data-parallel rank has no sample left to train on; find out why the "
+        "engine aborts (its log; an /abort_request call), then resume from the last checkpoint (ckpt_path=last)"
+    )

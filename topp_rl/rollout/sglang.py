@@ -16,34 +16,66 @@ SGLang honours it only on servers started with `--enable-deterministic-inference
 backend rejects, so on CPU a seed does not reproduce a rollout (and with min_p > 0 no seed is sent: SGLang's
 seeded sampler asserts on min-p). Connection errors and 5xx are retried with bounded exponential backoff; an
 aborted request yields an empty Sample with status "aborted", never a half-filled one.
+
+No silent hangs: every wait is bounded, separately: connect (`connect_timeout_s`), first byte (a base plus an
+allowance per prompt + new token of a /generate, per GB of weights of an update), and the whole request (first
+byte bound + `transfer_timeout_s`). A timeout is not retried (a hung server does not recover by asking again):
+it raises `SGLangTimeoutError` naming the server, the call and the wait. While calls wait, one line per server
+and call is printed every `progress_interval_s`. At connect time each server's model is checked against the
+policy's (vocab size, architectures), so a server serving another model fails here, not at the first push.
 """
 
+import contextlib
 import json
+import re
+import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import requests
 import torch
+import urllib3
 from tqdm.auto import tqdm
 
 from topp_rl.rollout.engine import RolloutEngine, check_prompts
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
-from topp_rl.rollout.sglang_server import SGLangServer
+from topp_rl.rollout.sglang_server import SGLangServer, make_workdir, remove_workdir
 from topp_rl.rollout.sglang_weights import DistributedWeightSender, write_checkpoint
 from topp_rl.rollout.wire import IDS_KEY, decode_candidates
 
 WireMode = Literal["auto", "b64", "nested"]
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
 _SEED_STRIDE = 1_000_003  # sampling_seed = seed * stride + sample index: distinct per sample, same per rerun
+_VOCAB_PROBE_ID = 2**31 - 1  # SGLang rejects it in token_ids_logprob, naming its vocab size (checked before
+# the scheduler: an out-of-vocabulary *input* id would crash the server instead)
+_VOCAB_RANGE = re.compile(r"valid range is \[0, (\d+)\)")
 
 
 class SGLangRequestError(RuntimeError):
     """A request that still failed (connection error or 5xx) after every retry."""
+
+
+class SGLangTimeoutError(SGLangRequestError):
+    """A server that accepted a request but did not answer within its bound (not retried)."""
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """Time limits of one request: until the first response byte, and for the whole request."""
+
+    first_byte_s: float
+    total_s: float
+    how: str  # how first_byte_s was derived, for the error message
+
+
+class _Deadline(Exception):
+    pass
 
 
 class SGLangEngine(RolloutEngine):
@@ -63,9 +95,17 @@ class SGLangEngine(RolloutEngine):
         max_retries: int = 4,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
-        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        first_byte_timeout_s: float = 60.0,
+        per_token_timeout_s: float = 0.5,
+        transfer_timeout_s: float = 60.0,
+        weight_update_timeout_s: float = 120.0,
+        per_gb_timeout_s: float = 60.0,
         progress: bool = True,
+        progress_interval_s: float = 30.0,
         extra_sampling_params: dict[str, Any] | None = None,
+        workdir: str | Path | None = None,
+        weight_sync_host: str = "127.0.0.1",
         server_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not urls and model_path is None:
@@ -78,28 +118,45 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(
                 f"max_concurrency ({max_concurrency}) must be >= 1, max_retries ({max_retries}) >= 0"
             )
+        _check_timeouts(
+            bases={"connect_timeout_s": connect_timeout_s, "first_byte_timeout_s": first_byte_timeout_s,
+                   "transfer_timeout_s": transfer_timeout_s, "weight_update_timeout_s": weight_update_timeout_s},
+            allowances={"per_token_timeout_s": per_token_timeout_s, "per_gb_timeout_s": per_gb_timeout_s},
+        )  # fmt: skip
         self.model_path = Path(model_path) if model_path is not None else None
         self.record_candidates = record_candidates
         self.record_raw_log_probs = record_raw_log_probs
         self.weight_sync = weight_sync
+        self.weight_sync_host = weight_sync_host
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s, self.transfer_timeout_s = connect_timeout_s, transfer_timeout_s
+        self.first_byte_timeout_s, self.per_token_timeout_s = first_byte_timeout_s, per_token_timeout_s
+        self.weight_update_timeout_s, self.per_gb_timeout_s = weight_update_timeout_s, per_gb_timeout_s
         self.progress = progress
         # SGLang-only sampling keys (e.g. {"ignore_eos": True} for benchmarks), added to every request.
         self.extra_sampling_params = dict(extra_sampling_params or {})
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
+        self._waits = _Waits(progress_interval_s)
         self._distributed: DistributedWeightSender | None = None
         self.server: SGLangServer | None = None
         self.vocab_size = vocab_size or 0
-        if urls:
-            self.urls = [u.rstrip("/") for u in urls]
-        else:
-            self.vocab_size = vocab_size or _config_vocab_size(self.model_path)
-            kwargs = {"sampling_mask_max_tokens": self.vocab_size, **(server_kwargs or {})}
-            self.server = SGLangServer(self.model_path, **kwargs)
-            self.urls = [self.server.url]
+        self._keep_log = False
+        # Server log, disk-sync checkpoints and rendezvous files; removed on close (a failed server's log kept).
+        self.workdir = make_workdir(workdir)
         try:
+            if urls:
+                self.urls = [u.rstrip("/") for u in urls]
+            else:
+                self.vocab_size = vocab_size or _config_vocab_size(self.model_path)
+                kwargs = {"sampling_mask_max_tokens": self.vocab_size, "progress_interval_s": progress_interval_s,
+                          **(server_kwargs or {})}  # fmt: skip
+                try:
+                    self.server = SGLangServer(self.model_path, workdir=self.workdir, **kwargs)
+                except BaseException:
+                    self._keep_log = True  # the server did not come up: its log (named in the error) stays
+                    raise
+                self.urls = [self.server.url]
             self._connect(wire)
         except BaseException:
             self.close()
@@ -121,6 +178,8 @@ class SGLangEngine(RolloutEngine):
             self.model_path = Path(infos[0]["model_path"])
         if not self.vocab_size:
             self.vocab_size = _config_vocab_size(self.model_path)
+        for url in self.urls:
+            self._check_served_model(url)
         self.mask_max_tokens = min(int(i.get("sampling_mask_max_tokens") or 0) for i in infos)
         patched = [self._probe_patched(url) for url in self.urls]
         if wire == "b64" and not all(patched):
@@ -130,6 +189,36 @@ class SGLangEngine(RolloutEngine):
                 "build them with scripts/setup_sglang.sh or pass wire='auto'"
             )
         self.patched = all(patched) and wire != "nested"
+
+    def _check_served_model(self, url: str) -> None:
+        """The server must serve the policy's model: same vocab size and architectures (else the candidate ids
+        mean other tokens, and a weight push with the policy's names and shapes fails or kills the server)."""
+        served_arch = self._get(url, "/model_info").get("architectures")
+        config = Path(self.model_path or "") / "config.json"
+        policy_arch = json.loads(config.read_text()).get("architectures") if config.is_file() else None
+        served_vocab = self._served_vocab(url)
+        problems = []
+        if served_vocab != self.vocab_size:
+            problems.append(f"vocab size {served_vocab} (policy: {self.vocab_size})")
+        if policy_arch and served_arch and list(served_arch) != list(policy_arch):
+            problems.append(f"architectures {served_arch} (policy: {policy_arch})")
+        if problems:
+            raise ValueError(
+                f"SGLang server {url} serves another model than the policy: {'; '.join(problems)}; start it with "
+                f"--model-path {self.model_path} (the policy's checkpoint) or point urls= at a server that does"
+            )
+
+    def _served_vocab(self, url: str) -> int:
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                "token_ids_logprob": [_VOCAB_PROBE_ID]}  # fmt: skip
+        status, text = self._call("POST", url, "/generate", body, self._bound(tokens=2))
+        found = _VOCAB_RANGE.search(text) if status == 400 else None
+        if found is None:
+            raise RuntimeError(
+                f"SGLang server {url} did not report its vocab size (HTTP {status}: {text[:300]}); "
+                "this client expects SGLang 0.5.23 (scripts/setup_sglang.sh)"
+            )
+        return int(found.group(1))
 
     def _probe_patched(self, url: str) -> bool:
         """One-token request asking for the compact mask: only a patched server answers with IDS_KEY."""
@@ -164,6 +253,7 @@ class SGLangEngine(RolloutEngine):
                 self.urls[i % len(self.urls)],
                 "/generate",
                 self._payload(prompt, params, top_k=top_k, wants_mask=wants_mask, seed=seed, index=i),
+                self._bound(tokens=len(prompt) + params.max_new_tokens),
             )
             for i, (_, prompt) in enumerate(expanded)
         ]
@@ -262,16 +352,34 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(
                 "update_weights got no tensors; pass model.named_parameters() or a state_dict's items"
             )
+        bound = self._bound(weight_bytes=sum(t.numel() * t.element_size() for _, t in named))
         if self.weight_sync == "distributed":
             if self._distributed is None:
-                self._distributed = DistributedWeightSender(self.urls, post=self._post)
+                post = lambda url, path, body: self._post(url, path, body, bound)  # noqa: E731
+                self._distributed = DistributedWeightSender(
+                    self.urls, post=post, host=self.weight_sync_host, timeout_s=bound.total_s
+                )
             self._distributed.send(named)
             return
-        with write_checkpoint(named, config_dir=self.model_path) as path:
+        with write_checkpoint(named, config_dir=self.model_path, parent=self.workdir) as path:
             for url in self.urls:
-                self._post(url, "/update_weights_from_disk", {"model_path": str(path), "flush_cache": True})
+                body = {"model_path": str(path), "flush_cache": True}
+                self._post(url, "/update_weights_from_disk", body, bound)
 
     # ---- HTTP -------------------------------------------------------------------------------------------
+    def _bound(self, *, tokens: int = 0, weight_bytes: int = 0) -> _Bound:
+        """A request's limits: a /generate scales with its tokens, a weight update with its bytes."""
+        if weight_bytes:
+            gb = weight_bytes / 1e9
+            first = self.weight_update_timeout_s + self.per_gb_timeout_s * gb
+            how = f"weight_update_timeout_s {self.weight_update_timeout_s:g} + per_gb_timeout_s "
+            how += f"{self.per_gb_timeout_s:g} x {gb:.3f} GB"
+        else:
+            first = self.first_byte_timeout_s + self.per_token_timeout_s * tokens
+            how = f"first_byte_timeout_s {self.first_byte_timeout_s:g} + per_token_timeout_s "
+            how += f"{self.per_token_timeout_s:g} x {tokens} tokens"
+        return _Bound(first_byte_s=first, total_s=first + self.transfer_timeout_s, how=how)
+
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
@@ -279,47 +387,159 @@ class SGLangEngine(RolloutEngine):
         return session
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
-        return self._request("GET", url, path, None)
+        return self._request("GET", url, path, None, self._bound())
 
-    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request("POST", url, path, body)
+    def _post(self, url: str, path: str, body: dict[str, Any], bound: _Bound | None = None) -> dict[str, Any]:
+        return self._request("POST", url, path, body, bound or self._bound())
 
-    def _request(self, method: str, url: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """JSON request; connection errors, timeouts and 5xx are retried with exponential backoff."""
+    def _request(
+        self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: _Bound
+    ) -> dict[str, Any]:
+        """JSON request; 4xx raise ValueError, a reported failure RuntimeError."""
+        status, text = self._call(method, url, path, body, bound)
+        if status >= 400:
+            raise ValueError(
+                f"SGLang at {url} rejected {method} {path} (HTTP {status}): {text[:500]}; "
+                "check the request parameters against the server's flags"
+            )
+        data = json.loads(text)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RuntimeError(f"SGLang at {url} reported failure on {path}: {data.get('message')}")
+        return data
+
+    def _call(
+        self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: _Bound
+    ) -> tuple[int, str]:
+        """(status, body text) of one request below HTTP 500. Connection errors and 5xx are retried with
+        exponential backoff; a server that accepted the request but missed `bound` raises at once."""
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
+            start = time.monotonic()
             try:
-                resp = self._session().request(method, url + path, json=body, timeout=self.request_timeout_s)
-            except (requests.ConnectionError, requests.Timeout) as err:
+                with self._waits.track(url, f"{method} {path}", bound.total_s):
+                    status, text = self._send(method, url + path, body, bound, start)
+            except (requests.ReadTimeout, _Deadline):
+                raise SGLangTimeoutError(self._timeout_message(method, url, path, bound, start)) from None
+            except requests.ConnectionError as err:  # refused, reset, connect timeout: it may be restarting
                 last = f"{type(err).__name__}: {err}"
                 continue
-            if resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            if status >= 500:
+                last = f"HTTP {status}: {text[:300]}"
                 continue
-            if resp.status_code >= 400:
-                raise ValueError(
-                    f"SGLang at {url} rejected {method} {path} (HTTP {resp.status_code}): {resp.text[:500]}; "
-                    "check the request parameters against the server's flags"
-                )
-            data = resp.json()
-            if isinstance(data, dict) and data.get("success") is False:
-                raise RuntimeError(f"SGLang at {url} reported failure on {path}: {data.get('message')}")
-            return data
+            return status, text
         raise SGLangRequestError(
             f"{method} {url}{path} failed after {self.max_retries + 1} attempts; last error: {last}"
+            + self._server_exit_note()
+        )
+
+    def _send(
+        self, method: str, full_url: str, body: dict[str, Any] | None, bound: _Bound, start: float
+    ) -> tuple[int, str]:
+        """One attempt: headers within the first-byte bound, then the body in chunks, each chunk read bounded
+        by the socket timeout and the whole request by `bound.total_s` (checked between chunks)."""
+        timeout = (self.connect_timeout_s, bound.first_byte_s)
+        with self._session().request(method, full_url, json=body, timeout=timeout, stream=True) as resp:
+            chunks = []
+            try:
+                while chunk := resp.raw.read1(1 << 16, decode_content=True):  # returns what one recv got
+                    chunks.append(chunk)
+                    if time.monotonic() - start > bound.total_s:
+                        raise _Deadline
+            except urllib3.exceptions.ReadTimeoutError:
+                raise _Deadline from None
+            except urllib3.exceptions.ProtocolError as err:
+                raise requests.ConnectionError(
+                    err
+                ) from None  # reset mid-body: retried like a refused connection
+            return resp.status_code, b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _server_exit_note(self) -> str:
+        """Why a launched server stopped answering, when it is because it exited (not a network problem)."""
+        if self.server is None or self.server._proc.poll() is None:
+            return ""
+        return f"; the launched server exited (code {self.server._proc.returncode}), its log: {self.server.log_path}"
+
+    def _timeout_message(self, method: str, url: str, path: str, bound: _Bound, start: float) -> str:
+        log = f"; its log: {self.server.log_path}" if self.server is not None else ""
+        return (
+            f"SGLang server {url}: {method} {path} got no complete answer after {time.monotonic() - start:.1f} s "
+            f"(first-byte bound {bound.first_byte_s:.1f} s = {bound.how}; whole request {bound.total_s:.1f} s); "
+            f"the server is hung or overloaded (stopped, or its scheduler died){log}; if it is only slow, raise "
+            "those timeouts"
         )
 
     def close(self) -> None:
-        """Stop the owned server (whole process group) and release the client threads; idempotent."""
+        """Stop the owned server (whole process group), release the client threads and remove the work dir
+        (a failed server's log is kept); idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._waits.close()
         if self._distributed is not None:
             self._distributed.close()
             self._distributed = None
         if self.server is not None:
             self.server.stop()
+            self._keep_log |= self.server.failed
             self.server = None
+        remove_workdir(self.workdir, keep_log=self._keep_log)
+
+
+class _Waits:
+    """The calls in flight; while one waits longer than `interval_s`, a daemon thread prints one line per
+    (server, call) every `interval_s`, so a slow or hung server is never silent. 0 turns the lines off."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._calls: dict[int, tuple[str, str, float, float]] = {}  # id -> (url, call, start, bound)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def track(self, url: str, call: str, bound_s: float) -> Iterator[None]:
+        key = object()
+        with self._lock:
+            self._calls[id(key)] = (url, call, time.monotonic(), bound_s)
+            if self._thread is None and self.interval_s > 0:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="sglang-waits")
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._calls[id(key)]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for line in self.lines():
+                print(line, file=sys.stderr, flush=True)
+
+    def lines(self) -> list[str]:
+        now = time.monotonic()
+        groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        with self._lock:
+            for url, call, start, bound in self._calls.values():
+                groups.setdefault((url, call), []).append((start, bound))
+        out = []
+        for (url, call), waits in sorted(groups.items()):
+            start, bound = min(waits)
+            if now - start >= self.interval_s:
+                out.append(f"[topp_rl] SGLang server {url}: {call} waiting {now - start:.0f} s "
+                           f"(bound {bound:.0f} s; {len(waits)} pending)")  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _check_timeouts(*, bases: dict[str, float], allowances: dict[str, float]) -> None:
+    bad = {k: v for k, v in bases.items() if not v > 0} | {k: v for k, v in allowances.items() if not v >= 0}
+    if bad:
+        raise ValueError(
+            f"timeouts {bad} out of range: bases must be > 0, per-token / per-GB allowances >= 0 (every wait "
+            "needs a finite bound); pass positive values"
+        )
 
 
 def _config_vocab_size(model_path: Path | None) -> int:

@@ -1,15 +1,26 @@
 """Launch and stop a real SGLang server (`python -m sglang.launch_server`) on this machine.
 
 SGLang runs from its own venv (`scripts/setup_sglang.sh` builds it outside the clone; its pins conflict with
-ours). `sglang_python()` finds that venv's interpreter: `$TOPP_RL_SGLANG_PYTHON` if set, else the path
-`setup_sglang.sh --print-path` reports for the current pins. `SGLangServer` starts the server in its own
-process group on 127.0.0.1 and a free port, waits for `/health_generate`, and on `stop()` kills the whole
-group (the HTTP server, its scheduler and detokenizer children), so no process outlives it.
+ours). Its python comes from an explicit setting: the `python=` argument, else `$TOPP_RL_SGLANG_PYTHON`
+(`scripts/test.sh` exports what `setup_sglang.sh` prints); nothing is guessed from the install location.
+
+Lifecycle: `SGLangServer` starts the server in its own process group, behind a tiny watchdog (`_WATCHDOG`,
+the group leader) that takes the whole group down when the trainer dies, SIGKILL and OOM-kill included (the
+server gets PR_SET_PDEATHSIG on the watchdog; SGLang's scheduler and detokenizer set theirs on the server).
+`stop()` kills the group. Everything lives in a per-engine work dir (`make_workdir`: the server log, weight
+checkpoints of disk sync, the rendezvous file); a dir left by a dead process is cleaned at the next start.
+
+Listeners: the HTTP server binds `host` (127.0.0.1 by default). On loopback, SGLang's own rendezvous goes
+through a file (`SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=file://...`) instead of a TCPStore, which would
+listen on every interface whatever address it is given, and gloo / NCCL sockets are pinned to the loopback
+interface. A non-loopback `host` (multi-node) leaves SGLang's defaults alone.
 Departure from SGLang's defaults: on CPU we always pass `--device cpu --attention-backend torch_native
 --skip-tokenizer-init` (token ids in, token ids out) and float32 unless asked otherwise, for exact checks.
 """
 
+import ipaddress
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,38 +33,135 @@ from pathlib import Path
 import requests
 
 SGLANG_PYTHON_ENV = "TOPP_RL_SGLANG_PYTHON"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_SETUP_SCRIPT = _REPO_ROOT / "scripts" / "setup_sglang.sh"
+WORKDIR_PREFIX = "topp_rl-sglang-"
+LOOPBACK_IFNAME = "lo" if sys.platform == "linux" else "lo0"
+_OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the work dir
+
+# The group leader: runs the server as its child and kills the whole group once its parent (the trainer) is
+# gone. It polls getppid() rather than relying on PR_SET_PDEATHSIG, which fires when the *thread* that
+# spawned it exits (an engine built in a worker thread would lose its server).
+_WATCHDOG = r"""
+import ctypes, os, signal, subprocess, sys, time
+trainer = int(sys.argv[1])
+def die_with_watchdog():
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+server = subprocess.Popen(sys.argv[2:], preexec_fn=die_with_watchdog)
+while server.poll() is None:
+    if os.getppid() != trainer:
+        os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(server.returncode)
+"""
 
 
 def sglang_python() -> Path | None:
-    """The SGLang venv's python, or None when it is not built (run `scripts/setup_sglang.sh`)."""
+    """`$TOPP_RL_SGLANG_PYTHON` when it names a file, else None (tests skip on None)."""
     explicit = os.environ.get(SGLANG_PYTHON_ENV)
-    if explicit:
-        return Path(explicit) if Path(explicit).is_file() else None
-    if not _SETUP_SCRIPT.is_file() or shutil.which("bash") is None:
-        return None
-    done = subprocess.run(
-        ["bash", str(_SETUP_SCRIPT), "--print-path"], capture_output=True, text=True, check=False
-    )
-    path = Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
-    return path if path is not None and path.is_file() else None
+    return Path(explicit) if explicit and Path(explicit).is_file() else None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def require_sglang_python(python: str | os.PathLike | None = None) -> Path:
+    """The SGLang venv's python from `python` or `$TOPP_RL_SGLANG_PYTHON`; ValueError naming both when unset."""
+    source = "python=" if python is not None else f"${SGLANG_PYTHON_ENV}"
+    value = python if python is not None else os.environ.get(SGLANG_PYTHON_ENV)
+    if not value:
+        raise ValueError(
+            f"no SGLang python configured: pass python= (server_kwargs) or set {SGLANG_PYTHON_ENV} to the path "
+            "that scripts/setup_sglang.sh prints (it builds SGLang's own venv)"
+        )
+    if not Path(value).is_file():
+        raise ValueError(
+            f"{source} ({value}) is not a file; set it to the python that scripts/setup_sglang.sh prints"
+        )
+    return Path(value)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
+# ---- work dirs ----------------------------------------------------------------------------------------------
+def make_workdir(root: str | os.PathLike | None = None) -> Path:
+    """A fresh dir `root/topp_rl-sglang-<pid>-<random>` (root: the system temp dir) owned by this process.
+
+    First cleans what engines of dead processes left under `root` (weight copies, rendezvous files), keeping
+    their `server.log`, the evidence of why they died."""
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    sweep_stale_workdirs(root)
+    path = root / f"{WORKDIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    (path / _OWNER_FILE).write_text(_owner_id(os.getpid()))
+    return path
+
+
+def remove_workdir(path: Path, *, keep_log: bool) -> None:
+    """Remove the work dir; with `keep_log`, everything but `server.log` (and the dir holding it)."""
+    if not keep_log or not (path / "server.log").is_file():
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for entry in path.iterdir():
+        if entry.name != "server.log":
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def sweep_stale_workdirs(root: Path) -> list[Path]:
+    """Clean the work dirs under `root` whose owner process is gone (pid dead, or reused by another process)."""
+    stale = []
+    for path in root.glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            pid_s, start = (path / _OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue  # not ours, or only a kept log left
+        if _owner_id(int(pid_s)) != f"{pid_s} {start}":
+            remove_workdir(path, keep_log=True)
+            stale.append(path)
+    return stale
+
+
+def _owner_id(pid: int) -> str:
+    """'<pid> <start time in clock ticks>' (a reused pid has another start time); '' when pid is gone."""
+    try:
+        return f"{pid} {Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        if sys.platform == "linux":
+            return ""
+    try:  # no /proc: the pid alone
+        os.kill(pid, 0)
+        return f"{pid} 0"
+    except ProcessLookupError:
+        return ""
+    except PermissionError:
+        return f"{pid} 0"
+
+
+# ---- the server ---------------------------------------------------------------------------------------------
 class SGLangServer:
-    """One SGLang server process group serving `model_path` at `self.url`; a context manager."""
+    """One SGLang server process group serving `model_path` at `self.url`; a context manager.
+
+    `workdir` holds its log (`server.log`) and rendezvous file; without one the server makes (and on a clean
+    stop removes) its own. `failed` is True once the server exited on its own or did not come up; its log is
+    then kept and its path printed."""
 
     def __init__(
         self,
         model_path: str | os.PathLike,
         *,
         python: str | os.PathLike | None = None,
+        workdir: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
         port: int | None = None,
         dtype: str = "float32",
         max_total_tokens: int = 8192,
@@ -61,18 +169,18 @@ class SGLangServer:
         random_seed: int = 0,
         extra_args: tuple[str, ...] = (),
         startup_timeout_s: float = 240.0,
-        log_path: str | os.PathLike | None = None,
+        progress_interval_s: float = 30.0,
     ) -> None:
-        python = Path(python) if python is not None else sglang_python()
-        if python is None:
-            raise ValueError(
-                f"no SGLang venv found; run scripts/setup_sglang.sh (or set {SGLANG_PYTHON_ENV} to its python)"
-            )
+        python = require_sglang_python(python)
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise ValueError(f"model_path ({self.model_path}) has no config.json; pass an HF checkpoint dir")
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._owns_workdir = workdir is None
+        self.workdir = make_workdir() if workdir is None else Path(workdir)
+        self.host, self.port = host, port or free_port(host)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        self.log_path = self.workdir / "server.log"
+        self.failed = False
         cmd = [
             str(python), "-m", "sglang.launch_server",
             "--model-path", str(self.model_path),
@@ -80,7 +188,7 @@ class SGLangServer:
             "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch",
             "--skip-tokenizer-init",
-            "--host", "127.0.0.1",
+            "--host", host,
             "--port", str(self.port),
             "--dtype", dtype,
             "--max-total-tokens", str(max_total_tokens),
@@ -88,43 +196,57 @@ class SGLangServer:
             *(("--sampling-mask-max-tokens", str(sampling_mask_max_tokens)) if sampling_mask_max_tokens else ()),
             *extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPATH", None)  # our venv's packages must not shadow SGLang's pins
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        # A new session makes the server the leader of its own process group: stop() kills the group.
+        # A new session makes the watchdog the leader of the server's process group: stop() kills the group.
         self._proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            [str(python), "-c", _WATCHDOG, str(os.getpid()), *cmd],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
+        )  # fmt: skip
         try:
-            self._wait_ready(startup_timeout_s)
+            self._wait_ready(startup_timeout_s, progress_interval_s)
         except BaseException:
+            self.failed = True
             self.stop()
             raise
 
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)  # our venv's packages must not shadow SGLang's pins
+        if is_loopback(self.host):
+            # A file rendezvous opens no port (torch's TCPStore master binds all interfaces, whatever host);
+            # gloo / NCCL (the weight-sync group included) then bind the loopback interface only.
+            env.setdefault("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", f"file://{self.workdir / 'dist-init'}")
+            env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+            env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
+        return env
+
     @property
     def pid(self) -> int:
+        """The process group id (the watchdog's pid)."""
         return self._proc.pid
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def _wait_ready(self, timeout_s: float, interval_s: float) -> None:
+        start = time.monotonic()
+        said = start
+        while (waited := time.monotonic() - start) < timeout_s:
             if self._proc.poll() is not None:
                 raise RuntimeError(
-                    f"SGLang server exited with code {self._proc.returncode} while starting; "
-                    f"last log lines:\n{self.log_tail()}"
+                    f"SGLang server {self.url} exited with code {self._proc.returncode} while starting; "
+                    f"log: {self.log_path}; last lines:\n{self.log_tail()}"
                 )
             try:
-                if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
+                if requests.get(f"{self.url}/health_generate", timeout=(5, 30)).status_code == 200:
                     return
             except requests.RequestException:
                 pass
+            if interval_s > 0 and time.monotonic() - said >= interval_s:
+                said = time.monotonic()
+                print(f"[topp_rl] SGLang server {self.url}: starting, {waited:.0f} s of {timeout_s:.0f} s "
+                      f"(log: {self.log_path})", file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(1.0)
         raise TimeoutError(
-            f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s; last log lines:\n{self.log_tail()}"
+            f"SGLang server {self.url} not healthy after {timeout_s:.0f} s (startup_timeout_s); "
+            f"log: {self.log_path}; last lines:\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 30) -> str:
@@ -134,7 +256,9 @@ class SGLangServer:
             return "(no log)"
 
     def stop(self, *, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`."""
+        """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`; idempotent."""
+        if not self._log.closed and self._proc.poll() is not None:
+            self.failed = True  # it exited before anyone asked it to
         if self._proc.poll() is None or _group_alive(self._proc.pid):
             _signal_group(self._proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
@@ -147,6 +271,11 @@ class SGLangServer:
                 time.sleep(0.1)
         if not self._log.closed:
             self._log.close()
+            if self.failed:
+                print(f"[topp_rl] SGLang server {self.url} failed; its log is kept at {self.log_path}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            if self._owns_workdir:
+                remove_workdir(self.workdir, keep_log=self.failed)
 
     def __enter__(self) -> "SGLangServer":
         return self
@@ -170,7 +299,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (zombies of other parents included)."""
+    """True while any process of group `pgid` exists (zombies of other parents excluded)."""
     if sys.platform != "linux":
         try:
             os.killpg(pgid, 0)

@@ -9,10 +9,14 @@ venv (its pins conflict with ours), so `_trainer_group` builds the same group wi
 `init_process_group` would create the default group instead and does not meet the server's rendezvous.
 Per update: `/begin_weight_update`, then `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0
 broadcasts each tensor in the same order, then `/end_weight_update`.
+Listeners: the trainer's TCPStore listens on a socket we bind to `host` ourselves (`master_listen_fd`; given only
+a host name, torch binds every interface), and on a loopback `host` gloo / NCCL bind the loopback interface.
 """
 
 import contextlib
+import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -24,21 +28,24 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from topp_rl.rollout.sglang_server import free_port
+from topp_rl.rollout.sglang_server import LOOPBACK_IFNAME, is_loopback
 
 PostFn = Callable[[str, str, dict[str, Any]], dict[str, Any]]
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 @contextlib.contextmanager
-def write_checkpoint(named: Sequence[tuple[str, torch.Tensor]], *, config_dir: Path | None) -> Iterator[Path]:
-    """A temp HF checkpoint dir (model.safetensors + the config files of `config_dir`), removed on exit."""
+def write_checkpoint(
+    named: Sequence[tuple[str, torch.Tensor]], *, config_dir: Path | None, parent: Path
+) -> Iterator[Path]:
+    """A temp HF checkpoint dir under `parent` (model.safetensors + the config files of `config_dir`), removed
+    on exit; a killed process leaves it in `parent`, the engine's work dir, which the next start cleans."""
     if config_dir is None or not (Path(config_dir) / "config.json").is_file():
         raise ValueError(
             f"disk weight sync needs the model's config.json, not found in {config_dir}; "
             "pass model_path= (a local HF checkpoint dir) to SGLangEngine"
         )
-    tmp = Path(tempfile.mkdtemp(prefix="topp_rl-weights-"))
+    tmp = Path(tempfile.mkdtemp(prefix="weights-", dir=parent))
     try:
         # clone: tied parameters share storage, which safetensors refuses to write twice.
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
@@ -59,6 +66,7 @@ class DistributedWeightSender:
         urls: Sequence[str],
         *,
         post: PostFn,
+        host: str = "127.0.0.1",
         backend: str | None = None,
         group_name: str = "topp_rl_weights",
         timeout_s: float = 300.0,
@@ -66,19 +74,27 @@ class DistributedWeightSender:
         self.urls, self._post, self.group_name = list(urls), post, group_name
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.world_size = len(self.urls) + 1
-        port = free_port()
+        self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)  # fmt: skip
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, self.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
         calls = [
             (url, "/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": k + 1,
+                "master_address": host, "master_port": port, "rank_offset": k + 1,
                 "world_size": self.world_size, "group_name": group_name, "backend": self.backend,
             })
             for k, url in enumerate(self.urls)
         ]  # fmt: skip
-        with _in_threads(self._post, calls):
-            self.group = _trainer_group(store, self.world_size, self.backend, group_name, timeout)
+        with _in_threads(self._post, calls), _pinned_to_loopback(is_loopback(host)):
+            try:
+                self.group = _trainer_group(store, self.world_size, self.backend, group_name, timeout)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"weight-sync group with SGLang servers {self.urls} not formed within {timeout_s:.0f} s: "
+                    f"{err}; check that the servers can reach {host}:{port} (weight_sync_host)"
+                ) from None
 
     def send(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         device = "cuda" if self.backend == "nccl" else "cpu"
@@ -93,8 +109,14 @@ class DistributedWeightSender:
         for url in self.urls:
             self._post(url, "/begin_weight_update", {})
         with _in_threads(self._post, [(url, "/update_weights_from_distributed", body) for url in self.urls]):
-            for t in tensors:  # the servers post one receive per name, in this order
-                dist.broadcast(t, src=0, group=self.group)
+            try:
+                for t in tensors:  # the servers post one receive per name, in this order
+                    dist.broadcast(t, src=0, group=self.group)
+            except RuntimeError as err:  # gloo / NCCL timeout: a server stopped receiving
+                raise RuntimeError(
+                    f"weight broadcast to SGLang servers {self.urls} failed or took over {self.timeout_s:.0f} s "
+                    f"(weight-update bound): {err}"
+                ) from None
         for url in self.urls:
             self._post(url, "/end_weight_update", {})
 
@@ -119,6 +141,19 @@ def _trainer_group(
     )  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def _pinned_to_loopback(active: bool) -> Iterator[None]:
+    """Gloo and NCCL pick their socket interface from these variables when a group is built (read once, in the
+    constructor); unset, gloo binds whatever the host name resolves to. A user's own setting wins."""
+    names = [n for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if active and n not in os.environ]
+    os.environ.update(dict.fromkeys(names, LOOPBACK_IFNAME))
+    try:
+        yield
+    finally:
+        for name in names:
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager

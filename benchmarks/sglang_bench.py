@@ -1,4 +1,5 @@
-"""Throughput of a real SGLang CPU server through `SGLangEngine`, for `benchmarks/bench_rollout.py`.
+"""Throughput of a real SGLang CPU server through `SGLangEngine`, for `benchmarks/bench_rollout.py` and
+`scripts/rollout_sglang.py --bench` (both put `benchmarks/` on sys.path).
 
 Generated tokens per second of wall time for a batch of prompts sent at once (the server batches them
 continuously), median over repetitions after one warm-up call; EOS is ignored so every sample generates exactly
@@ -18,8 +19,7 @@ from topp_rl.rollout.sglang import SGLangEngine
 
 def sglang_tokens_per_s(
     *,
-    model_path: str | Path | None = None,
-    engine: SGLangEngine | None = None,
+    model_path: str | Path,
     batch: int = 16,
     prompt_len: int = 32,
     new_tokens: int = 64,
@@ -28,19 +28,16 @@ def sglang_tokens_per_s(
     reps: int = 3,
     seed: int = 0,
 ) -> dict[str, float | list[float]]:
-    """Median generated tokens/s at `batch` concurrent prompts; launches (and stops) a server on `model_path`
-    unless `engine` is given. Returns {"tokens_per_s", "reps", "batch", "new_tokens"}."""
-    if (engine is None) == (model_path is None):
-        raise ValueError("pass exactly one of model_path= (launch a server) or engine= (reuse one)")
+    """Median generated tokens/s at `batch` concurrent prompts on a server it launches (and stops) on
+    `model_path`. Returns {"tokens_per_s", "reps", "batch", "new_tokens"}."""
     if batch < 1 or reps < 1 or new_tokens < 1 or prompt_len < 1:
         raise ValueError(
             f"batch ({batch}), reps ({reps}), new_tokens ({new_tokens}), prompt_len ({prompt_len}) must all be >= 1"
         )
-    owned = engine is None
-    engine = engine or SGLangEngine(model_path=model_path, progress=False)
-    extra = engine.extra_sampling_params
-    engine.extra_sampling_params = {**extra, "ignore_eos": True}  # every sample runs to new_tokens
-    try:
+    # ignore_eos: every sample runs to new_tokens.
+    with SGLangEngine(
+        model_path=model_path, progress=False, extra_sampling_params={"ignore_eos": True}
+    ) as engine:
         gen = torch.Generator().manual_seed(seed)
         # Distinct prompts, so the radix cache cannot share prefills between them.
         prompts = torch.randint(3, engine.vocab_size, (batch, prompt_len), generator=gen).tolist()
@@ -51,8 +48,4 @@ def sglang_tokens_per_s(
             start = time.perf_counter()
             samples = engine.generate(prompts, params)
             rates.append(sum(s.response_length for s in samples) / (time.perf_counter() - start))
-    finally:
-        engine.extra_sampling_params = extra
-        if owned:
-            engine.close()
     return {"tokens_per_s": statistics.median(rates), "reps": rates, "batch": batch, "new_tokens": new_tokens}
