@@ -3,6 +3,7 @@ needs a checkpoint, a resume may not change the guarded config (unless allowed, 
 history is kept, the checkpoint dir is checked at start, stale temp files are removed, one W&B run id per dir."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,7 +157,9 @@ def test_resume_checks_the_config_keeps_its_history_and_the_wandb_run(tmp_path, 
     assert OmegaConf.load(out / "config.yaml").rollout.top_p == 0.9
     assert OmegaConf.load(out / "config.resume-1.yaml").rollout.top_p == 0.8
     assert OmegaConf.load(out / "config.resume-1.yaml").ckpt_path == "last"
-    # Both starts logged into one W&B run (offline dirs are named offline-run-<time>-<id>).
+    # Both starts logged into one W&B run (offline dirs are named offline-run-<time>-<id>, plus "-<n>" when two
+    # starts fall in the same second).
     run_id = (out / "wandb_id").read_text().strip()
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), (runs, run_id)
+    pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(pattern.fullmatch(r) for r in runs), (runs, run_id)

@@ -165,11 +165,11 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def for_policy(cls, *, model, tokenizer, workdir: Path, **kwargs) -> "SGLangEngine":
         """The config factory (`rollout.engine`): a server launched on the policy's initial weights, written
-        once to `workdir/init` (SGLang loads weights from disk)."""
+        once to `workdir/init` (SGLang loads weights from disk); its log and weight copies live under `workdir`."""
         from topp_rl.models import save_model
 
         path = save_model(model, tokenizer, Path(workdir) / "init")
-        return cls(model_path=path, vocab_size=int(model.config.vocab_size), **kwargs)
+        return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, **kwargs)
 
     # ---- connection -------------------------------------------------------------------------------------
     def _connect(self, wire: WireMode) -> None:
