@@ -1,6 +1,8 @@
 """`WeightSync`: push the policy's weights to the rollout engine after every optimisation round.
 
-The engine is `trainer.datamodule.engine`; the weights come from the module's `hf_named_tensors()` (the
+The engine is `trainer.datamodule.engine`, present on the rank that generates for its TP x CP group and None
+on that rank's peers, which still walk the export: it is a TP collective. The weights come from the module's
+`hf_named_tensors()` (the
 `topp_rl.backbone.WeightSource` protocol, which `PolicyModule` implements by delegating to its backbone; a
 sharded backbone gathers its TP shards there, collectively). Tensors go out under their HF names, detached but
 neither copied nor cast (the engine decides its dtype), as a lazy iterator so no second copy of the model is
@@ -21,7 +23,7 @@ from topp_rl.rollout.engine import RolloutEngine
 class EngineHolder(Protocol):
     """A datamodule that samples with a rollout engine (`RolloutDataModule`)."""
 
-    engine: RolloutEngine
+    engine: RolloutEngine | None  # None on the TP x CP peers of the rank that generates
 
 
 class WeightSync(Callback):
@@ -30,9 +32,9 @@ class WeightSync(Callback):
         self.pushes = 0
 
     @staticmethod
-    def engine(trainer) -> RolloutEngine:
+    def engine(trainer) -> RolloutEngine | None:
         datamodule = trainer.datamodule
-        if not (isinstance(datamodule, EngineHolder) and isinstance(datamodule.engine, RolloutEngine)):
+        if not (isinstance(datamodule, EngineHolder) and isinstance(datamodule.engine, RolloutEngine | None)):
             raise ValueError(
                 f"WeightSync needs trainer.datamodule.engine (a RolloutEngine), but the datamodule is "
                 f"{type(datamodule).__name__}; fit with a RolloutDataModule (or drop WeightSync from the callbacks)"
@@ -49,8 +51,14 @@ class WeightSync(Callback):
         return pl_module
 
     def push(self, trainer, pl_module) -> None:
+        engine = self.engine(trainer)
         with torch.no_grad():
-            self.engine(trainer).update_weights(self.source(pl_module).hf_named_tensors())
+            named = self.source(pl_module).hf_named_tensors()
+            if engine is None:
+                for _ in named:  # a TP collective: take part in the gathers, drop the tensors
+                    pass
+                return
+            engine.update_weights(named)
         self.pushes += 1
 
     def on_train_start(self, trainer, pl_module) -> None:

@@ -87,7 +87,6 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),
         ("module.ppo_epochs=0", "module.ppo_epochs"),
         ("optimizer.lr=0", "optimizer.lr"),
-        ("rollout=sglang parallel=tp2", "rollout.engine"),
         ("parallel=cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
         ("parallel=tp2_cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
         # Wrong types name the key instead of raising a raw TypeError; bools are not numbers.

@@ -6,7 +6,7 @@ import torch
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.ops import Candidates
-from topp_rl.rollout import RolloutDataModule, Sample, SampleStatus, SamplingParams
+from topp_rl.rollout import RolloutDataModule, RolloutEngine, Sample, SampleStatus, SamplingParams
 from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
 from topp_rl.rollout.embedded import EmbeddedEngine
@@ -170,8 +170,14 @@ def test_dp_ranks_get_disjoint_slices(engine):
 
 
 def test_aborted_samples_are_not_trained(engine):
-    class Aborting:
+    class Aborting(RolloutEngine):
         vocab_size = engine.vocab_size
+
+        def update_weights(self, named_tensors):
+            pass
+
+        def close(self):
+            pass
 
         def generate(self, prompts, params, *, seed=None):
             samples = engine.generate(prompts, params, seed=seed)

@@ -140,12 +140,12 @@ def test_training_without_weight_sync_raises_the_mismatch_alarm(tmp_path, capfd)
 
 def test_a_prompt_the_tokenizer_cannot_encode_is_refused(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    data.write_text('{"prompt": "add [1, 2]:", "answer": "3"}\n')
+    data.write_text('{"prompt": "1 € + 2 £ =", "answer": "3"}\n', encoding="utf-8")
     cfg = compose_cfg(tmp_path / "run", "task=jsonl", f"task.path={data}", "task.reward_fn=json:loads",
                       "trainer.max_steps=1")
     run = build_run(cfg)
-    with pytest.raises(ValueError, match=r"prompt 0 \('add \[1, 2\]:'\) holds characters the tokenizer cannot "
-                                         r"encode: \['\[', '\]'\]"):
+    with pytest.raises(ValueError, match=r"prompt 0 \('1 € \+ 2 £ ='\) holds characters the tokenizer cannot "
+                                         r"encode: \['£', '€'\]"):
         run.datamodule.ticket(0)
 
 

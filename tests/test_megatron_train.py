@@ -6,10 +6,14 @@
 - after `fit`, the engine's HF weights equal the Megatron weights gathered under HF names, bit for bit;
 - the run follows the HF-backbone run of the same config step for step (loss, grad norm, rewards);
 - a tp2 run checkpointed after step 2 (HF-named full weights + per-TP-rank AdamW state + rollout state) and
-  resumed at TP 2 gives the uninterrupted run's step 3.
+  resumed at TP 2 gives the uninterrupted run's step 3;
+- only the source rank of the TP / CP group holds an engine, and both peers train on byte-identical rollouts
+  (a digest of every step's samples, candidate sets included, is equal on both ranks);
+- the same with `rollout=sglang`: one real SGLang server (float32), launched by the source rank alone.
 """
 
 import csv
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -38,20 +42,53 @@ def _metrics(output_dir: Path) -> dict[str, list[float]]:
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in KEYS}
 
 
-def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, bool]:
+def sample_digest(samples) -> str:
+    """One hash over everything a step trains on: tokens, masks, log-probs (exact bits), sets, rewards, status."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(repr((s.prompt_ids, s.response_ids, s.loss_mask, s.rollout_log_probs, s.rollout_raw_log_probs,
+                       s.reward, str(s.status), s.index, s.group_index)).encode())
+        if s.candidates is not None:
+            h.update(s.candidates.ids.numpy().tobytes() + s.candidates.offsets.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _digests():
+    from lightning.pytorch.callbacks import Callback
+
+    class Digests(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps.append(sample_digest(outputs["rollout"].samples))
+
+    return Digests()
+
+
+def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_dir
 
+    from topp_rl.rollout.embedded import EmbeddedEngine
     from topp_rl.train import build_run
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, f"parallel={parallel}", *extra])
     run = build_run(cfg)
-    with run.engine:
+    digests = _digests()
+    run.trainer.callbacks.insert(0, digests)
+    try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
-    exported = dict(run.module.hf_named_tensors())
-    engine_state = run.engine.model.state_dict()
-    synced = all(torch.equal(engine_state[n], t) for n, t in exported.items())
-    return (_metrics(output_dir) if run.trainer.is_global_zero else {}), synced
+        exported = dict(run.module.hf_named_tensors())  # a TP collective: every rank takes part
+        engine = run.datamodule.engine
+        synced = None
+        if isinstance(engine, EmbeddedEngine):  # it keeps its weights in memory: compare them bit for bit
+            synced = all(torch.equal(engine.model.state_dict()[n], t) for n, t in exported.items())
+    finally:
+        run.datamodule.close_engine()
+    info = {"has_engine": engine is not None, "synced": synced, "digests": digests.steps,
+            "is_source": run.datamodule.peers.is_source}
+    return (_metrics(output_dir) if run.trainer.is_global_zero else {}), info
 
 
 def _worker(rank: int, tmp: str) -> dict:
@@ -70,8 +107,10 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     results = run_distributed(_worker, 2, str(tmp_path), timeout=400, preload=PRELOAD)
     ref, _ = _run(tmp_path / "none", "none")  # the HF backbone, in this (non-distributed) process
     for parallel in ("tp2", "cp2"):
-        for rank in range(2):
-            assert results[rank][parallel][1], f"{parallel} rank {rank}: engine weights != exported Megatron weights"
+        infos = [results[rank][parallel][1] for rank in range(2)]
+        assert [i["has_engine"] for i in infos] == [True, False], parallel  # the source rank alone generates
+        assert infos[0]["synced"], f"{parallel}: engine weights != exported Megatron weights"
+        assert len(infos[0]["digests"]) == 3 and infos[0]["digests"] == infos[1]["digests"], parallel
         metrics, _ = results[0][parallel]
         assert len(metrics["train/loss"]) == 3, parallel
         # A real update before the last step, so the last rollout samples with changed, exported weights.
@@ -85,3 +124,29 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
         assert resumed[key] == pytest.approx(full[key][-1:], rel=1e-5, abs=1e-7), key
+
+
+def _sglang_worker(rank: int, tmp: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    return {p: _run(Path(tmp) / p, p, "rollout=sglang") for p in ("tp2", "cp2")}  # one server at a time
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_rollouts_under_tp2_and_cp2(tmp_path):
+    from topp_rl.rollout.sglang_server import sglang_python
+
+    if sglang_python() is None:
+        pytest.skip("no SGLang python: set TOPP_RL_SGLANG_PYTHON=$(bash scripts/setup_sglang.sh)")
+    results = run_distributed(_sglang_worker, 2, str(tmp_path), timeout=600, preload=PRELOAD)
+    for parallel in ("tp2", "cp2"):
+        infos = [results[rank][parallel][1] for rank in range(2)]
+        assert [i["has_engine"] for i in infos] == [True, False], parallel  # one server, on the source rank
+        assert len(infos[0]["digests"]) == 3 and infos[0]["digests"] == infos[1]["digests"], parallel
+        metrics, _ = results[0][parallel]
+        # The server (float32) and the Megatron trainer agree over the server's candidate sets.
+        assert max(metrics["train/rollout_logprob_abs_diff_max"]) <= 1e-4, parallel
+        assert min(metrics["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel

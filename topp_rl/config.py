@@ -79,13 +79,6 @@ def validate_parallel(cfg: DictConfig) -> None:
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
               f"use a multiple of {dp}, so that every rank gets whole prompt groups")
-    engine = target_class(cfg.rollout.engine)
-    if model_parallel > 1 and not engine.reproducible:
-        # TP/CP peers must train on identical rollouts; an engine that ignores seeds (SGLang on CPU) would
-        # sample different tokens for the same prompts on each peer.
-        _fail("rollout.engine", engine.__name__, f"an engine whose seeded rollouts reproduce on every rank when "
-              f"parallel.tp_size * parallel.cp_size > 1 (here {model_parallel})",
-              "use rollout=embedded with tensor/context parallelism")
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.

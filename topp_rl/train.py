@@ -8,6 +8,7 @@ Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from topp_rl.checkpoint import (
 from topp_rl.config import validate_config
 from topp_rl.hook import ToppLogProb
 from topp_rl.module import PolicyModule
-from topp_rl.rollout import SamplingParams
+from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path, wandb_run_id
 
 SUMMARY_KEYS = (
@@ -81,8 +82,7 @@ class Run:
 
     cfg: DictConfig
     module: PolicyModule
-    datamodule: L.LightningDataModule
-    engine: object
+    datamodule: RolloutDataModule
     trainer: L.Trainer
     summary: RunSummary
     loggers: list = field(default_factory=list)
@@ -131,6 +131,17 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
     return callbacks
 
 
+def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path) -> Callable[[int], RolloutEngine]:
+    """The engine factory the datamodule calls on each rank that generates (one per TP x CP group), once the
+    process groups exist; each data-parallel rank's engine gets its own work dir."""
+    factory = instantiate(cfg.rollout.engine)
+
+    def build(dp_rank: int) -> RolloutEngine:
+        return factory(model=policy, tokenizer=tokenizer, workdir=output_dir / "engine" / f"dp{dp_rank}")
+
+    return build
+
+
 def build_run(cfg: DictConfig) -> Run:
     validate_config(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -138,11 +149,11 @@ def build_run(cfg: DictConfig) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
-    engine = instantiate(cfg.rollout.engine)(model=policy, tokenizer=tokenizer, workdir=output_dir / "engine")
+    engine_factory = engine_for(cfg, policy, tokenizer, output_dir)
     task = instantiate(cfg.task)
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
     datamodule = instantiate(cfg.data, _partial_=True)(
-        engine=engine, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
+        engine=engine_factory, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
         prompts_per_step=cfg.rollout.prompts_per_step, advantage=instantiate(cfg.algo.advantage), seed=cfg.seed,
     )
     loss = instantiate(cfg.algo.loss)
@@ -159,8 +170,7 @@ def build_run(cfg: DictConfig) -> Run:
         callbacks=build_callbacks(cfg, output_dir, summary), logger=loggers or False,
         plugins=[AtomicCheckpointIO()], strategy=strategy, enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
     )
-    return Run(cfg=cfg, module=module, datamodule=datamodule, engine=engine, trainer=trainer, summary=summary,
-               loggers=loggers)
+    return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
 
 
 def print_summary(summary: dict[str, float], output_dir: str) -> None:
@@ -196,11 +206,12 @@ def fit(run: Run) -> None:
     # "last" resolved here: Lightning finds it only through a ModelCheckpoint, else silently starts from scratch.
     ckpt_path = resolve_ckpt_path(run.cfg.get("ckpt_path"), Path(run.cfg.paths.output_dir) / "checkpoints")
     try:
-        with run.engine, warnings.catch_warnings(), exit_status_on_signal(run.trainer):
+        with warnings.catch_warnings(), exit_status_on_signal(run.trainer):
             # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
             warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
             run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
     finally:
+        run.datamodule.close_engine()  # servers and their work dirs go with the run, also on errors
         for logger in run.loggers:  # a sweep runs its jobs in one process: close each W&B run
             if isinstance(logger, WandbLogger):
                 logger.experiment.finish()

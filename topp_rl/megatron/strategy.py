@@ -8,6 +8,8 @@ What it adds to `DDPStrategy`:
   reference), through `PolicyModule.use_backbones`; configs, engines and tests keep building plain HF models;
 - data-parallel sampler kwargs from the DP rank / size (TP and CP ranks of one DP replica see the same data),
   also handed to a `RolloutDataModule` that was built without explicit `dp_rank` / `dp_size`;
+- `rollout_peers()`: the tensor-and-context-parallel group, whose first rank alone runs the rollout engine and
+  broadcasts the samples to the others (`topp_rl.rollout.broadcast`);
 - no DDP wrapper: each backward's gradient increment is summed over the data-parallel-with-context-parallel
   group (`grads.GradSync`); torch DDP would average, and would need one backward per forward;
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
@@ -35,6 +37,7 @@ from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
 from topp_rl.megatron.grads import GradSync
 from topp_rl.parallel import ParallelLayout
+from topp_rl.rollout.broadcast import RolloutPeers
 
 _MODEL_SLOTS = ("policy", "reference")
 
@@ -90,6 +93,15 @@ class MegatronStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def rollout_peers(self) -> RolloutPeers:
+        """This rank's TP x CP peers (they train on one rollout) and their source, TP rank 0 / CP rank 0."""
+        from megatron.core import parallel_state as ps
+
+        if self.tp_size * self.cp_size == 1:
+            return RolloutPeers()
+        group = ps.get_tensor_and_context_parallel_group()
+        return RolloutPeers(group=group, source=dist.get_global_rank(group, 0))
 
     # ---- model ----------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:

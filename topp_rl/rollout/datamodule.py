@@ -7,9 +7,14 @@ drops zero-variance groups and packs a `RolloutBatch`.
 
 Data parallel: `prompts_per_step` counts prompts per step over ALL DP ranks; DP rank r takes the r-th slice
 of each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P)). The DP rank and
-size default to the trainer's global rank and world size; pass `dp_rank` / `dp_size` when tensor- or
-context-parallel ranks share data (ranks with the same DP rank then generate the same samples, same seed).
-The loss denominators (`num_loss_tokens_global`, `num_sequences_global`) are summed over DP ranks.
+size default to the trainer's global rank and world size (the data-parallel ones under a model-parallel
+strategy); pass `dp_rank` / `dp_size` to fix them. The loss denominators (`num_loss_tokens_global`,
+`num_sequences_global`) are summed over DP ranks.
+
+Tensor / context parallel: a strategy that `SharesRollouts` (MegatronStrategy) names each rank's TP x CP peers;
+only their source rank creates the engine (`engine` may be a factory `dp_rank -> RolloutEngine`, called in
+`setup`, after the process groups exist), generates and scores, and `share_samples` hands the scored samples
+to the peers, so they hold byte-identical rollouts.
 
 State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
 (seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
@@ -17,9 +22,9 @@ State (`state_dict`): the next step to generate and the seed; prompts and genera
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import numpy as np
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
+from topp_rl.rollout.broadcast import RolloutPeers, share_samples
 from topp_rl.rollout.engine import RolloutEngine
 from topp_rl.rollout.packing import RolloutBatch, pack_samples
 from topp_rl.rollout.params import SamplingParams
@@ -54,6 +60,16 @@ class _TicketStream(IterableDataset):
             step += 1
 
 
+EngineFactory = Callable[[int], RolloutEngine]  # dp_rank -> engine
+
+
+@runtime_checkable
+class SharesRollouts(Protocol):
+    """A strategy whose ranks come in groups that train on one rollout (TP x CP peers of a DP rank)."""
+
+    def rollout_peers(self) -> RolloutPeers: ...
+
+
 def check_encodable(record: PromptRecord, tokenizer) -> None:
     """A prompt must reach the model whole: a character the tokenizer maps to its unknown token would be
     trained on as something else (or, without an unknown token, silently dropped)."""
@@ -72,7 +88,7 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
         *,
-        engine: RolloutEngine,
+        engine: RolloutEngine | EngineFactory,
         task: Task,
         tokenizer: Any,
         params: SamplingParams,
@@ -89,7 +105,14 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step ({prompts_per_step}) must be >= 1")
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch ({max_tokens_per_micro_batch}) must be >= 1")
-        self.engine, self.task, self.tokenizer, self.params = engine, task, tokenizer, params
+        if not (isinstance(engine, RolloutEngine) or callable(engine)):
+            raise TypeError(
+                f"engine is a {type(engine).__name__}; pass a RolloutEngine or a factory dp_rank -> RolloutEngine"
+            )
+        self.engine: RolloutEngine | None = engine if isinstance(engine, RolloutEngine) else None
+        self._engine_factory = None if isinstance(engine, RolloutEngine) else engine
+        self.peers = RolloutPeers()  # alone until `setup` asks the strategy
+        self.task, self.tokenizer, self.params = task, tokenizer, params
         self.prompts_per_step = prompts_per_step
         self.max_tokens = max_tokens_per_micro_batch
         if advantage is not None and not callable(advantage):
@@ -133,6 +156,25 @@ class RolloutDataModule(L.LightningDataModule):
             )
         return self.prompts_per_step // self.dp_size
 
+    # ----- engine: on the source rank of each TP x CP group only -----
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy if self._trainer_attached() else None
+        self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
+        if self.peers.is_source:
+            self.ensure_engine()
+
+    def ensure_engine(self) -> RolloutEngine:
+        if self.engine is None:
+            self.engine = self._engine_factory(self.dp_rank)
+        return self.engine
+
+    def close_engine(self) -> None:
+        """Release a factory-built engine (servers, work dirs); idempotent, rebuilt on next use. An engine passed
+        in as an instance belongs to the caller, who closes it."""
+        if self.engine is not None and self._engine_factory is not None:
+            self.engine.close()
+            self.engine = None
+
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
         local = self._local_prompts()
@@ -152,10 +194,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.rollout(batch) if isinstance(batch, RolloutTicket) else batch
 
     # ----- one rollout step -----
-    def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
-        start = time.perf_counter()
-        samples = self.engine.generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
-        gen_seconds = time.perf_counter() - start
+    def generate(self, ticket: RolloutTicket) -> list[Sample]:
+        """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here)."""
+        samples = self.ensure_engine().generate([r.prompt_ids for r in ticket.records], self.params,
+                                                seed=ticket.seed)
         if len(samples) != len(ticket.records) * self.params.n:
             raise ValueError(
                 f"engine returned {len(samples)} samples for {len(ticket.records)} prompts x n={self.params.n}; "
@@ -163,10 +205,19 @@ class RolloutDataModule(L.LightningDataModule):
             )
         for i, s in enumerate(samples):  # step-global numbering across DP ranks
             s.index = ticket.first_group * self.params.n + i
-        live = [s for s in samples if s.status != SampleStatus.ABORTED]
-        self.task.score(live, ticket.records, self.tokenizer)
+        self.task.score([s for s in samples if s.status != SampleStatus.ABORTED], ticket.records, self.tokenizer)
         for s in samples:
             s.group_index += ticket.first_group
+        return samples
+
+    def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
+        start = time.perf_counter()
+        own = self.generate(ticket) if self.peers.is_source else None
+        generated = time.perf_counter()
+        samples, shared_bytes = share_samples(own, self.peers)
+        share_seconds = time.perf_counter() - generated
+        gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
+        live = [s for s in samples if s.status != SampleStatus.ABORTED]
         train, dropped, groups = self._trainable(live)
         rewards = torch.tensor([float(s.reward) for s in train], dtype=torch.float64)
         group_ids = torch.tensor([s.group_index for s in train], dtype=torch.long)
@@ -196,6 +247,10 @@ class RolloutDataModule(L.LightningDataModule):
             "rollout/dropped_group_frac": (float(dropped), float(groups)),
             "rollout/num_micro_batches": (float(len(micro)), 1.0),
         }
+        if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
+            stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
+                                             float(self.peers.is_source))
+            stats["perf/rollout_share_bytes"] = (float(shared_bytes), float(self.peers.is_source))
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
 
     def _trainable(self, live: list[Sample]) -> tuple[list[Sample], int, int]:

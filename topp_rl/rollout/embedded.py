@@ -14,7 +14,6 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -27,8 +26,6 @@ from topp_rl.rollout.sample import Sample, SampleStatus
 
 
 class EmbeddedEngine(RolloutEngine):
-    reproducible: ClassVar[bool] = True  # the same seed gives the same rollout on every rank
-
     def __init__(
         self,
         model: PreTrainedModel,

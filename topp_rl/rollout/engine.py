@@ -6,7 +6,7 @@ managers that `close()` on exit.
 """
 
 from collections.abc import Iterable
-from typing import ClassVar, Protocol, Self, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import torch
 
@@ -17,9 +17,6 @@ from topp_rl.rollout.sample import Sample
 @runtime_checkable
 class RolloutEngine(Protocol):
     vocab_size: int
-    # True when a seeded `generate` gives the same samples on every rank (config validation asks this before
-    # letting TP / CP peers each run their own engine).
-    reproducible: ClassVar[bool] = False
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None

@@ -1,0 +1,139 @@
+"""Rollouts shared by the tensor- and context-parallel peers of one data-parallel rank.
+
+TP / CP peers train on the same sequences, so they must hold byte-identical rollouts. Only the group's source
+(its first rank: TP rank 0, CP rank 0) runs the engine and the reward; it sends the scored samples to its
+peers as a few packed tensors plus a small header:
+- header (one `broadcast_object_list`): per sample the prompt / response lengths, status, index, group index,
+  reward and metadata, and which optional fields travel;
+- tensors (one `broadcast` each): prompt ids and response ids (int64), loss mask (int8), rollout log-probs and
+  raw log-probs (float64: what the engine recorded, bit for bit), candidate row lengths and ids (int32), each
+  concatenated over the samples.
+Aborted samples travel too, so every peer keeps the same sample list and step statistics. Departure from slime,
+which has every rank pull its share from the rollout manager over Ray: here the peers of a DP rank need the
+same data, and one collective over their group delivers it. NCCL groups carry the tensors on the current GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from topp_rl.ops import Candidates
+from topp_rl.rollout.sample import Sample
+
+
+@dataclass(frozen=True)
+class RolloutPeers:
+    """The ranks that share this rank's rollouts: `group` (None when alone) and the global rank of its source."""
+
+    group: dist.ProcessGroup | None = None
+    source: int = 0
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def is_source(self) -> bool:
+        return self.group is None or dist.get_rank() == self.source
+
+
+def share_samples(samples: list[Sample] | None, peers: RolloutPeers) -> tuple[list[Sample], int]:
+    """(the source's `samples` on every peer, tensor bytes sent); the source passes its list, the others None."""
+    if peers.size == 1:
+        assert samples is not None, "a rank without peers generates its own samples"
+        return samples, 0
+    device = _device(peers.group)
+    header: list = [_header(samples) if peers.is_source else None]
+    dist.broadcast_object_list(header, src=peers.source, group=peers.group)
+    meta = header[0]
+    tensors = _tensors(samples) if peers.is_source else _empty(meta)
+    for name in sorted(tensors):
+        t = tensors[name].to(device)
+        dist.broadcast(t, src=peers.source, group=peers.group)
+        tensors[name] = t.cpu()
+    sent = sum(t.numel() * t.element_size() for t in tensors.values())
+    return (samples if peers.is_source else _unpack(meta, tensors)), sent
+
+
+def _device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _header(samples: list[Sample]) -> dict:
+    return {
+        "prompt_lengths": [len(s.prompt_ids) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "status": [str(s.status) for s in samples],
+        "index": [s.index for s in samples],
+        "group_index": [s.group_index for s in samples],
+        "reward": [s.reward for s in samples],
+        "metadata": [s.metadata for s in samples],
+        "has_raw": [s.rollout_raw_log_probs is not None for s in samples],
+        "has_candidates": [s.candidates is not None for s in samples],
+        "num_candidate_ids": sum(int(s.candidates.ids.numel()) for s in samples if s.candidates is not None),
+    }
+
+
+def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    with_raw = [s for s in samples if s.rollout_raw_log_probs is not None]
+    with_cands = [s.candidates for s in samples if s.candidates is not None]
+    return {
+        "prompt_ids": torch.tensor([t for s in samples for t in s.prompt_ids], dtype=torch.int64),
+        "response_ids": torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.int64),
+        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.int8),
+        "log_probs": torch.tensor([x for s in samples for x in s.rollout_log_probs], dtype=torch.float64),
+        "raw_log_probs": torch.tensor([x for s in with_raw for x in s.rollout_raw_log_probs], dtype=torch.float64),
+        "candidate_lengths": torch.cat([c.row_lengths().to(torch.int32) for c in with_cands]) if with_cands
+        else torch.zeros(0, dtype=torch.int32),
+        "candidate_ids": torch.cat([c.ids.cpu() for c in with_cands]) if with_cands
+        else torch.zeros(0, dtype=torch.int32),
+    }
+
+
+def _empty(meta: dict) -> dict[str, torch.Tensor]:
+    responses = sum(meta["response_lengths"])
+    raw = sum(n for n, has in zip(meta["response_lengths"], meta["has_raw"], strict=True) if has)
+    rows = sum(n for n, has in zip(meta["response_lengths"], meta["has_candidates"], strict=True) if has)
+    return {
+        "prompt_ids": torch.empty(sum(meta["prompt_lengths"]), dtype=torch.int64),
+        "response_ids": torch.empty(responses, dtype=torch.int64),
+        "loss_mask": torch.empty(responses, dtype=torch.int8),
+        "log_probs": torch.empty(responses, dtype=torch.float64),
+        "raw_log_probs": torch.empty(raw, dtype=torch.float64),
+        "candidate_lengths": torch.empty(rows, dtype=torch.int32),
+        "candidate_ids": torch.empty(meta["num_candidate_ids"], dtype=torch.int32),
+    }
+
+
+def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
+    prompts = t["prompt_ids"].split(meta["prompt_lengths"])
+    per_response = {k: t[k].split(meta["response_lengths"]) for k in ("response_ids", "loss_mask", "log_probs")}
+    raw = iter(t["raw_log_probs"].split([n for n, h in zip(meta["response_lengths"], meta["has_raw"],
+                                                              strict=True) if h]))
+    cand_rows = iter(t["candidate_lengths"].split([n for n, h in zip(meta["response_lengths"],
+                                                                     meta["has_candidates"], strict=True) if h]))
+    id_offset = 0
+    samples = []
+    for i, n in enumerate(meta["response_lengths"]):
+        candidates = None
+        if meta["has_candidates"][i]:
+            lengths = next(cand_rows).to(torch.int64)
+            offsets = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            k = int(offsets[-1])
+            candidates = Candidates(ids=t["candidate_ids"][id_offset : id_offset + k].clone(),
+                                    offsets=offsets.to(torch.int32))
+            id_offset += k
+        samples.append(Sample(
+            prompt_ids=prompts[i].tolist(), response_ids=per_response["response_ids"][i].tolist(),
+            loss_mask=per_response["loss_mask"][i].tolist(), rollout_log_probs=per_response["log_probs"][i].tolist(),
+            rollout_raw_log_probs=next(raw).tolist() if meta["has_raw"][i] else None, candidates=candidates,
+            reward=meta["reward"][i], group_index=meta["group_index"][i], index=meta["index"][i],
+            status=meta["status"][i], metadata=meta["metadata"][i],
+        ))
+    return samples
