@@ -230,11 +230,15 @@ def math_answer(response: str, record: "PromptRecord") -> float:
 @functools.lru_cache(maxsize=65536)
 def _gold(answer: str):
     text = _final_part(answer)
-    # Bare LaTeX ("x^2+1") parses only between $ signs; a plain number parses either way.
-    parsed = _parse(text if "$" in text or "\\boxed" in text else f"${text}$") or _parse(text)
+    parsed = _parse(text)
+    if not parsed and _LATEX.search(text):  # bare LaTeX ("x^2+1") parses only between $ signs; prose never
+        parsed = _parse(f"${text}$")
     if not parsed:
         raise ValueError(f"math-verify cannot parse the reference answer {answer!r}; fix the answer column")
     return parsed
+
+
+_LATEX = re.compile(r"[\\^_{}]")
 
 
 def _parse(text: str):
