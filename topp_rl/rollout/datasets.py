@@ -178,6 +178,8 @@ def _file_split(path: Path, split: str, cache_dir: str | None):
     try:
         return datasets.load_dataset(loader, data_files={base: str(path)}, split=split, cache_dir=cache_dir)
     except (ValueError, datasets.exceptions.DatasetGenerationError) as err:
+        if "corresponds to no data" in str(err):  # datasets' words for a split with no rows (a header-only csv)
+            raise ValueError(f"{path} [{split}] holds no rows; a dataset task needs at least one prompt") from None
         raise ValueError(f"{path} cannot be read as {loader} split {split!r}: {err}") from err
 
 
@@ -208,12 +210,18 @@ def check_prompt_column(rows, key: str, path: Path) -> bool:
 
     column = rows.data.column(key)
     kind = _column_kind(column.type)
-    if kind is None:
-        bad = next(i for i, v in enumerate(rows[key]) if not _is_prompt(v))
-        value = rows[key][bad]
+    if kind is None:  # another type, or mixed types (a Json column): name the first row that is no prompt
+        bad, value = next((i, v) for i, v in enumerate(rows[key]) if not _is_prompt(v))
+        if not value:
+            raise ValueError(f"prompt {bad} of {path} ({key!r}) is null or empty; every row needs a prompt")
+        what = (
+            "a list but no chat conversation (each message needs a string 'role' and 'content')"
+            if isinstance(value, list)
+            else f"a {type(value).__name__}, not a string"
+        )
         raise ValueError(
-            f"prompt {bad} of {path} ({key!r}: {value!r}) is a {type(value).__name__}, not a string; prompts must "
-            f"be strings or chat message lists [{{role, content}}]: fix the data or set prompt_key to the text column"
+            f"prompt {bad} of {path} ({key!r}: {value!r}) is {what}; prompts must be strings or chat message "
+            "lists [{role, content}]: fix the data or set prompt_key to the text column"
         )
     nulls = pc.is_null(column)
     if kind == "chat":
@@ -244,8 +252,8 @@ def _column_kind(arrow_type) -> str | None:
 
 def _is_prompt(value: Any) -> bool:
     if isinstance(value, str):
-        return True
-    return isinstance(value, list) and all(
+        return bool(value)
+    return isinstance(value, list) and bool(value) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
     )
 
