@@ -201,3 +201,26 @@ def test_reward_fn_file_path_and_jsonl_alias(tmp_path):
     samples = [_sample(0, " 7 ", 0), _sample(0, "8", 1)]
     assert task.score(samples, [record], TOK) == [1.0, 0.0]
     assert [s.metadata["rewards"] for s in samples] == [{"exact": 1.0}, {"exact": 0.0}]
+
+
+@pytest.mark.parametrize("option", ["gsm8k", "countdown", "dataset", "jsonl"])
+def test_task_configs_instantiate(option, tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    monkeypatch.chdir(ROOT)  # the shipped configs name data/ relative to the working directory
+    overrides = [f"task={option}", f"paths.output_dir={tmp_path}"]
+    if option != "countdown":
+        overrides.append(f"task.cache_dir={tmp_path / 'cache'}")
+    if option in ("dataset", "jsonl"):
+        overrides += [f"task.path={GSM8K}", "task.prompt_key=question", "task.reward_fn=topp_rl.rollout.rewards:math_answer"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    task = instantiate(cfg.task)
+    record = task.prompt(0, TOK)
+    if option == "countdown":
+        assert task.reward(record.data["solution"], record) == 1.0 and task.reward("1+1", record) == 0.0
+    else:
+        final = record.answer.rpartition("####")[2].strip()
+        assert record.text == record.data["question"] and task.num_examples == 32  # 512 tokens keeps every problem
+        assert (task.reward(f"#### {final}", record), task.reward("#### 0.5", record)) == (1.0, 0.0)
