@@ -106,6 +106,10 @@ def test_reward_set_weights_names_dicts_and_batches(tmp_path):
 
             def scaled(response, record, *, scale):
                 return scale * len(response)
+
+            @batched
+            def scaled_batch(responses, records, *, scale):
+                return [scale for _ in responses]
             """
         )
     )
@@ -115,15 +119,16 @@ def test_reward_set_weights_names_dicts_and_batches(tmp_path):
             {"fn": f"{reward_file}:length", "weight": 0.5},
             {"fn": f"{reward_file}:longest", "weight": -1.0},
             {"fn": f"{reward_file}:scaled", "kwargs": {"scale": 0.01}, "batched": False},
+            {"fn": f"{reward_file}:scaled_batch", "kwargs": {"scale": 3.0}, "weight": 0.0, "name": "zero"},
         ]
     )
-    assert [t.name for t in rewards.terms] == ["correct", "length", "longest", "scaled"]
-    assert [t.batched for t in rewards.terms] == [False, False, True, False]
+    assert [t.name for t in rewards.terms] == ["correct", "length", "longest", "scaled", "zero"]
+    assert [t.batched for t in rewards.terms] == [False, False, True, False, True]  # the mark survives kwargs
     record = _record("#### 15")
     totals, parts = rewards(["15", "no answer"], [record, record], [0, 1])
     assert parts == [
-        {"correct": 1.0, "length/chars": 0.2, "length/has_digit": 1.0, "longest": 0.0, "scaled": 0.02},
-        {"correct": 0.0, "length/chars": 0.9, "length/has_digit": 0.0, "longest": 1.0, "scaled": 0.09},
+        {"correct": 1.0, "length/chars": 0.2, "length/has_digit": 1.0, "longest": 0.0, "scaled": 0.02, "zero": 3.0},
+        {"correct": 0.0, "length/chars": 0.9, "length/has_digit": 0.0, "longest": 1.0, "scaled": 0.09, "zero": 3.0},
     ]
     assert totals == pytest.approx([2.0 + 0.5 * 1.2 + 0.02, 0.5 * 0.9 - 1.0 + 0.09])
     assert resolve_reward_fn(f"{reward_file}:length") is resolve_reward_fn(f"{reward_file}:length")  # loaded once

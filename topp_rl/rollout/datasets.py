@@ -17,14 +17,13 @@ Unlike TRL's dataset handling, nothing is coerced: a non-string prompt, a null, 
 file raises a ValueError naming the value and the fix.
 """
 
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from topp_rl.rollout.rewards import RewardSet
-from topp_rl.rollout.tasks import Messages, PromptRecord, Task
+from topp_rl.rollout.tasks import Messages, PromptRecord, Task, prompt_text
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -57,8 +56,8 @@ class DatasetTask(Task):
         self.path, self.split = Path(path), split
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.max_prompt_tokens, self.shuffle = max_prompt_tokens, shuffle
-        self._reward_set = RewardSet.from_config(rewards or [{"fn": reward_fn}])
-        self.reward_name = self._reward_set.name
+        self.reward_set = RewardSet.from_config(rewards or [{"fn": reward_fn}])  # replaces the base's `reward`
+        self.reward_name = self.reward_set.name
         self.rows = load_rows(self.path, split, cache_dir=cache_dir)
         self.is_chat = check_prompt_column(self.rows, prompt_key, self.path)
         if self.is_chat and not self.chat_template:
@@ -73,10 +72,6 @@ class DatasetTask(Task):
         self._ids: list[list[int]] | None = None  # their prompt ids when filtering encoded them
         self._tokenizer = None
         self._order_cache: tuple[int, np.ndarray] | None = None
-
-    @cached_property
-    def reward_set(self) -> RewardSet:
-        return self._reward_set
 
     @property
     def num_examples(self) -> int:
@@ -94,7 +89,7 @@ class DatasetTask(Task):
         """Drop prompts longer than `max_prompt_tokens` tokens (once per tokenizer) and say how many."""
         if tokenizer is self._tokenizer:
             return
-        self._tokenizer, self._order_cache, total = tokenizer, None, len(self.rows)
+        self._order_cache, total = None, len(self.rows)
         if self.max_prompt_tokens is not None:
             ids = [self.encode(p, tokenizer) for p in self.rows[self.prompt_key]]
             lengths = np.array([len(x) for x in ids])
@@ -111,14 +106,14 @@ class DatasetTask(Task):
             f"task: {self.path} [{self.split}]: {len(self._kept)} prompts"
             + (limit if self.max_prompt_tokens is not None else "")
         )
+        self._tokenizer = tokenizer
 
     def prompt(self, index: int, tokenizer) -> PromptRecord:
         self.prepare(tokenizer)
         pos = self._position(index)
         prompt, answer, data = self._row(int(self._kept[pos]))
         ids = self._ids[pos] if self._ids is not None else self.encode(prompt, tokenizer)
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        return PromptRecord(index=index, text=text, prompt_ids=ids, answer=answer, data=data)
+        return PromptRecord(index=index, text=prompt_text(prompt), prompt_ids=ids, answer=answer, data=data)
 
     def example(self, index: int) -> tuple[str | Messages, str | None, dict[str, Any]]:
         """The example at data position `index` (over the kept rows once `prepare` ran, else all rows)."""

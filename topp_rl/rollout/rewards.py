@@ -177,19 +177,22 @@ def _term(i: int, entry: Mapping[str, Any]) -> RewardTerm:
         entry = {"fn": entry}
     unknown = set(entry) - ENTRY_KEYS
     if unknown or "fn" not in entry:
+        problem = f"unknown keys {sorted(unknown)}" if unknown else "no fn"
         raise ValueError(
-            f"task.rewards[{i}] ({dict(entry)}) has {'unknown keys ' + str(sorted(unknown)) if unknown else 'no fn'}; "
-            f"an entry takes {sorted(ENTRY_KEYS)}, e.g. {{fn: 'topp_rl.rollout.rewards:math_answer', weight: 1.0}}"
+            f"task.rewards[{i}] ({dict(entry)}) has {problem}; an entry takes {sorted(ENTRY_KEYS)}, "
+            "e.g. {fn: 'topp_rl.rollout.rewards:math_answer', weight: 1.0}"
         )
     fn = resolve_reward_fn(entry["fn"])
+    is_batched = entry.get("batched")
+    if is_batched is None:  # not said in the config: the function's own @batched mark
+        is_batched = getattr(fn, "batched", False)
     if entry.get("kwargs"):
         fn = functools.partial(fn, **dict(entry["kwargs"]))
     weight = entry.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
         raise ValueError(f"task.rewards[{i}].weight ({weight!r}) must be a finite number")
     name = str(entry.get("name") or str(entry["fn"]).rpartition(":")[2])
-    is_batched = bool(entry.get("batched", getattr(fn, "batched", False)))
-    return RewardTerm(name=name, fn=fn, weight=float(weight), batched=is_batched)
+    return RewardTerm(name=name, fn=fn, weight=float(weight), batched=bool(is_batched))
 
 
 def _call(term: RewardTerm, args: tuple, *, sample_id: int | None = None):

@@ -31,7 +31,7 @@ from topp_rl.rollout.sample import Sample
 
 __all__ = [
     "ArithmeticTask", "CopyDigitTask", "CountdownTask", "Messages", "PromptRecord", "RewardError", "Task",
-    "resolve_reward_fn",
+    "prompt_text", "resolve_reward_fn",
 ]
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
@@ -45,6 +45,11 @@ class PromptRecord:
     prompt_ids: list[int]
     answer: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def prompt_text(prompt: str | Messages) -> str:
+    """What `PromptRecord.text` holds: the prompt itself, or a conversation's last message."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 class Task(ABC):
@@ -86,9 +91,8 @@ class Task(ABC):
 
     def prompt(self, index: int, tokenizer) -> PromptRecord:
         prompt, answer, data = self.example(index)
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return PromptRecord(
-            index=index, text=text, prompt_ids=self.encode(prompt, tokenizer), answer=answer, data=data
+            index=index, text=prompt_text(prompt), prompt_ids=self.encode(prompt, tokenizer), answer=answer, data=data
         )
 
     def messages(self, prompt: str | Messages) -> Messages:
