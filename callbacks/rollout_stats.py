@@ -7,6 +7,10 @@ normalisation: no learning signal). Aborted samples count only in `rollout/abort
 batch's own `stats` (sums, counts from the datamodule) are reduced along; a bare float there is averaged over
 ranks. One reduction per step. Statuses are compared as strings (`SampleStatus` is a StrEnum), which keeps
 this import light.
+
+Per reward function (a task with a reward set leaves `metadata["rewards"] = {name: value}` on each scored
+sample): `rollout/reward/<name>_mean`, the unweighted value's mean. The task's own figures (`Task.stats()`,
+e.g. `rollout/filtered_prompts`) are read from `trainer.datamodule.task` and logged as they are.
 """
 
 import math
@@ -16,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from callbacks._common import log_metrics
 from topp_rl.metrics import reduce_sums
+from topp_rl.rollout.tasks import Task
 
 
 class RolloutStats(Callback):
@@ -40,14 +45,32 @@ class RolloutStats(Callback):
             "rollout/aborted_frac": (len(samples) - len(live), len(samples)),
             "rollout/zero_variance_group_frac": (sum(max(g) == min(g) for g in groups.values()), len(groups)),
         }
+        sums |= self.reward_sums(rewarded)
         for name, value in (getattr(rollout, "stats", None) or {}).items():
             sums[name] = tuple(value) if isinstance(value, tuple | list) else (float(value), 1.0)
         return sums
 
+    @staticmethod
+    def reward_sums(rewarded) -> dict[str, tuple[float, float]]:
+        """(sum, count) of each reward function's value; names sorted, so every rank stacks them alike."""
+        parts = [s.metadata["rewards"] for s in rewarded if "rewards" in s.metadata]
+        names = sorted({name for p in parts for name in p})
+        return {
+            f"rollout/reward/{n}_mean": (sum(p[n] for p in parts if n in p), sum(n in p for p in parts))
+            for n in names
+        }
+
+    @staticmethod
+    def task_sums(trainer) -> dict[str, tuple[float, float]]:
+        task = getattr(trainer.datamodule, "task", None)  # a RolloutDataModule's; other datamodules have none
+        if not isinstance(task, Task):
+            return {}
+        return {name: (float(value), 1.0) for name, value in task.stats().items()}
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not outputs or "rollout" not in outputs:  # a skipped step (every rank skips alike)
             return
-        values = reduce_sums(trainer, self.sums(outputs["rollout"]))
+        values = reduce_sums(trainer, self.sums(outputs["rollout"]) | self.task_sums(trainer))
         square = values.pop("rollout/reward_sq_mean", None)
         if square is not None:
             values["rollout/reward_std"] = math.sqrt(max(square - values["rollout/reward_mean"] ** 2, 0.0))

@@ -48,6 +48,8 @@ def make_samples(step: int, rank: int = 0) -> list[Sample]:
         if group == 3:
             reward = 0.5  # a zero-variance group
         meta = {"correct": True} if i == 6 else {}
+        if reward is not None:  # each reward function's value, as a task with a reward set leaves them
+            meta["rewards"] = {"exact": float(reward == 1.0), "fmt/tags": float(g.choice([0.0, 0.25]))}
         samples.append(
             Sample(
                 prompt_ids=[1, 2],
@@ -188,6 +190,8 @@ def expected_rollout(sample_lists: list[list[Sample]], gen_seconds: list[float])
         "rollout/aborted_frac": 1 - len(live) / len(samples),
         "rollout/zero_variance_group_frac": np.mean([max(g) == min(g) for g in groups.values()]),
         "rollout/gen_seconds": np.mean(gen_seconds),
+        "rollout/reward/exact_mean": np.mean([s.metadata["rewards"]["exact"] for s in live]),
+        "rollout/reward/fmt/tags_mean": np.mean([s.metadata["rewards"]["fmt/tags"] for s in live]),
     }
 
 
@@ -208,11 +212,34 @@ def assert_logged(rows: list[dict[str, float]], world_size: int) -> None:
         assert 0 < row["train/rollout_logprob_abs_diff"] < row["train/rollout_logprob_abs_diff_unmasked"]
 
 
+class TaskDataModule(L.LightningDataModule):
+    """Holds a real task, as RolloutDataModule does: RolloutStats logs the task's own figures."""
+
+    def __init__(self, task) -> None:
+        super().__init__()
+        self.task = task
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
+
+
 def test_metric_callbacks_log_exact_values(tmp_path):
+    from topp_rl.models import build_char_tokenizer
+    from topp_rl.rollout.datasets import DatasetTask
+
+    gsm8k = Path(__file__).resolve().parents[1] / "data" / "gsm8k_sample.jsonl"
+    task = DatasetTask(path=gsm8k, prompt_key="question", reward_fn="topp_rl.rollout.rewards:math_answer",
+                       max_prompt_tokens=100, cache_dir=str(tmp_path / "cache"))
+    tok = build_char_tokenizer()
+    task.prompt(0, tok)  # the datamodule's first ticket: prompts are measured with the tokenizer
+    questions = [json.loads(line)["question"] for line in gsm8k.read_text().splitlines()]
+    filtered = sum(len(tok.encode(q, add_special_tokens=False)) + 1 > 100 for q in questions)  # + BOS
     support = SupportStats(out_dir=str(tmp_path / "run"))
-    fit(tmp_path, [LogProbMismatch(), support, RolloutStats()], logger=CSVLogger(tmp_path, name="csv"))
+    fit(tmp_path, [LogProbMismatch(), support, RolloutStats()], logger=CSVLogger(tmp_path, name="csv"),
+        module=SyntheticPolicy(), datamodule=TaskDataModule(task))
     rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
     assert_logged(rows, world_size=1)
+    assert filtered > 0 and [row["rollout/filtered_prompts"] for row in rows] == [filtered] * STEPS
     # The loss metric is the module's (sum, count) mean: loss * 1 / 1 for one rank.
     assert all(row["train/loss"] > 0 for row in rows)
     saved = json.loads((tmp_path / "run" / "support_size_counts.json").read_text())

@@ -1,0 +1,186 @@
+"""Rewards: math-verify answers and the Countdown rule on concrete strings, weighted named reward sets (float,
+dict and batched functions, import and file paths) and their error messages."""
+
+import textwrap
+
+import pytest
+
+from topp_rl.rollout.rewards import (
+    RewardError,
+    RewardSet,
+    countdown_expression,
+    countdown_score,
+    math_answer,
+    resolve_reward_fn,
+)
+from topp_rl.rollout.tasks import PromptRecord
+
+GSM8K_ANSWER = "Sam has 12 - 5 = <<12-5=7>>7 apples, then 7 + 8 = <<7+8=15>>15.\n#### 15"
+
+
+def _record(answer: str | None, **data) -> PromptRecord:
+    return PromptRecord(index=0, text="q", prompt_ids=[1], answer=answer, data=data)
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        (r"So he has $\boxed{15}$ apples.", 1.0),
+        ("12 - 5 = 7, 7 + 8 = 15\n#### 15", 1.0),
+        ("The answer is 15.", 1.0),
+        ("The answer is 15.0", 1.0),
+        ("The answer is 16.", 0.0),
+        ("He had 15 apples at noon, so the answer is 16.", 0.0),  # the last number counts
+        ("15 first, but #### 16", 0.0),  # the GSM8K marker wins over earlier numbers
+        (r"\boxed{16} though 15 is close", 0.0),  # so does a boxed answer
+        ("####", 0.0),
+        ("I do not know.", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_math_answer_gsm8k(response, reward):
+    assert math_answer(response, _record(GSM8K_ANSWER)) == reward
+
+
+def test_math_answer_symbolic_and_formatted_references():
+    assert math_answer(r"\boxed{0.5}", _record(r"\frac{1}{2}")) == 1.0
+    assert math_answer(r"\boxed{\frac{2}{4}}", _record("0.5")) == 1.0
+    assert math_answer(r"\boxed{1+x^2}", _record("x^2+1")) == 1.0  # bare LaTeX reference
+    assert math_answer("It makes 7,500 toys.", _record("#### 7500")) == 1.0
+    assert math_answer("It makes 7,501 toys.", _record("#### 7500")) == 0.0
+    assert math_answer("It was -5 degrees.", _record("18 - 23 = -5\n#### -5")) == 1.0
+    with pytest.raises(ValueError, match=r"cannot parse the reference answer 'no number here'"):
+        math_answer("1", _record("no number here"))
+    with pytest.raises(ValueError, match="set the task's answer_key"):
+        math_answer("1", _record(None))
+
+
+@pytest.mark.parametrize(
+    ("response", "use_all", "expected"),
+    [
+        ("25+3*7", True, 1.0),  # 46
+        ("3*7+25 = 46", True, 1.0),  # a trailing "= value" is ignored
+        ("thinking...<answer>(7*3)+25</answer>", True, 1.0),
+        ("<answer>1</answer> no wait <answer>25+7*3</answer>", True, 1.0),  # the last answer tag
+        ("25/5*...", True, 0.0),  # `...` is no number
+        ("25+21", True, 0.0),  # 21 was not given
+        ("25+3*7+3", True, 0.0),  # 3 used twice
+        ("(25-7)*3", True, 0.5),  # 54: well formed, wrong value: format credit
+        ("25/(7-7)*3", True, 0.0),  # 7 used twice
+        ("25*7/(3*0)", True, 0.0),  # 0 was not given
+        ("25+3*7.0", True, 0.0),  # floats are not allowed
+        ("25+-3*-7", True, 0.0),  # neither is unary minus
+        ("25+3**7", True, 0.0),  # nor powers
+        ("__import__('os').getcwd()", True, 0.0),  # nor anything else: ast, never eval
+        ("25+3", True, 0.0),  # 7 unused: not allowed when every number must be used
+        ("25+3", False, 0.5),  # allowed at most once, but 28 != 46
+        ("25+7*3", False, 1.0),
+        ("", True, 0.0),
+    ],
+)
+def test_countdown_score(response, use_all, expected):
+    assert countdown_score(response, [3, 7, 25], 46, use_all=use_all, format_credit=0.5) == expected
+
+
+def test_countdown_exact_fractions_and_zero_division():
+    assert countdown_score("(1+1/3)*3", [1, 1, 3, 3], 4) == 1.0  # exact: 4/3 * 3 == 4, no float rounding
+    assert countdown_score("8/(3-8/3)", [8, 3, 8, 3], 24) == 1.0
+    assert countdown_score("3/(3-3)", [3, 3, 3], 1, format_credit=0.25) == 0.25  # well formed, no value
+    assert countdown_expression("  \n 1+2 = 3\n4+5") == "1+2"
+
+
+def test_reward_set_weights_names_dicts_and_batches(tmp_path):
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        textwrap.dedent(
+            """
+            from topp_rl.rollout.rewards import batched
+
+            def length(response, record):
+                return {"chars": len(response) / 10, "has_digit": any(c.isdigit() for c in response)}
+
+            @batched
+            def longest(responses, records):
+                top = max(len(r) for r in responses)
+                return [float(len(r) == top) for r in responses]
+
+            def scaled(response, record, *, scale):
+                return scale * len(response)
+
+            @batched
+            def scaled_batch(responses, records, *, scale):
+                return [scale for _ in responses]
+            """
+        )
+    )
+    rewards = RewardSet.from_config(
+        [
+            {"fn": "topp_rl.rollout.rewards:math_answer", "weight": 2.0, "name": "correct"},
+            {"fn": f"{reward_file}:length", "weight": 0.5},
+            {"fn": f"{reward_file}:longest", "weight": -1.0},
+            {"fn": f"{reward_file}:scaled", "kwargs": {"scale": 0.01}, "batched": False},
+            {"fn": f"{reward_file}:scaled_batch", "kwargs": {"scale": 3.0}, "weight": 0.0, "name": "zero"},
+        ]
+    )
+    assert [t.name for t in rewards.terms] == ["correct", "length", "longest", "scaled", "zero"]
+    assert [t.batched for t in rewards.terms] == [False, False, True, False, True]  # the mark survives kwargs
+    record = _record("#### 15")
+    totals, parts = rewards(["15", "no answer"], [record, record], [0, 1])
+    assert parts == [
+        {"correct": 1.0, "length/chars": 0.2, "length/has_digit": 1.0, "longest": 0.0, "scaled": 0.02, "zero": 3.0},
+        {"correct": 0.0, "length/chars": 0.9, "length/has_digit": 0.0, "longest": 1.0, "scaled": 0.09, "zero": 3.0},
+    ]
+    assert totals == pytest.approx([2.0 + 0.5 * 1.2 + 0.02, 0.5 * 0.9 - 1.0 + 0.09])
+    assert resolve_reward_fn(f"{reward_file}:length") is resolve_reward_fn(f"{reward_file}:length")  # loaded once
+
+
+def test_reward_set_errors(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        textwrap.dedent(
+            """
+            import math
+            calls = []
+
+            def boom(response, record):
+                raise KeyError("nums")
+
+            def nan(response, record):
+                return math.nan
+
+            def text(response, record):
+                return "1.0"
+
+            def shifting(response, record):
+                calls.append(1)
+                return {"a": 1.0} if len(calls) == 1 else {"b": 1.0}
+
+            def short(responses, records):
+                return [1.0]
+            """
+        )
+    )
+    record = _record("1")
+
+    def run(entry, responses=("x", "y")):
+        return RewardSet.from_config([entry])(list(responses), [record] * len(responses), [4, 5])
+
+    with pytest.raises(RewardError, match=r"boom raised on sample 4 \(prompt 'q', response 'x'\): KeyError: 'nums'"):
+        run({"fn": f"{bad}:boom"})
+    with pytest.raises(RewardError, match=r"nan returned nan as nan for sample 4; rewards must be finite"):
+        run({"fn": f"{bad}:nan"})
+    with pytest.raises(RewardError, match=r"text returned '1.0' \(str\) as text for sample 4; return a float"):
+        run({"fn": f"{bad}:text"})
+    with pytest.raises(RewardError, match=r"shifting returned keys \('b',\) for sample 5, earlier \('a',\)"):
+        run({"fn": f"{bad}:shifting"})
+    with pytest.raises(RewardError, match=r"batched reward function short returned 1 values for 2 responses"):
+        run({"fn": f"{bad}:short", "batched": True})
+    with pytest.raises(ValueError, match=r"reward names \['a', 'a'\] repeat"):
+        RewardSet.from_config([{"fn": "json:loads", "name": "a"}, {"fn": "json:dumps", "name": "a"}])
+    with pytest.raises(ValueError, match=r"task.rewards\[0\] .* has unknown keys \['wieght'\]"):
+        RewardSet.from_config([{"fn": "json:loads", "wieght": 1.0}])
+    with pytest.raises(ValueError, match=r"task.rewards\[0\].weight \('x'\) must be a finite number"):
+        RewardSet.from_config([{"fn": "json:loads", "weight": "x"}])
+    with pytest.raises(ValueError, match=r"loading .*bad2.py raised SyntaxError"):
+        (tmp_path / "bad2.py").write_text("def f(:\n")
+        resolve_reward_fn(f"{tmp_path / 'bad2.py'}:f")
