@@ -16,6 +16,7 @@ from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SamplingParams
 from topp_rl.rollout.embedded import EmbeddedEngine
+from topp_rl.rollout.rewards import RewardError
 from topp_rl.train import build_run, print_summary, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,3 +159,14 @@ def test_a_model_dir_without_tokenizer_files_is_named(tmp_path):
 def test_the_summary_never_hides_a_nan(capsys):
     print_summary({"wall_s": 1.0, "train/rollout_logprob_abs_diff": math.nan}, "/run")
     assert "train/rollout_logprob_abs_diff: nan" in capsys.readouterr().out
+
+
+def test_an_extreme_reward_is_a_named_error_not_an_overflow(tmp_path):
+    """A reward of 1e300 used to crash the metric callback with a bare OverflowError (reward std)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1:", "answer": "1"}\n{"prompt": "2:", "answer": "2"}\n')
+    (tmp_path / "huge.py").write_text("def reward(response, record):\n    return 1e300\n")
+    cfg = compose_cfg(tmp_path / "run", "task=jsonl", f"task.path={data}", f"task.reward_fn={tmp_path}/huge.py:reward",
+                      "trainer.max_steps=1")
+    with pytest.raises(RewardError, match=r"returned 1e\+300 .* rewards must lie in \[-1e\+06, 1e\+06\]"):
+        train(cfg)

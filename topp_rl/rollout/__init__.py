@@ -22,7 +22,9 @@ _LAZY = {
     "Task": "topp_rl.rollout.tasks",
     "ArithmeticTask": "topp_rl.rollout.tasks",
     "CopyDigitTask": "topp_rl.rollout.tasks",
-    "JsonlTask": "topp_rl.rollout.tasks",
+    "CountdownTask": "topp_rl.rollout.tasks",
+    "DatasetTask": "topp_rl.rollout.datasets",
+    "JsonlTask": "topp_rl.rollout.datasets",
 }
 
 __all__ = ["RolloutEngine", "Sample", "SampleStatus", "SamplingParams", *_LAZY]

@@ -217,7 +217,17 @@ def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
         )
     if not math.isfinite(value):
         raise RewardError(f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RewardError(
+            f"reward function {fn_name} returned {value:g} as {key} for sample {sample_id}; rewards must lie in "
+            f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (larger values overflow the float32 advantages and the "
+            "squared-reward statistics): rescale the reward"
+        )
     return float(value)
+
+
+# Rewards beyond this are a bug or a unit mistake; their squares would overflow float32 statistics.
+MAX_ABS_REWARD = 1e6
 
 
 # ----- math answers (math-verify) -----
