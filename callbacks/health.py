@@ -4,8 +4,9 @@ Reads the step's reduced figures from `trainer.callback_metrics` (the same on ev
 after the callbacks that log them) and raises an alarm, printed once to stderr on rank 0 when it turns on and
 logged every step as a 0 / 1 flag:
 - `health/mismatch_alarm`: the masked on-policy mismatch `train/rollout_logprob_abs_diff` exceeds
-  `max_mismatch` (default 1e-3: float32 engines agree to ~1e-6; above 1e-3 the engine samples with other
-  weights, e.g. a missing weight sync, or another model). Needs `LogProbMismatch` in the run.
+  `max_mismatch` (default by the trainer's precision: 1e-3 at 32 bits, where engines agree to ~1e-6; 1e-2 at
+  16 bits, where bf16 scoring alone gives ~2e-3 (measured: tiny model, CPU bf16-mixed, top_p 0.9). Above it
+  the engine samples with other weights, e.g. a missing weight sync, or another model). Needs `LogProbMismatch`.
 - `health/zero_grad_alarm`: `train/grad_norm` is exactly 0 for `zero_grad_steps` steps in a row (every
   advantage zero: all groups tied, or a collapsed policy whose samples all get one reward).
 - `health/entropy_collapse_alarm`: `train/entropy` below `entropy_collapse_frac` of its first step's value
@@ -22,13 +23,13 @@ from topp_rl.module import PolicyModule
 
 
 class TrainingHealth(Callback):
-    def __init__(self, *, max_mismatch: float = 1e-3, zero_grad_steps: int = 5,
+    def __init__(self, *, max_mismatch: float | None = None, zero_grad_steps: int = 5,
                  entropy_collapse_frac: float = 0.01) -> None:
-        if not max_mismatch > 0 or zero_grad_steps < 1 or not 0 < entropy_collapse_frac < 1:
+        if (max_mismatch is not None and not max_mismatch > 0) or zero_grad_steps < 1 or not 0 < entropy_collapse_frac < 1:
             raise ValueError(
                 f"TrainingHealth(max_mismatch={max_mismatch}, zero_grad_steps={zero_grad_steps}, "
                 f"entropy_collapse_frac={entropy_collapse_frac}): need max_mismatch > 0, zero_grad_steps >= 1 "
-                "and 0 < entropy_collapse_frac < 1"
+                "and 0 < entropy_collapse_frac < 1 (max_mismatch=null: by precision)"
             )
         self.max_mismatch, self.zero_grad_steps = max_mismatch, zero_grad_steps
         self.entropy_collapse_frac = entropy_collapse_frac
@@ -36,6 +37,10 @@ class TrainingHealth(Callback):
         self.first_entropy: float | None = None
         self.min_entropy = math.inf
         self.active: set[str] = set()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.max_mismatch is None:
+            self.max_mismatch = 1e-2 if "16" in str(trainer.precision) else 1e-3
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -25,7 +25,7 @@ timeout 300 "$PY" -m pytest -m gpu tests/test_megatron_gpu.py -q -x -p no:cachep
 
 echo "== a few training steps through Megatron on the GPU"
 out=$(mktemp -d)
-timeout 240 "$PY" train.py parallel=megatron trainer=gpu trainer.devices=1 trainer.max_steps=4 logger=csv \
+timeout 240 "$PY" train.py parallel=megatron trainer=gpu_fp32 trainer.devices=1 trainer.max_steps=4 logger=csv \
   rollout.top_p=0.9 checkpoint.every_n_steps=0 paths.output_dir="$out"
 "$PY" - "$out" <<'PYEOF'
 import csv, glob, math, sys
