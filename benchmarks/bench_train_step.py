@@ -61,7 +61,7 @@ def run_variant(overrides: list[str], *, steps: int | None, use_mask: bool) -> l
                 "algo=grpo", "rollout.top_p=0.9", "logger=none", "checkpoint.every_n_steps=0",
                 *([f"trainer.max_steps={steps}"] if steps else []), "trainer.enable_progress_bar=false",
                 f"paths.output_dir={tmp}",
-                f"module.use_mask={str(use_mask).lower()}", "+rollout.engine.progress=false", *overrides,
+                f"module.use_mask={str(use_mask).lower()}", *overrides,
             ])
         if cfg.num_threads:
             torch.set_num_threads(int(cfg.num_threads))  # as train() does

@@ -18,6 +18,7 @@ entropy, phase timings), reduced across ranks once per step.
 
 import copy
 import math
+import resource
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -32,6 +33,7 @@ from topp_rl.losses import LossInputs
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout
 from topp_rl.records import OnPolicyRecord
+from topp_rl.schedule import LRSchedule
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -80,6 +82,7 @@ class PolicyModule(L.LightningModule):
         reference: Backbone | None = None,
         ppo_epochs: int = 1,
         grad_clip: float | None = 1.0,
+        lr_schedule: LRSchedule | None = None,
     ) -> None:
         super().__init__()
         if ppo_epochs < 1:
@@ -95,6 +98,7 @@ class PolicyModule(L.LightningModule):
         self.hook = hook
         self.ppo_epochs = ppo_epochs
         self.grad_clip = grad_clip
+        self.lr_schedule = lr_schedule or LRSchedule()
 
     def use_backbones(self, *, policy: Backbone, reference: Backbone | None) -> None:
         """Install the policy (and frozen reference) backbones: the one hand-over point for strategies."""
@@ -127,8 +131,11 @@ class PolicyModule(L.LightningModule):
                 "may be corrupt: resume from an earlier one, or start over"
             )
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
+        # Stepped once per optimizer step in training_step (manual optimisation), so it restores on resume.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _gather(self, values: torch.Tensor, token_index: torch.Tensor, batch) -> torch.Tensor:
         return gather_tokens(values, token_index, num_tokens=batch.response_tokens.numel(),
@@ -189,6 +196,7 @@ class PolicyModule(L.LightningModule):
         refs = self.reference_pass(micro)
         t1 = time.perf_counter()
         opt = self.optimizers()
+        lr = float(opt.param_groups[0]["lr"])  # the lr this step's updates use
         metrics: dict[str, SumCount] = {}
         for _ in range(self.ppo_epochs):
             opt.zero_grad(set_to_none=True)
@@ -202,12 +210,18 @@ class PolicyModule(L.LightningModule):
                 )
             add_sums(metrics, {"train/grad_norm": (grad_norm, 1.0)})
             self.optimizer_step_checked(opt, step=self.global_step)
+            if self._trainer is not None:
+                self.lr_schedulers().step()
         record = OnPolicyRecord.concat(list(records))
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
+        optim_s = time.perf_counter() - t1
+        tokens = sum(int(mb.tokens.numel()) for mb in micro) * self.ppo_epochs
         metrics["perf/old_logprob_s"] = (t1 - t0, 1.0)
-        metrics["perf/optim_s"] = (time.perf_counter() - t1, 1.0)
-        self.log_step_metrics(metrics, lr=float(opt.param_groups[0]["lr"]), step=self.global_step)
+        metrics["perf/optim_s"] = (optim_s, 1.0)
+        metrics["perf/train_tokens_per_s"] = (tokens / max(optim_s, 1e-9), 1.0)
+        metrics["perf/peak_rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0)
+        self.log_step_metrics(metrics, lr=lr, step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
     @staticmethod

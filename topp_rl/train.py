@@ -32,6 +32,7 @@ from topp_rl.hook import ToppLogProb
 from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path, wandb_run_id
+from topp_rl.schedule import LRSchedule
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -162,6 +163,7 @@ def build_run(cfg: DictConfig) -> Run:
     module = PolicyModule(
         policy=HFBackbone(policy), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
+        lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )
     summary = RunSummary()
     loggers = build_loggers(cfg)
