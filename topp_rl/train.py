@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig
 
+from callbacks.evaluation import Evaluation
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import (
     AtomicCheckpointIO,
@@ -120,6 +121,13 @@ def build_loggers(cfg: DictConfig) -> list:
 
 def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> list[Callback]:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    ev = cfg.eval
+    if ev.every_n_steps:  # after the weight sync: it evaluates the weights the step produced
+        callbacks.append(Evaluation(
+            every_n_steps=ev.every_n_steps, num_prompts=ev.num_prompts, k=ev.k, correct_reward=ev.correct_reward,
+            best_metric=ev.best_metric, task=instantiate(ev.task) if ev.task is not None else None,
+            checkpoint_dir=output_dir / "checkpoints",
+        ))
     ck = cfg.checkpoint
     if ck.every_n_steps:
         callbacks.append(
