@@ -2,13 +2,13 @@
 to train wrongly and exit 0, or crash with a raw error, and checks the named error or alarm that replaces it.
 Fixture models are tiny configs saved with `save_pretrained` (no download)."""
 
-import csv
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from test_train import compose_cfg as train_cfg
+from test_train import read_metrics
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
 
 from topp_rl.backbone import HFBackbone
@@ -19,12 +19,7 @@ from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.rewards import RewardError
 from topp_rl.train import build_run, print_summary, train
 
-ROOT = Path(__file__).resolve().parents[1]
 TOK = build_char_tokenizer()
-TINY = [
-    "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=2", "logger=csv",
-    "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false",
-]
 SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, pad_token_id=TOK.pad_token_id, bos_token_id=TOK.bos_token_id,
              eos_token_id=TOK.eos_token_id)
@@ -36,14 +31,8 @@ TRANSFORMS = {  # architecture -> (config class, the field that transforms the l
 
 
 def compose_cfg(output_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, *overrides])
-
-
-def read_metrics(output_dir: Path) -> list[dict[str, str]]:
-    (path,) = output_dir.glob("csv/*/metrics.csv")
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    """test_train's tiny config, with the CSV logger and 2 new tokens (every check here reads metrics.csv)."""
+    return train_cfg(output_dir, "logger=csv", "rollout.max_new_tokens=2", *overrides)
 
 
 @pytest.mark.parametrize("arch", sorted(TRANSFORMS))

@@ -249,18 +249,23 @@ def _listening(pids: set[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.I
     return found
 
 
-def test_aborted_requests_give_empty_aborted_samples(engine):
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
-    result = {}
+def _abort_while(engine, generate) -> None:
+    """Run `generate` in a thread, abort every request on the server 1.5 s in, and wait for it to return."""
     engine.extra_sampling_params = {"ignore_eos": True}  # runs far past the abort (3000 tokens, >= 6 s here)
     try:
-        worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
+        worker = threading.Thread(target=generate)
         worker.start()
         time.sleep(1.5)
         requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
         worker.join(timeout=120)
     finally:
         engine.extra_sampling_params = {}
+
+
+def test_aborted_requests_give_empty_aborted_samples(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
+    result = {}
+    _abort_while(engine, lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
     samples = result["samples"]
     assert [s.status for s in samples] == [SampleStatus.ABORTED] * 2
     for s in samples:
@@ -281,15 +286,7 @@ def test_step_with_every_sample_aborted_fails_naming_the_aborts(engine):
         except RuntimeError as err:
             errors.append(err)
 
-    engine.extra_sampling_params = {"ignore_eos": True}
-    try:
-        worker = threading.Thread(target=step)
-        worker.start()
-        time.sleep(1.5)
-        requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
-        worker.join(timeout=120)
-    finally:
-        engine.extra_sampling_params = {}
+    _abort_while(engine, step)
     (err,) = errors
     assert str(err).startswith("rollout step 0: 2 of 2 samples on this rank were aborted by the engine ")
     assert "ckpt_path=last" in str(err) and dm.step == 0  # not advanced: a resume regenerates step 0
