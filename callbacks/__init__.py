@@ -1,9 +1,11 @@
-"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, weight sync, health alarms."""
+"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, completions, weight sync,
+health alarms."""
 
+from callbacks.completions import CompletionsLog
 from callbacks.health import TrainingHealth
 from callbacks.mismatch import LogProbMismatch
 from callbacks.rollout_stats import RolloutStats
 from callbacks.support import SupportStats
 from callbacks.weight_sync import WeightSync
 
-__all__ = ["LogProbMismatch", "RolloutStats", "SupportStats", "TrainingHealth", "WeightSync"]
+__all__ = ["CompletionsLog", "LogProbMismatch", "RolloutStats", "SupportStats", "TrainingHealth", "WeightSync"]
