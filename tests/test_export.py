@@ -2,6 +2,7 @@
 `python -m topp_rl.export` on the run's last.ckpt writes the same weights; the generation config holds the
 rollout's sampling settings."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -101,3 +102,37 @@ def test_cli_names_a_missing_or_foreign_checkpoint(tmp_path, capsys):
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
     with pytest.raises(ValueError, match="holds no run config"):
         export.export_checkpoint(tmp_path / "plain.ckpt", tmp_path / "out")
+
+
+NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                 reason="megatron-core (the `megatron` extra) is not installed")
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.train", "hydra")
+
+
+def _megatron_worker(rank: int, tmp: str) -> dict | None:
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"paths.output_dir={tmp}", *RUN, "trainer.max_steps=1", "parallel=tp2"])
+    run = build_run(cfg)
+    fit(run)
+    gathered = {n: t.clone() for n, t in run.module.hf_named_tensors()}  # a TP collective: both ranks
+    return gathered if run.trainer.is_global_zero else None
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+def test_megatron_tp2_run_exports_the_gathered_weights_and_the_cli_reads_its_checkpoint(tmp_path):
+    from dist_utils import run_distributed
+
+    gathered, other = run_distributed(_megatron_worker, 2, str(tmp_path / "run"), timeout=300, preload=PRELOAD)
+    assert other is None and not list(tmp_path.glob("run/.hf.*"))  # rank 1 wrote nothing
+    written = load_file(tmp_path / "run" / "hf" / "model.safetensors")
+    assert written.keys() == gathered.keys() and all(torch.equal(written[n], gathered[n]) for n in gathered)
+    export.main([str(tmp_path / "run" / "checkpoints" / "last.ckpt"), str(tmp_path / "cli")])
+    cli = load_file(tmp_path / "cli" / "model.safetensors")
+    assert cli.keys() == gathered.keys() and all(torch.equal(cli[n], gathered[n]) for n in gathered)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", local_files_only=True).eval()
+    assert torch.isfinite(_hf_logprobs(model, temperature=0.8)).all()
