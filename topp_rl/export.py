@@ -79,9 +79,11 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
     """
     from safetensors.torch import save_file
 
-    state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
     if not write:
+        for _ in named_tensors:  # take part in the collective, keep nothing (no CPU copy of the model here)
+            pass
         return None
+    state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
     if not state:
         raise ValueError(f"no weights to export to {out_dir}; the policy yielded no (name, tensor) pairs")
     target = Path(out_dir)
