@@ -1,6 +1,7 @@
-"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, weight sync, health alarms,
-held-out evaluation."""
+"""Lightning callbacks: train/rollout mismatch, candidate-set sizes, rollout figures, completions, weight sync,
+health alarms, held-out evaluation."""
 
+from callbacks.completions import CompletionsLog
 from callbacks.evaluation import Evaluation
 from callbacks.health import TrainingHealth
 from callbacks.mismatch import LogProbMismatch
@@ -8,4 +9,12 @@ from callbacks.rollout_stats import RolloutStats
 from callbacks.support import SupportStats
 from callbacks.weight_sync import WeightSync
 
-__all__ = ["Evaluation", "LogProbMismatch", "RolloutStats", "SupportStats", "TrainingHealth", "WeightSync"]
+__all__ = [
+    "CompletionsLog",
+    "Evaluation",
+    "LogProbMismatch",
+    "RolloutStats",
+    "SupportStats",
+    "TrainingHealth",
+    "WeightSync",
+]

@@ -1,10 +1,9 @@
-"""`python -m topp_rl.report`: PNGs from a synthetic run dir (Lightning CSV) and from a real W&B offline run."""
+"""`python -m topp_rl.report`: PNGs from a synthetic run dir (Lightning CSV), and one curve per job of a sweep."""
 
 import csv
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from topp_rl import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = list(range(1, 9))
+REWARD, (MASKED, UNMASKED) = report.REWARD, report.MISMATCH
 
 
 def rows():
@@ -80,34 +80,48 @@ def test_cli_writes_pngs(tmp_path):
         assert_real_png(out / name)
 
 
-def test_render_from_wandb_offline_run(tmp_path):
-    import wandb
+def write_csv(path, rows_):
+    path.parent.mkdir(parents=True)
+    fields = sorted({k for r in rows_ for k in r}, key=lambda k: (k != "step", k))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows_)
 
-    run = wandb.init(mode="offline", dir=str(tmp_path), project="topp_rl_report_test")
-    for s in STEPS:
-        run.log(
-            {
-                "rollout/reward_mean": 0.1 * s,
-                "train/rollout_logprob_abs_diff": 1e-7 * s,
-                "trainer/global_step": s,
-            }
-        )
-        run.log({"train/rollout_logprob_abs_diff_unmasked": 0.3 / s, "trainer/global_step": s})
-    run.log({"rollout/big": list(range(5000)), "trainer/global_step": 99})  # a record spanning blocks
-    run.finish()
-    (log,) = tmp_path.rglob("run-*.wandb")
-    deadline = time.monotonic() + 20  # finish() can return before the service has written the log's tail
-    while not report.wandb_run_finished(log) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    history = report.load_history(tmp_path)
-    assert history["rollout/reward_mean"] == [(float(s), pytest.approx(0.1 * s)) for s in STEPS]
-    assert history["train/rollout_logprob_abs_diff_unmasked"] == [
-        (float(s), pytest.approx(0.3 / s)) for s in STEPS
-    ]
+
+def test_sweep_dir_draws_one_curve_per_job(tmp_path):
+    """Two jobs of a sweep; the second was resumed (version_1 re-logs step 2 and goes on: it wins there)."""
+    jobs = ["0-grpo-top_p0.8-seed0", "1-grpo-top_p1.0-seed0"]
+    write_csv(tmp_path / jobs[0] / "csv/version_0/metrics.csv",
+              [{"step": s, REWARD: 0.1 * s, MASKED: 1e-7} for s in (0, 1, 2)])
+    write_csv(tmp_path / jobs[1] / "csv/version_0/metrics.csv",
+              [{"step": s, REWARD: 0.5, MASKED: 2e-7, UNMASKED: 0.2} for s in (0, 1, 2)])
+    write_csv(tmp_path / jobs[1] / "csv/version_1/metrics.csv", [{"step": s, REWARD: 0.9} for s in (2, 3)])
+    for job in jobs:
+        (tmp_path / job / report.COUNTS_FILE).write_text(json.dumps({"steps": 3, "counts": {"1": 5, "3": 2}}))
+    histories = report.load_jobs(tmp_path)
+    assert list(histories) == jobs
+    assert histories[jobs[0]][REWARD] == [(0.0, 0.0), (1.0, pytest.approx(0.1)), (2.0, pytest.approx(0.2))]
+    assert histories[jobs[1]][REWARD] == [(0.0, 0.5), (1.0, 0.5), (2.0, 0.9), (3.0, 0.9)]
+    reward = report.reward_figure(histories)
+    assert [line.get_label() for line in reward.axes[0].lines] == [f"{j}: reward mean" for j in jobs]
+    mismatch = report.mismatch_figure(histories)
+    assert [line.get_label() for line in mismatch.axes[0].lines] == [
+        f"{jobs[0]}: mask on", f"{jobs[1]}: mask on", f"{jobs[1]}: mask off (full vocabulary)"]
+    support = report.support_figure(report.read_counts(tmp_path))
+    assert [line.get_label() for line in support.axes[0].lines] == [f"{j} (7 tokens)" for j in jobs]
+    with pytest.raises(ValueError, match="holds 2 jobs"):
+        report.load_history(tmp_path)
     paths = report.render(tmp_path)
-    assert sorted(p.name for p in paths) == ["mismatch.png", "reward.png"]
+    assert sorted(p.name for p in paths) == ["mismatch.png", "reward.png", "support_size_hist.png"]
     for p in paths:
         assert_real_png(p)
+
+
+def test_versions_merge_in_numeric_order(tmp_path):
+    for version in (2, 10):  # version_10 was written after version_2: it wins on step 0
+        write_csv(tmp_path / f"csv/version_{version}/metrics.csv", [{"step": 0, REWARD: float(version)}])
+    assert report.load_history(tmp_path)[REWARD] == [(0.0, 10.0)]
 
 
 def test_missing_run_dir_or_metrics_raise(tmp_path):

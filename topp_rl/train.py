@@ -17,9 +17,10 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from callbacks.evaluation import Evaluation
+from topp_rl import loggers as run_loggers
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import (
     AtomicCheckpointIO,
@@ -29,10 +30,12 @@ from topp_rl.checkpoint import (
     exit_status_on_signal,
 )
 from topp_rl.config import validate_config
+from topp_rl.export import HFExport
 from topp_rl.hook import ToppLogProb
+from topp_rl.loggers import LogConfig
 from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
-from topp_rl.rundir import RunDir, resolve_ckpt_path, wandb_run_id
+from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
 
 SUMMARY_KEYS = (
@@ -90,33 +93,9 @@ class Run:
     loggers: list = field(default_factory=list)
 
 
-def _group_name(cfg: DictConfig) -> str | None:
-    """W&B group: `group` when set, else the sweep directory's name in multirun mode, else none."""
-    if cfg.get("group"):
-        return str(cfg.group)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            return Path(hc.sweep.dir).name
-    except ValueError:  # not under a Hydra app (a test composing the config): no sweep
-        pass
-    return None
-
-
 def build_loggers(cfg: DictConfig) -> list:
-    entries = cfg.get("logger") or {}
-    loggers = []
-    for name, entry in entries.items():
-        if entry is None:
-            continue
-        kwargs = {}
-        if name == "wandb":  # one W&B run id per run dir: a resume appends to it instead of starting another run
-            kwargs = {"group": _group_name(cfg), "id": wandb_run_id(Path(cfg.paths.output_dir)), "resume": "allow"}
-        loggers.append(instantiate(entry, **kwargs))
-    return loggers
+    """The loggers of `cfg.logger` (W&B mode / name / group / resume: `topp_rl.loggers`)."""
+    return run_loggers.build_loggers(cfg)
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> list[Callback]:
@@ -136,6 +115,11 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
         )
     # Every checkpoint records the config (checked on resume); SIGTERM / Ctrl-C save last.ckpt and exit 143 / 130.
     callbacks += [RunRecord(cfg), SignalCheckpoint(dirpath=output_dir / "checkpoints")]
+    callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
+    export = cfg.get("export") or {}
+    if export.get("hf"):  # <run dir>/hf/: an HF checkpoint dir with every checkpoint and at the end
+        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint,
+                                  rollout=OmegaConf.to_container(cfg.rollout, resolve=True)))
     callbacks.append(summary)  # last: reads what the metric callbacks logged this step
     return callbacks
 
