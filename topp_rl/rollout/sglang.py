@@ -1,21 +1,29 @@
 """`SGLangEngine`: rollouts from real SGLang servers over their native HTTP API, with exact candidate sets.
 
 One `/generate` request per sample (`input_ids`, `sampling_params`, `return_logprob`, `return_sampling_mask`),
-sent concurrently from a thread pool, round-robin over the server URLs. Per response token the Sample gets:
+sent concurrently from a thread pool: through the router (smg) when there is one, else round-robin over the
+server URLs. Per response token the Sample gets:
 - the candidate set: SGLang's sampling mask (the ids its sampler kept), decoded by `topp_rl.rollout.wire`,
   from our compact base64 arrays when the server carries `patches/sglang` (detected by a probe request),
   else from SGLang's nested JSON lists;
 - `rollout_log_probs`: SGLang's `output_token_sampling_logprobs`, the sampled token's log-prob renormalised
   over the kept set;
 - `rollout_raw_log_probs`: SGLang's `output_token_logprobs` (log_softmax(logits / T) before truncation).
-Departures from SGLang's defaults: `top_k=0` (no top-k) is sent as top_k = vocab size, because the sampling
-mask needs a finite top_k (the server is started with `--sampling-mask-max-tokens` = vocab size); an untruncated
-request (top_p=1, top_k=0, min_p=0) asks for no mask (the set is the whole vocabulary) and records no candidates,
-its renormalised log-prob being the raw one. A seed is forwarded as a per-sample `sampling_seed` (seed, index);
-SGLang honours it only on servers started with `--enable-deterministic-inference`, which its CPU torch_native
-backend rejects, so on CPU a seed does not reproduce a rollout (and with min_p > 0 no seed is sent: SGLang's
-seeded sampler asserts on min-p). Connection errors and 5xx are retried with bounded exponential backoff; an
-aborted request yields an empty Sample with status "aborted", never a half-filled one.
+Departures from SGLang's defaults: the mask needs a finite top_k, so a request without one (top_k=0), or with
+one above `max_candidates`, is sent as top_k = max_candidates + 1 (at most the vocab size), and launched servers
+get `--sampling-mask-max-tokens` = that. A sample whose kept set exceeds `max_candidates` at any token (it
+arrives as a full row of max_candidates + 1 ids) is never cut to the cap: it is ABORTED, with
+`metadata["candidate_overflow"] = True` and the reason; so is one SGLang itself aborts for a set over its cap
+(HTTP 400). A set of at most max_candidates ids is exactly the one the user's parameters keep. An untruncated
+request (top_p=1, top_k=0, min_p=0) asks for no mask (the set is the whole vocabulary) and records no
+candidates, its renormalised log-prob being the raw one. A seed is forwarded as a per-sample `sampling_seed`
+(seed, index); SGLang honours it only on servers started with `--enable-deterministic-inference`, which its CPU
+torch_native backend rejects, so on CPU a seed does not reproduce a rollout (and with min_p > 0 no seed is
+sent: SGLang's seeded sampler asserts on min-p). Connection errors and 5xx are retried with bounded exponential
+backoff (on top of the router's own retries on another worker); an aborted request yields an empty Sample with
+status "aborted", never a half-filled one.
+
+Control calls (weight updates, pause / continue) go to every worker directly; smg does not route them.
 
 No silent hangs: every wait is bounded, separately: connect (`connect_timeout_s`), first byte (a base plus an
 allowance per prompt + new token of a /generate, per GB of weights of an update), and the whole request (first
