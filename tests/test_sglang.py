@@ -318,8 +318,8 @@ def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, mod
 
 
 def test_server_process_group_and_work_dir_gone_after_close(engine):
-    pgid = engine.server.pid
-    members = [int(p) for p in os.listdir("/proc") if p.isdigit() and pgid(int(p)) == pgid]
+    group = engine.server.pid
+    members = [int(p) for p in os.listdir("/proc") if p.isdigit() and pgid(int(p)) == group]
     assert len(members) >= 4, (
         "watchdog, HTTP server, scheduler and detokenizer share the server's process group"
     )
@@ -328,7 +328,7 @@ def test_server_process_group_and_work_dir_gone_after_close(engine):
     )
     assert engine.workdir.parent == Path(tempfile.gettempdir())
     engine.close()
-    assert not _group_alive(pgid)
+    assert not _group_alive(group)
     assert not engine.workdir.exists()  # log, disk-sync copies and rendezvous file with it
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"
