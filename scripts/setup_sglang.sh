@@ -6,7 +6,8 @@
 # new one. SGLang's own pins (torch 2.14 CUDA, sgl-kernel, flashinfer) conflict with the project venv, hence a
 # venv of its own. Order matters: torch==2.13.0 (the CPU build) first, then sglang --no-deps, then only the
 # runtime deps its imports need (scripts/sglang-requirements.txt, constrained by scripts/sglang-constraints.txt),
-# then the two CPU stand-ins (scripts/sglang_standins/) and our patch (patches/sglang/).
+# then the router (smg, `python -m smg launch`), the two CPU stand-ins (scripts/sglang_standins/) and our patch
+# (patches/sglang/).
 #
 #   scripts/setup_sglang.sh               build if needed (a few minutes from nothing), print the python path
 #   scripts/setup_sglang.sh --print-path  print the path if built, exit 1 otherwise (never builds)
@@ -42,6 +43,9 @@ cons=(-c scripts/sglang-constraints.txt)
 # pip then lists "sglang 0.5.23 requires X, which is not installed / but you have Y": expected, since sglang's
 # metadata pins the CUDA stack (torch 2.14.1, sglang-kernel, flashinfer, ...) that we replace on purpose.
 "${pip[@]}" "${cons[@]}" -r scripts/sglang-requirements.txt >&2
+# The SGLang model gateway (router). --no-deps: `smg launch` imports only setproctitle and PyYAML (both above);
+# its declared grpcio deps serve `smg serve` / gRPC workers, which we do not use.
+"${pip[@]}" --no-deps "smg==$(sed -n 's/^smg==//p' scripts/sglang-constraints.txt)" >&2
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -rf "$site/sgl_kernel" "$site/torchvision_cpu_fix"
@@ -58,7 +62,7 @@ for p in $(LC_ALL=C ls patches/sglang/*.patch | LC_ALL=C sort); do
 done
 # Import check of the server entry point (fails here, not in the first test, when a dependency is missing).
 SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c \
-  "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, torchvision" >&2
+  "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, torchvision, smg.launch_router" >&2
 echo "$key" > "$stamp"
 echo "[setup_sglang] done" >&2
 echo "$venv/bin/python"

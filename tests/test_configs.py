@@ -63,9 +63,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
                                                                                                  loss.aggregation))
         assert type(advantage).__name__ == algo_cfg.advantage._target_.rsplit(".", 1)[1]
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-    assert [type(c).__name__ for c in callbacks] == ["LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync",
-                                                     "CompletionsLog",
-                                                     "TrainingHealth"]
+    assert [type(c).__name__ for c in callbacks] == [
+        "LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync", "CompletionsLog", "TrainingHealth"]
     trainer = instantiate(cfg.trainer, logger=[instantiate(cfg.logger.csv)], callbacks=callbacks)
     assert trainer.max_steps == cfg.trainer.max_steps == 120
     task = instantiate(cfg.task)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import topp_rl
-from topp_rl.rollout.sglang import SGLangEngine, SGLangTimeoutError
-from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
+from topp_rl.rollout.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
+from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir, sglang_python
 
 
 class _HungServer:
@@ -106,3 +106,46 @@ def test_work_dir_of_a_dead_process_is_cleaned_at_next_start(tmp_path):
     assert sorted(p.name for p in dead.iterdir()) == ["server.log"]
     assert (dead / "server.log").read_text() == "why it died"
     assert (live / "weights-y").is_dir() and (live / "owner").is_file()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"urls": ["http://127.0.0.1:1"], "router_url": "http://127.0.0.1:2"},
+         r"urls \(\['http://127.0.0.1:1'\]\) and router_url \('http://127.0.0.1:2'\) are exclusive"),
+        ({"urls": ["http://127.0.0.1:1"], "num_servers": 2},
+         r"urls= connects to running workers, but num_servers=2, router=False ask to launch them"),
+        ({"router_url": "http://127.0.0.1:2", "router": True},
+         r"router_url= connects to running workers, but num_servers=1, router=True ask to launch them"),
+        ({"model_path": "m", "num_servers": 0}, r"num_servers \(0\) must be an integer >= 1"),
+        ({"model_path": "m", "router_policy": "fastest"}, r"router_policy \('fastest'\) must be one of \["),
+        ({"model_path": "m", "max_candidates": 0}, r"max_candidates \(0\) and weight_bucket_bytes"),
+        ({}, r"needs urls=\[...\] of running servers, router_url= of a running router, or model_path="),
+    ],
+    ids=["urls+router_url", "urls+num_servers", "router_url+router", "num_servers", "policy", "max_candidates",
+         "nothing"],
+)  # fmt: skip
+def test_worker_modes_are_exclusive_and_checked_before_anything_starts(kwargs, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        SGLangEngine(vocab_size=64, workdir=tmp_path, **kwargs)
+    assert list(tmp_path.iterdir()) == []  # nothing launched, no work dir made
+
+
+def test_sglangs_own_overflow_abort_is_recognised():
+    """SGLang aborts a request whose realised set exceeds --sampling-mask-max-tokens (HTTP 400; on GPU from top-k
+    ties, unreachable on CPU): the marker the client matches must be in SGLang's source, and the body's
+    message is what the aborted sample reports."""
+    python = sglang_python()
+    if python is None:
+        pytest.skip("TOPP_RL_SGLANG_PYTHON is unset")
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    source = Path(site, "sglang/srt/managers/scheduler_components/batch_result_processor.py").read_text()
+    assert f'"{_SGLANG_OVERFLOW}=' in source
+    body = (
+        '{"error": {"message": "Sampling support exceeds --sampling-mask-max-tokens=65, commonly because"}}'
+    )
+    assert _error_message(body).startswith(f"{_SGLANG_OVERFLOW}=65")
+    sample = SGLangEngine._overflow_sample([1, 2], _error_message(body), weight_version=None)
+    assert sample.status == "aborted" and sample.metadata["candidate_overflow"] is True
+    assert sample.metadata["finish_reason"] == {"type": "abort", "message": _error_message(body)}

@@ -89,7 +89,8 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
                 client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=17))
             assert 2.0 + 0.05 * 20 <= time.monotonic() - start < 2.0 + 0.05 * 20 + 1.5
             start = time.monotonic()
-            with pytest.raises(SGLangTimeoutError, match=rf"{url}: POST /update_weights_from_disk .*per_gb"):
+            # A sync's first call to the worker, pausing its generation, is bounded like the weight push itself.
+            with pytest.raises(SGLangTimeoutError, match=rf"{url}: POST /pause_generation .*per_gb"):
                 client.update_weights(model.named_parameters())
             assert 2.0 <= time.monotonic() - start < 3.5
         finally:
@@ -101,7 +102,7 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
             if ln.startswith(f"[topp_rl] SGLang server {url}")
         ]
         assert any("POST /generate waiting" in ln for ln in lines)
-        assert any("POST /update_weights_from_disk waiting" in ln for ln in lines)
+        assert any("POST /pause_generation waiting" in ln for ln in lines)
 
         # SIGKILL the trainer mid disk sync: the watchdog takes the server's whole group down.
         trainer.stdin.write("go\n")

@@ -108,13 +108,16 @@ def make_workdir(root: str | os.PathLike | None = None) -> Path:
 
 
 def remove_workdir(path: Path, *, keep_log: bool) -> None:
-    """Remove the work dir; with `keep_log`, everything but `server.log` (and the dir holding it)."""
-    if not keep_log or not (path / "server.log").is_file():
+    """Remove the work dir; with `keep_log`, everything but the logs (`server.log`, `server-<k>/server.log` of
+    several servers, `router.log`) and the dirs holding them."""
+    logs = [p for p in path.rglob("*.log") if p.is_file()] if keep_log and path.is_dir() else []
+    if not logs:
         shutil.rmtree(path, ignore_errors=True)
         return
-    for entry in path.iterdir():
-        if entry.name != "server.log":
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    for entry in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
+        if entry in logs or (entry.is_dir() and any(log.is_relative_to(entry) for log in logs)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def sweep_stale_workdirs(root: Path) -> list[Path]:
@@ -171,7 +174,7 @@ class SGLangServer:
         startup_timeout_s: float = 240.0,
         progress_interval_s: float = 30.0,
     ) -> None:
-        python = require_sglang_python(python)
+        self.python = python = require_sglang_python(python)
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise ValueError(f"model_path ({self.model_path}) has no config.json; pass an HF checkpoint dir")
@@ -197,11 +200,7 @@ class SGLangServer:
             *extra_args,
         ]  # fmt: skip
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        # A new session makes the watchdog the leader of the server's process group: stop() kills the group.
-        self._proc = subprocess.Popen(
-            [str(python), "-c", _WATCHDOG, str(os.getpid()), *cmd],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
-        )  # fmt: skip
+        self._proc = spawn_group(python, cmd, log=self._log, env=self._env())
         try:
             self._wait_ready(startup_timeout_s, progress_interval_s)
         except BaseException:
@@ -259,16 +258,7 @@ class SGLangServer:
         """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`; idempotent."""
         if not self._log.closed and self._proc.poll() is not None:
             self.failed = True  # it exited before anyone asked it to
-        if self._proc.poll() is None or _group_alive(self._proc.pid):
-            _signal_group(self._proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and _group_alive(self._proc.pid):
-                self._proc.poll()  # reap the leader so the group check sees it gone
-                time.sleep(0.2)
-            _signal_group(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(timeout=timeout_s)
-            while _group_alive(self._proc.pid) and time.monotonic() < deadline + timeout_s:
-                time.sleep(0.1)
+        stop_group(self._proc, timeout_s=timeout_s)
         if not self._log.closed:
             self._log.close()
             if self.failed:
@@ -289,6 +279,29 @@ class SGLangServer:
                 _signal_group(self._proc.pid, signal.SIGKILL)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def spawn_group(python: Path, cmd: list[str], *, log, env: dict[str, str]) -> subprocess.Popen:
+    """Start `cmd` behind `_WATCHDOG` (run by `python`) in a new session: the watchdog leads the process group
+    that `stop_group` kills, and takes the group down when this process dies."""
+    return subprocess.Popen(
+        [str(python), "-c", _WATCHDOG, str(os.getpid()), *cmd],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+
+
+def stop_group(proc: subprocess.Popen, *, timeout_s: float) -> None:
+    """SIGTERM the process group led by `proc`, SIGKILL what is left after `timeout_s`, wait until it is gone."""
+    if proc.poll() is None or _group_alive(proc.pid):
+        _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            proc.poll()  # reap the leader so the group check sees it gone
+            time.sleep(0.2)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+        while _group_alive(proc.pid) and time.monotonic() < deadline + timeout_s:
+            time.sleep(0.1)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

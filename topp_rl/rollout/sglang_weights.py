@@ -7,19 +7,23 @@ init_custom_process_group` (a TCP rendezvous, a PrefixStore named after the grou
 `_new_process_group_helper`, outside the default process group). sglang is not importable from the trainer's
 venv (its pins conflict with ours), so `_trainer_group` builds the same group with the same torch calls; a plain
 `init_process_group` would create the default group instead and does not meet the server's rendezvous.
-Per update: `/begin_weight_update`, then `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0
-broadcasts each tensor in the same order, then `/end_weight_update`.
+Per update: `/begin_weight_update`, then per bucket (`iter_buckets`: consecutive tensors up to `bucket_bytes`,
+default 512 MiB; a bigger tensor goes alone) one `/update_weights_from_distributed` (names, dtypes, shapes) while
+rank 0 broadcasts each tensor of the bucket in the same order, then `/end_weight_update`. Buckets bound what the
+trainer holds at once: the named tensors are consumed lazily (a TP-gathering source materialises one bucket at a
+time) and each bucket's HTTP wait is bounded by its own size.
 Listeners: the trainer's TCPStore listens on a socket we bind to `host` ourselves (`master_listen_fd`; given only
 a host name, torch binds every interface), and on a loopback `host` gloo / NCCL bind the loopback interface.
 """
 
 import contextlib
+import itertools
 import os
 import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ from safetensors.torch import save_file
 
 from topp_rl.rollout.sglang_server import LOOPBACK_IFNAME, is_loopback
 
-PostFn = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+PostFn = Callable[[str, str, dict[str, Any], int], dict[str, Any]]  # (url, path, body, weight bytes) -> JSON
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -87,7 +91,10 @@ class DistributedWeightSender:
             })
             for k, url in enumerate(self.urls)
         ]  # fmt: skip
-        with _in_threads(self._post, calls), _pinned_to_loopback(is_loopback(host)):
+        with (
+            _in_threads(lambda url, path, b: self._post(url, path, b, 0), calls),
+            _pinned_to_loopback(is_loopback(host)),
+        ):
             try:
                 self.group = _trainer_group(store, self.world_size, self.backend, group_name, timeout)
             except RuntimeError as err:
@@ -96,36 +103,75 @@ class DistributedWeightSender:
                     f"{err}; check that the servers can reach {host}:{port} (weight_sync_host)"
                 ) from None
 
-    def send(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def send(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int, version: str
+    ) -> tuple[int, int]:
+        """Broadcast `named` in buckets of at most `bucket_bytes` (a bigger tensor alone); returns (bytes, buckets).
+        The servers tag their weights `version` (SGLang's weight_version, echoed in every /generate answer)."""
+        buckets = iter_buckets(named, bucket_bytes)
+        first = next(buckets, None)
+        if first is None:
+            raise ValueError(
+                "update_weights got no tensors; pass model.named_parameters() or a state_dict's items"
+            )
+        for url in self.urls:
+            self._post(url, "/begin_weight_update", {}, 0)
+        total = count = 0
+        for bucket in itertools.chain([first], buckets):
+            total += self._send_bucket(bucket, version)
+            count += 1
+        for url in self.urls:
+            self._post(url, "/end_weight_update", {}, 0)
+        return total, count
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str) -> int:
         device = "cuda" if self.backend == "nccl" else "cpu"
-        tensors = [t.detach().to(device).contiguous() for _, t in named]
+        tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         body = {
-            "names": [name for name, _ in named],
+            "names": [name for name, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": self.group_name,
             "flush_cache": True,
+            "weight_version": version,
         }
-        for url in self.urls:
-            self._post(url, "/begin_weight_update", {})
-        with _in_threads(self._post, [(url, "/update_weights_from_distributed", body) for url in self.urls]):
+        calls = [(url, "/update_weights_from_distributed", body) for url in self.urls]
+        with _in_threads(lambda url, path, b: self._post(url, path, b, nbytes), calls):
             try:
                 for t in tensors:  # the servers post one receive per name, in this order
                     dist.broadcast(t, src=0, group=self.group)
             except RuntimeError as err:  # gloo / NCCL timeout: a server stopped receiving
                 raise RuntimeError(
                     f"weight broadcast to SGLang servers {self.urls} failed or took over {self.timeout_s:.0f} s "
-                    f"(weight-update bound): {err}"
+                    f"(weight-update bound of one bucket): {err}"
                 ) from None
-        for url in self.urls:
-            self._post(url, "/end_weight_update", {})
+        return nbytes
 
     def close(self) -> None:
         for url in self.urls:
             with contextlib.suppress(Exception):  # the server may already be gone
-                self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+                self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 0)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self.group)
+
+
+def iter_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) runs of at most `bucket_bytes` each; a tensor larger than that is its own run."""
+    if bucket_bytes < 1:
+        raise ValueError(f"weight_bucket_bytes ({bucket_bytes}) must be >= 1; SGLang's usual size is 512 MiB")
+    bucket, size = [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _trainer_group(
@@ -157,7 +203,9 @@ def _pinned_to_loopback(active: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _in_threads(post: PostFn, calls: list[tuple[str, str, dict[str, Any]]]) -> Iterator[None]:
+def _in_threads(
+    post: Callable[[str, str, dict[str, Any]], Any], calls: list[tuple[str, str, dict[str, Any]]]
+) -> Iterator[None]:
     """Run blocking HTTP calls in background threads around the body (they return once the collective ends);
     re-raise the first error."""
     errors: list[BaseException] = []

@@ -1,0 +1,117 @@
+"""Checks shared by the real-SGLang tests (one server: test_sglang.py; two behind a router: test_sglang_router.py):
+the tiny test model, candidate sets and log-probs against HF transformers in float32, listening sockets."""
+
+import copy
+import ipaddress
+import os
+from pathlib import Path
+
+import torch
+
+from topp_rl.models import build_tiny_model
+from topp_rl.ops import sampling_candidates
+from topp_rl.rollout import SampleStatus
+
+VOCAB = 512
+TOL = 1e-4  # float32 forward in two engines (SGLang torch_native vs HF eager)
+PROMPTS = [[1, 5, 9, 14, 20], [1, 33, 7], [1, 60, 61, 62, 63, 64, 65, 66]]
+
+
+def tiny_model():
+    # initializer_range 0.4 makes the random logits peaked enough that top-p sets are small and varied.
+    return build_tiny_model("qwen2", vocab_size=VOCAB, hidden=64, layers=2, tie_embeddings=False,
+                            max_positions=4096, initializer_range=0.4, seed=3)  # fmt: skip
+
+
+def changed_model(model):
+    """`model` with its output head scaled by 1.5 (every next-token distribution changes)."""
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.lm_head.weight.mul_(1.5)
+    return changed
+
+
+def hf_logits(model, sample) -> torch.Tensor:
+    """Logits [R, V] that produced each response token (float32, HF eager)."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    p = len(sample.prompt_ids)
+    return logits[p - 1 : p - 1 + sample.response_length]
+
+
+def boundary_explained(probs_row: torch.Tensor, diff: set[int], top_p: float) -> bool:
+    """True when every id in the symmetric difference sits where float32 rounding can flip SGLang's top-p rule
+    (its mass-before is within TOL of top_p)."""
+    order = torch.sort(probs_row, descending=True, stable=True).indices
+    before = torch.cumsum(probs_row[order], 0) - probs_row[order]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return all(abs(float(before[rank[i]]) - top_p) < TOL for i in diff)
+
+
+def check_candidates(samples, model, params) -> list[int]:
+    """Every recorded set equals `sampling_candidates` on HF float32 logits (up to top-p boundary rounding) and
+    holds the sampled token; both log-probs match HF's. Returns the set sizes seen."""
+    sizes = []
+    for s in samples:
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.response_length > 0
+        logits = hf_logits(model, s)
+        ref = sampling_candidates(logits, temperature=params.temperature, top_p=params.top_p,
+                                  top_k=params.top_k, min_p=params.min_p)  # fmt: skip
+        scaled = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = scaled.exp()
+        for i, tok in enumerate(s.response_ids):
+            got = set(s.candidates.ids[s.candidates.offsets[i] : s.candidates.offsets[i + 1]].tolist())
+            want = set(ref.ids[ref.offsets[i] : ref.offsets[i + 1]].tolist())
+            assert tok in got, f"sampled token {tok} missing from its recorded set"
+            if got != want:
+                assert boundary_explained(probs[i], got ^ want, params.top_p), (
+                    f"sample {s.index} token {i}: SGLang kept {sorted(got)[:20]}..., "
+                    f"sampling_candidates kept {sorted(want)[:20]}..."
+                )
+            kept = torch.tensor(sorted(got))
+            renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)
+            assert abs(float(renorm) - s.rollout_log_probs[i]) <= TOL
+            assert abs(float(scaled[i, tok]) - s.rollout_raw_log_probs[i]) <= TOL
+            sizes.append(len(got))
+    return sizes
+
+
+def pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def group_members(group: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and pgid(int(p)) == group]
+
+
+def listening(pids: set[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(bound address, pid) of every listening TCP socket of `pids` (from /proc/net/tcp{,6})."""
+    owner = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owner:  # state 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # each 32-bit word is in host (little-endian) order
+                addr = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                mapped = getattr(addr, "ipv4_mapped", None)
+                found.append((mapped or addr, owner[fields[9]]))
+    return found
