@@ -7,14 +7,18 @@ on that rank's peers, which still walk the export: it is a TP collective. The we
 sharded backbone gathers its TP shards there, collectively). Tensors go out under their HF names, detached but
 neither copied nor cast (the engine decides its dtype), as a lazy iterator so no second copy of the model is
 built. Weights are also pushed once at train start, so a run resumed from a checkpoint does not sample with the
-initial weights.
+initial weights. Each step's push is timed and its bytes counted (`perf/weight_sync_s`,
+`perf/weight_sync_bytes`, over the ranks that push).
 """
 
+import time
+from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from callbacks._common import log_metrics
 from topp_rl.backbone import WeightSource
 from topp_rl.rollout.engine import RolloutEngine
 
@@ -50,16 +54,20 @@ class WeightSync(Callback):
             )
         return pl_module
 
-    def push(self, trainer, pl_module) -> None:
+    def push(self, trainer, pl_module) -> dict[str, tuple[float, float]]:
+        """Push the weights; (sum, count) pairs of this rank's push time and bytes (count 0 without an engine)."""
         engine = self.engine(trainer)
+        start, counter = time.perf_counter(), _ByteCounter()
         with torch.no_grad():
-            named = self.source(pl_module).hf_named_tensors()
+            named = counter.wrap(self.source(pl_module).hf_named_tensors())
             if engine is None:
                 for _ in named:  # a TP collective: take part in the gathers, drop the tensors
                     pass
-                return
+                return {"perf/weight_sync_s": (0.0, 0.0), "perf/weight_sync_bytes": (0.0, 0.0)}
             engine.update_weights(named)
         self.pushes += 1
+        return {"perf/weight_sync_s": (time.perf_counter() - start, 1.0),
+                "perf/weight_sync_bytes": (float(counter.bytes), 1.0)}
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.engine(trainer), self.source(pl_module)  # fail at start, not after the first step
@@ -67,4 +75,16 @@ class WeightSync(Callback):
             self.push(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.push(trainer, pl_module)
+        log_metrics(trainer, pl_module, self.push(trainer, pl_module))
+
+
+class _ByteCounter:
+    """Counts the bytes of the tensors an iterator yields, as the engine consumes them."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def wrap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor

@@ -246,6 +246,9 @@ class RolloutDataModule(L.LightningDataModule):
             ),
             "rollout/dropped_group_frac": (float(dropped), float(groups)),
             "rollout/num_micro_batches": (float(len(micro)), 1.0),
+            # Samples whose kept set outgrew rollout.max_candidates: aborted by the engine, never truncated.
+            "rollout/candidate_overflow_frac": (float(sum(bool(s.metadata.get("candidate_overflow")) for s in samples)),
+                                                float(len(samples))),
         }
         if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
             stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
