@@ -93,6 +93,7 @@ def fit(policy, items, *, strategy, devices: int, tmp: str):
     )
     record = _Record()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                        use_distributed_sampler=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[record], default_root_dir=tmp)
     loader = DataLoader(items, batch_size=1, collate_fn=lambda xs: xs[0])
@@ -113,7 +114,11 @@ def _worker(rank: int, tmp: str) -> dict:
     for tp, cp in LAYOUTS:
         dp = world // (tp * cp)
         data = steps_data(dp, vocab=128)
-        items = [SimpleNamespace(micro_batches=shard) for step in data for shard in step]  # DP sampler: rank::dp
+        # This rank's DP shard of every step, in step order (Megatron orders ranks TP fastest, then CP, then DP).
+        # Lightning's DistributedSampler would shuffle the items with PL_GLOBAL_SEED, which an earlier in-process
+        # run may have set: steps would then mix up.
+        dp_rank = rank // (tp * cp)
+        items = [SimpleNamespace(micro_batches=step[dp_rank]) for step in data]
         model = build_tiny_model("qwen2", seed=5)
         strategy = MegatronStrategy(tp_size=tp, cp_size=cp, process_group_backend="gloo")
         module, norms, trainer = fit(model, items, strategy=strategy, devices=world, tmp=tmp)
