@@ -75,6 +75,13 @@ def _requests_served(url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _running(url: str) -> float:
+    """Requests the worker is decoding right now (its Prometheus gauge)."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    found = re.search(r"^sglang:num_running_reqs\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_router_passes_exact_candidate_sets_and_both_workers_serve(engine, model):
     assert engine.router_url == engine.launched_router.url and len(engine.urls) == 2
     before = {url: _requests_served(url) for url in engine.urls}
@@ -172,15 +179,20 @@ def test_killing_a_worker_mid_rollout_finishes_through_the_other(engine, model):
     engine.extra_sampling_params = {"ignore_eos": True}  # every sample runs 64 tokens: ~3 s on 2 cores
     try:
         worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS, params)))
-        start = time.monotonic()
         worker.start()
-        time.sleep(1.0)  # both workers are decoding their halves
+        # Kill the victim while it decodes its share (polled, not a fixed sleep: on a loaded machine the
+        # requests reach it late, and a fast one could finish before a fixed delay).
+        deadline = time.monotonic() + 60
+        while _running(victim.url) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running(victim.url) > 0, "the victim never started decoding"
         os.killpg(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
         worker.join(timeout=120)
     finally:
         engine.extra_sampling_params = {}
-    elapsed = time.monotonic() - start
-    assert not worker.is_alive() and elapsed < 60, f"rollout still running after {elapsed:.0f} s"
+    elapsed = time.monotonic() - killed
+    assert not worker.is_alive() and elapsed < 60, f"rollout still running {elapsed:.0f} s after the kill"
     samples = result["samples"]
     assert [s.status for s in samples] == [SampleStatus.TRUNCATED] * 24
     assert all(s.response_length == 64 for s in samples)
