@@ -14,8 +14,10 @@ Listeners: the HTTP server binds `host` (127.0.0.1 by default). On loopback, SGL
 through a file (`SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=file://...`) instead of a TCPStore, which would
 listen on every interface whatever address it is given, and gloo / NCCL sockets are pinned to the loopback
 interface. A non-loopback `host` (multi-node) leaves SGLang's defaults alone.
-Departure from SGLang's defaults: on CPU we always pass `--device cpu --attention-backend torch_native
---skip-tokenizer-init` (token ids in, token ids out) and float32 unless asked otherwise, for exact checks.
+Departure from SGLang's defaults: we always pass `--skip-tokenizer-init` (token ids in, token ids out),
+`--sampling-backend pytorch` and float32 unless asked otherwise, for exact checks; `device="cpu"` (the default)
+adds `--device cpu --attention-backend torch_native` and SGLang's CPU engine, `device="cuda"` leaves SGLang's
+GPU defaults (use a CUDA SGLang 0.5.23 venv with `patches/sglang` applied, via `python=`).
 """
 
 import ipaddress
@@ -167,6 +169,7 @@ class SGLangServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         dtype: str = "float32",
+        device: str = "cpu",
         max_total_tokens: int = 8192,
         sampling_mask_max_tokens: int | None = None,
         random_seed: int = 0,
@@ -184,11 +187,14 @@ class SGLangServer:
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.log_path = self.workdir / "server.log"
         self.failed = False
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"SGLang server device={device!r} must be 'cpu' or 'cuda'")
+        self.device = device
+        cpu = ("--device", "cpu", "--attention-backend", "torch_native") if device == "cpu" else ()
         cmd = [
             str(python), "-m", "sglang.launch_server",
             "--model-path", str(self.model_path),
-            "--device", "cpu",
-            "--attention-backend", "torch_native",
+            *cpu,
             "--sampling-backend", "pytorch",
             "--skip-tokenizer-init",
             "--host", host,
@@ -209,7 +215,9 @@ class SGLangServer:
             raise
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow SGLang's pins
         if is_loopback(self.host):
             # A file rendezvous opens no port (torch's TCPStore master binds all interfaces, whatever host);
