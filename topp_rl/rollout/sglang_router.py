@@ -16,7 +16,6 @@ retries (`SGLangEngine.max_retries`) come on top, so a dead worker never hangs a
 """
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import requests
 
-from topp_rl.rollout.sglang_server import free_port, require_sglang_python, spawn_group, stop_group
+from topp_rl.rollout.sglang_server import LoggedProcessGroup, free_port, require_sglang_python, spawn_group
 
 # smg 1.13's policies for a regular (not prefill/decode-disaggregated) fleet; "manual" and "passthrough" need
 # routing headers this client does not send.
@@ -38,11 +37,13 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-class SGLangRouter:
+class SGLangRouter(LoggedProcessGroup):
     """One smg router process group at `self.url` in front of `worker_urls`; a context manager.
 
     Ready once smg reports every worker healthy (`GET /readiness`). `log_path` (`workdir/router.log`) is kept
     when it failed."""
+
+    kind = "router"
 
     def __init__(
         self,
@@ -120,22 +121,9 @@ class SGLangRouter:
             f"{timeout_s:.0f} s (startup_timeout_s; last answer: {last}); log: {self.log_path}"
         )
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `timeout_s`; idempotent."""
-        if not self._log.closed and self._proc.poll() is not None:
-            self.failed = True  # it exited before anyone asked it to
-        stop_group(self._proc, timeout_s=timeout_s)
-        if not self._log.closed:
-            self._log.close()
-            if self.failed:
-                print(f"[topp_rl] SGLang router {self.url} failed; its log is kept at {self.log_path}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+        self._stop_group(timeout_s)
 
     def __enter__(self) -> "SGLangRouter":
         return self

@@ -153,12 +153,42 @@ def _owner_id(pid: int) -> str:
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
-class SGLangServer:
+class LoggedProcessGroup:
+    """What a launched server and router share: a process group (`_proc`) writing to `log_path` (`_log`)."""
+
+    url: str
+    log_path: Path
+    failed: bool
+    kind: str = "process"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _stop_group(self, timeout_s: float) -> bool:
+        """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
+        if not self._log.closed and self._proc.poll() is not None:
+            self.failed = True  # it exited before anyone asked it to
+        stop_group(self._proc, timeout_s=timeout_s)
+        if self._log.closed:
+            return False
+        self._log.close()
+        if self.failed:
+            print(f"[topp_rl] SGLang {self.kind} {self.url} failed; its log is kept at {self.log_path}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+
+class SGLangServer(LoggedProcessGroup):
     """One SGLang server process group serving `model_path` at `self.url`; a context manager.
 
     `workdir` holds its log (`server.log`) and rendezvous file; without one the server makes (and on a clean
     stop removes) its own. `failed` is True once the server exited on its own or did not come up; its log is
     then kept and its path printed."""
+
+    kind = "server"
 
     def __init__(
         self,
@@ -256,24 +286,10 @@ class SGLangServer:
             f"log: {self.log_path}; last lines:\n{self.log_tail()}"
         )
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def stop(self, *, timeout_s: float = 20.0) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`; idempotent."""
-        if not self._log.closed and self._proc.poll() is not None:
-            self.failed = True  # it exited before anyone asked it to
-        stop_group(self._proc, timeout_s=timeout_s)
-        if not self._log.closed:
-            self._log.close()
-            if self.failed:
-                print(f"[topp_rl] SGLang server {self.url} failed; its log is kept at {self.log_path}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            if self._owns_workdir:
-                remove_workdir(self.workdir, keep_log=self.failed)
+        if self._stop_group(timeout_s) and self._owns_workdir:
+            remove_workdir(self.workdir, keep_log=self.failed)
 
     def __enter__(self) -> "SGLangServer":
         return self
