@@ -1,7 +1,8 @@
 """Two "nodes" on loopback: `torchrun --nnodes=2 --nproc-per-node=2` with Megatron TP=2 (so DP=2 across the
 nodes) trains exactly like the same job on one node (`--nnodes=1 --nproc-per-node=4`): the same global ranks
 hold the same shards and rollouts, so loss, reward and mismatch agree step for step. Real torchrun, real
-Lightning TorchElasticEnvironment, the embedded engine (one per TP group, on its source rank)."""
+Lightning TorchElasticEnvironment, the embedded engine (one per TP group, on its source rank); and the same
+two-node job fed by real SGLang servers, each behind a real router (smg)."""
 
 import csv
 import importlib.util
@@ -21,7 +22,7 @@ JOB = [
     "trainer.enable_progress_bar=false",
 ]
 KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_logprob_abs_diff",
-        "train/rollout_logprob_abs_diff_max")
+        "train/rollout_logprob_abs_diff_max", "train/rollout_logprob_abs_diff_unmasked")
 
 pytestmark = [
     pytest.mark.distributed, pytest.mark.slow,
@@ -36,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run_dir: Path, *, nnodes: int, nproc: int) -> None:
+def _launch(run_dir: Path, *, nnodes: int, nproc: int, extra: tuple[str, ...] = ()) -> None:
     """Start every node's torchrun (all on this machine), wait for all, fail with their logs on error."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
@@ -44,7 +45,7 @@ def _launch(run_dir: Path, *, nnodes: int, nproc: int) -> None:
     for node in range(nnodes):
         cmd = [str(TORCHRUN), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node}",
                "--master-addr=127.0.0.1", f"--master-port={port}", "train.py", *JOB,
-               f"trainer.num_nodes={nnodes}", f"trainer.devices={nproc}", f"hydra.run.dir={run_dir}"]
+               f"trainer.num_nodes={nnodes}", f"trainer.devices={nproc}", f"hydra.run.dir={run_dir}", *extra]
         log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), log))
@@ -77,3 +78,21 @@ def test_two_nodes_on_loopback_train_like_one_node(tmp_path):
     for key in KEYS:
         assert two[key] == pytest.approx(one[key], rel=0, abs=1e-5), key
     assert "[topp_rl] layout: world=4 dp=2 tp=2 cp=1" in (tmp_path / "two_nodes-node0.log").read_text()
+
+
+@pytest.mark.sglang
+def test_two_nodes_with_sglang_behind_a_router(tmp_path):
+    """Each DP rank's source (global ranks 0 and 2, one per "node") launches one SGLang server behind its own
+    router; SGLang on CPU ignores seeds, so the check is exactness on the on-policy pass, not equality with
+    another run."""
+    from topp_rl.rollout.sglang_server import sglang_python
+
+    if sglang_python() is None:
+        pytest.skip("no SGLang python: set TOPP_RL_SGLANG_PYTHON=$(bash scripts/setup_sglang.sh)")
+    run_dir = tmp_path / "two_nodes_sglang"
+    _launch(run_dir, nnodes=2, nproc=2, extra=("rollout=sglang", "rollout.engine.router=true", "export.hf=false"))
+    metrics = _metrics(run_dir)
+    assert len(metrics["train/loss"]) == 3
+    assert max(metrics["train/rollout_logprob_abs_diff_max"]) <= 1e-4  # float32 server vs Megatron trainer
+    assert "[topp_rl] layout: world=4 dp=2 tp=2 cp=1" in (tmp_path / "two_nodes_sglang-node0.log").read_text()
+    assert min(metrics["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3  # the sets came through the router

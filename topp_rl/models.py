@@ -184,7 +184,13 @@ def save_model(
     """Write an HF checkpoint directory (safetensors) that `load_hf` and external engines can read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    # transformers 5 writes only on global rank 0 once torch.distributed is initialised; the rollout source of
+    # every data-parallel rank saves its own engine copy, so this call writes on whichever rank makes it.
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        del model.should_save_on_this_rank
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
