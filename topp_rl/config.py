@@ -7,7 +7,7 @@ can do is asked of its class (`_target_`), never guessed from names.
 
 from typing import Any
 
-from hydra._internal.utils import _locate
+from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
@@ -37,7 +37,7 @@ def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:
 
 def target_class(node: DictConfig) -> Any:
     """The class a `_target_` entry builds (a `Class.factory` classmethod target resolves to its class)."""
-    target = _locate(str(node["_target_"]))
+    target = get_object(str(node["_target_"]))
     return getattr(target, "__self__", target)
 
 
