@@ -6,15 +6,26 @@ import ipaddress
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from topp_rl.models import build_tiny_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus
+from topp_rl.rollout.sglang_server import sglang_python
 
 VOCAB = 512
 TOL = 1e-4  # float32 forward in two engines (SGLang torch_native vs HF eager)
 PROMPTS = [[1, 5, 9, 14, 20], [1, 33, 7], [1, 60, 61, 62, 63, 64, 65, 66]]
+
+
+def require_sglang(*, module: bool = False) -> Path:
+    """The SGLang venv's python, or a skip naming the fix (never on CI: scripts/test.sh exports it)."""
+    python = sglang_python()
+    if python is None:
+        pytest.skip("TOPP_RL_SGLANG_PYTHON is unset (scripts/test.sh exports what scripts/setup_sglang.sh "
+                    "prints)", allow_module_level=module)
+    return python
 
 
 def tiny_model():

@@ -137,10 +137,9 @@ def _sglang_worker(rank: int, tmp: str) -> dict:
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_sglang_rollouts_under_tp2_and_cp2(tmp_path):
-    from topp_rl.rollout.sglang_server import sglang_python
+    from sglang_checks import require_sglang
 
-    if sglang_python() is None:
-        pytest.skip("no SGLang python: set TOPP_RL_SGLANG_PYTHON=$(bash scripts/setup_sglang.sh)")
+    require_sglang()
     results = run_distributed(_sglang_worker, 2, str(tmp_path), timeout=600, preload=PRELOAD)
     for parallel in ("tp2", "cp2"):
         infos = [results[rank][parallel][1] for rank in range(2)]

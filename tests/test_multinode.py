@@ -85,10 +85,9 @@ def test_two_nodes_with_sglang_behind_a_router(tmp_path):
     """Each DP rank's source (global ranks 0 and 2, one per "node") launches one SGLang server behind its own
     router; SGLang on CPU ignores seeds, so the check is exactness on the on-policy pass, not equality with
     another run."""
-    from topp_rl.rollout.sglang_server import sglang_python
+    from sglang_checks import require_sglang
 
-    if sglang_python() is None:
-        pytest.skip("no SGLang python: set TOPP_RL_SGLANG_PYTHON=$(bash scripts/setup_sglang.sh)")
+    require_sglang()
     run_dir = tmp_path / "two_nodes_sglang"
     _launch(run_dir, nnodes=2, nproc=2, extra=("rollout=sglang", "rollout.engine.router=true", "export.hf=false"))
     metrics = _metrics(run_dir)

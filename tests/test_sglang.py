@@ -26,22 +26,19 @@ from sglang_checks import (
     hf_logits,
     listening,
     pgid,
+    require_sglang,
     tiny_model,
 )  # fmt: skip
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.rollout import SampleStatus, SamplingParams
 from topp_rl.rollout.datamodule import RolloutDataModule
-from topp_rl.rollout.sglang_server import _group_alive, free_port, sglang_python
+from topp_rl.rollout.sglang_server import _group_alive, free_port
 from topp_rl.rollout.tasks import CopyDigitTask
 from topp_rl.rollout.wire import decode_candidates
 
 pytestmark = pytest.mark.sglang
-if sglang_python() is None:
-    pytest.skip(
-        "TOPP_RL_SGLANG_PYTHON is unset (scripts/test.sh exports what scripts/setup_sglang.sh prints)",
-        allow_module_level=True,
-    )
+require_sglang(module=True)
 
 from topp_rl.rollout.sglang import SGLangEngine, SGLangRequestError  # noqa: E402
 

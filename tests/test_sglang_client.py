@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from sglang_checks import require_sglang
 
 import topp_rl
 from topp_rl.rollout.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
-from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir, sglang_python
+from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
 
 
 class _HungServer:
@@ -135,9 +136,7 @@ def test_sglangs_own_overflow_abort_is_recognised():
     """SGLang aborts a request whose realised set exceeds --sampling-mask-max-tokens (HTTP 400; on GPU from top-k
     ties, unreachable on CPU): the marker the client matches must be in SGLang's source, and the body's
     message is what the aborted sample reports."""
-    python = sglang_python()
-    if python is None:
-        pytest.skip("TOPP_RL_SGLANG_PYTHON is unset")
+    python = require_sglang()
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     source = Path(site, "sglang/srt/managers/scheduler_components/batch_result_processor.py").read_text()

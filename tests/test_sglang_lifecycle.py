@@ -12,18 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from sglang_checks import require_sglang
 
 import topp_rl
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.sglang_server import _group_alive, make_workdir, sglang_python
+from topp_rl.rollout.sglang_server import _group_alive, make_workdir
 
 pytestmark = pytest.mark.sglang
-if sglang_python() is None:
-    pytest.skip(
-        "TOPP_RL_SGLANG_PYTHON is unset (scripts/test.sh exports what scripts/setup_sglang.sh prints)",
-        allow_module_level=True,
-    )
+require_sglang(module=True)
 
 from topp_rl.rollout.sglang import SGLangEngine, SGLangTimeoutError  # noqa: E402
 

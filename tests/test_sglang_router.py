@@ -20,20 +20,25 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from sglang_checks import PROMPTS, TOL, changed_model, check_candidates, group_members, listening, tiny_model
+from sglang_checks import (
+    PROMPTS,
+    TOL,
+    changed_model,
+    check_candidates,
+    group_members,
+    listening,
+    require_sglang,
+    tiny_model,
+)
 
 from topp_rl.models import save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
-from topp_rl.rollout.sglang_server import _group_alive, sglang_python
+from topp_rl.rollout.sglang_server import _group_alive
 from topp_rl.rollout.sglang_weights import iter_buckets
 
 pytestmark = pytest.mark.sglang
-if sglang_python() is None:
-    pytest.skip(
-        "TOPP_RL_SGLANG_PYTHON is unset (scripts/test.sh exports what scripts/setup_sglang.sh prints)",
-        allow_module_level=True,
-    )
+require_sglang(module=True)
 
 from topp_rl.rollout.sglang import SGLangEngine  # noqa: E402
 

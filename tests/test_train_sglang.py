@@ -3,14 +3,13 @@ sets, and weights are synced to the server through `/update_weights_from_disk` a
 
 import pytest
 from hydra import compose, initialize_config_dir
+from sglang_checks import require_sglang
 from test_train import ROOT, TINY
 
-from topp_rl.rollout.sglang_server import sglang_python
 from topp_rl.train import train
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-if sglang_python() is None:
-    pytest.skip("the SGLang venv is not built (run scripts/setup_sglang.sh)", allow_module_level=True)
+require_sglang(module=True)
 
 
 def test_sglang_rollouts_train_with_exact_logprobs(tmp_path):
