@@ -6,6 +6,7 @@ All behaviour lives in `topp_rl.train.train(cfg)`, which tests call directly wit
 import os
 
 os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network unless a user opts in
+os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end: the run prints its own summary
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

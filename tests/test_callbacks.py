@@ -95,7 +95,7 @@ class SyntheticPolicy(L.LightningModule):
                 micro_batches=[],  # the callbacks read samples and stats only
                 samples=make_samples(batch_idx, rank),
                 step=batch_idx,
-                stats={"rollout/gen_seconds": (2.0 + rank, 1.0)},
+                stats={"perf/generate_s": (2.0 + rank, 1.0)},
             ),
             "onpolicy": make_record(batch_idx, rank),
             "metrics": metrics,
@@ -189,7 +189,7 @@ def expected_rollout(sample_lists: list[list[Sample]], gen_seconds: list[float])
         "rollout/truncation_rate": np.mean([s.status == SampleStatus.TRUNCATED for s in live]),
         "rollout/aborted_frac": 1 - len(live) / len(samples),
         "rollout/zero_variance_group_frac": np.mean([max(g) == min(g) for g in groups.values()]),
-        "rollout/gen_seconds": np.mean(gen_seconds),
+        "perf/generate_s": np.mean(gen_seconds),
         "rollout/reward/exact_mean": np.mean([s.metadata["rewards"]["exact"] for s in live]),
         "rollout/reward/fmt/tags_mean": np.mean([s.metadata["rewards"]["fmt/tags"] for s in live]),
     }

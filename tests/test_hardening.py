@@ -146,7 +146,7 @@ def test_a_model_dir_without_tokenizer_files_is_named(tmp_path):
 
 
 def test_the_summary_never_hides_a_nan(capsys):
-    print_summary({"wall_s": 1.0, "train/rollout_logprob_abs_diff": math.nan}, "/run")
+    print_summary({"wall_s": 1.0, "steps": 3, "train/rollout_logprob_abs_diff": math.nan}, "/run")
     assert "train/rollout_logprob_abs_diff: nan" in capsys.readouterr().out
 
 

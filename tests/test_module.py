@@ -1,6 +1,8 @@
 """`PolicyModule`: the packed HF forward equals per-sequence forwards, micro-batching equals one big batch
 (gradients, for every loss aggregation and with a KL reference), and the on-policy pass matches the ops."""
 
+import copy
+
 import pytest
 import torch
 
@@ -140,3 +142,39 @@ def test_reference_is_a_frozen_copy_when_the_loss_needs_it(policy):
                      ppo_epochs=0)
     with pytest.raises(TypeError, match="wrap an HF causal LM as HFBackbone"):
         PolicyModule(policy=policy, loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb())
+
+
+def test_gradient_checkpointing_recomputes_layers_with_the_same_gradients(policy):
+    samples = make_samples(policy)
+    micro = [pack(samples, list(range(6)), advantages=torch.linspace(-1.0, 1.5, 6))]
+    plain = _module(policy, GRPOLoss())
+    checkpointed = PolicyModule(
+        policy=HFBackbone(copy.deepcopy(policy), gradient_checkpointing=True), loss=GRPOLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), hook=ToppLogProb(temperature=TEMP),
+    )
+    calls = []
+    layer = checkpointed.policy.model.model.layers[0]
+    # The layer's first module: the replay in the backward stops once it has what the gradient needs.
+    layer.input_layernorm.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    g_plain, m_plain = _grads(plain, micro)
+    g_ckpt, m_ckpt = _grads(checkpointed, micro)
+    # The no-grad old-log-prob pass, the grad forward, and its replay in the backward: the layer was recomputed.
+    assert calls == [False, True, True]
+    assert not checkpointed.policy.model.training and not layer.mlp.training  # no dropout switched on
+    for a, b in zip(g_plain, g_ckpt, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same float ops, replayed
+    assert m_ckpt["train/loss"] == m_plain["train/loss"]
+
+
+def test_gradient_checkpointing_is_refused_with_the_megatron_backbone():
+    from omegaconf import OmegaConf
+
+    from topp_rl.config import validate_parallel
+
+    cfg = OmegaConf.create({
+        "parallel": {"tp_size": 2, "cp_size": 1, "cp_mode": "zigzag", "strategy": {"_target_": "x"}},
+        "module": {"gradient_checkpointing": True}, "rollout": {"prompts_per_step": 2},
+        "trainer": {"devices": 2, "num_nodes": 1},
+    })
+    with pytest.raises(ValueError, match=r"module.gradient_checkpointing.*false with the Megatron backbone"):
+        validate_parallel(cfg)

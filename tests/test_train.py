@@ -2,6 +2,7 @@
 a Hydra `-m` sweep in one subprocess (two W&B offline runs in one group)."""
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -93,3 +94,47 @@ def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):
         names += [n for n in (b"grpo-top_p0.8-seed0", b"grpo-top_p1.0-seed0") if n in data]
     assert sorted(names) == [b"grpo-top_p0.8-seed0", b"grpo-top_p1.0-seed0"]  # one run per job
     assert proc.stdout.count("[topp_rl] run finished") == 2
+
+
+def test_bf16_and_gradient_checkpointing_options_train(tmp_path):
+    """trainer=cpu_bf16 trains with bf16 autocast (mismatch at bf16 precision, not float32's); gradient
+    checkpointing gives the same run as without it, step for step."""
+    runs = {"plain": (), "ckpt": ("module.gradient_checkpointing=true",), "bf16": ("trainer=cpu_bf16",)}
+    rows = {}
+    for name, overrides in runs.items():
+        out = tmp_path / name
+        train(compose_cfg(out, "logger=csv", "trainer.max_steps=3", *overrides))
+        rows[name] = read_metrics(out)
+    for key in ("train/loss", "train/grad_norm", "train/rollout_logprob_abs_diff"):
+        assert column(rows["ckpt"], key) == column(rows["plain"], key), key
+    assert max(column(rows["plain"], "train/rollout_logprob_abs_diff")) < 1e-5
+    bf16 = column(rows["bf16"], "train/rollout_logprob_abs_diff")
+    assert len(bf16) == 3 and all(1e-5 < v < 1e-2 for v in bf16)  # bf16 rounding, far from float32's 1e-7
+
+
+def test_console_shows_one_bar_and_each_line_once_and_writes_summary_json(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    env.pop("WANDB_SILENT", None)
+    cmd = [sys.executable, "train.py", *[o for o in TINY if "progress_bar" not in o], "trainer.max_steps=3",
+           f"hydra.run.dir={tmp_path}", "num_threads=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    assert "Epoch" not in console and "LeafSpec" not in console
+    assert "GPU available" not in console  # Lightning's INFO lines go to the run's log file, once
+    assert (tmp_path / "train.log").read_text().count("GPU available") == 1
+    final = console.replace("\r", "\n").splitlines()
+    assert any(line.startswith("step: 100%") and "3/3" in line and "reward=" in line and "mismatch=" in line
+               for line in final), console[-2000:]
+    assert "wandb: Run history" not in console  # the run prints its own summary
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["train/rollout_logprob_abs_diff_max"] < 1e-5
+    assert summary["reward_first"] >= 0 and summary["wall_s"] > 0
+    rows = read_metrics(tmp_path)
+    for key in ("perf/step_s", "perf/generate_s", "perf/old_logprob_s", "perf/optim_s", "perf/weight_sync_s",
+                "perf/train_tokens_per_s", "perf/peak_rss_mb"):
+        values = column(rows, key)
+        assert len(values) == 3 and all(v > 0 for v in values), key
+    step_s, parts = column(rows, "perf/step_s"), zip(*(column(rows, k) for k in
+                                                      ("perf/generate_s", "perf/old_logprob_s", "perf/optim_s")))
+    assert all(s >= sum(p) for s, p in zip(step_s, parts, strict=True))  # the whole step holds its phases

@@ -1,6 +1,8 @@
 """End to end with `rollout=sglang`: a real SGLang server on CPU samples, the trainer scores over its candidate
 sets, and weights are synced to the server through `/update_weights_from_disk` after each step."""
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 from sglang_checks import require_sglang
@@ -12,7 +14,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 require_sglang(module=True)
 
 
-def test_sglang_rollouts_train_with_exact_logprobs(tmp_path):
+def test_sglang_rollouts_train_with_exact_logprobs(tmp_path, capsys):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"paths.output_dir={tmp_path}", *TINY, "rollout=sglang", "logger=csv"])
     summary = train(cfg)
@@ -22,3 +24,6 @@ def test_sglang_rollouts_train_with_exact_logprobs(tmp_path):
     assert summary["train/rollout_logprob_abs_diff_unmasked"] > 1e-2  # top_p=0.9 drops ~10% of the mass
     (metrics,) = tmp_path.glob("csv/*/metrics.csv")
     assert "rollout/support_size_mean" in metrics.read_text().splitlines()[0]
+    out = capsys.readouterr().out  # the console says when the server starts and how long it took
+    assert re.search(r"\[topp_rl\] SGLang server http://127\.0\.0\.1:\d+: starting \(log: ", out), out
+    assert re.search(r"\[topp_rl\] SGLang server http://127\.0\.0\.1:\d+: ready in \d+\.\d s", out), out

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from topp_rl.parallel import ParallelLayout
 
@@ -114,9 +115,13 @@ class HFBackbone(nn.Module):
     unpacked into a right-padded [B, L] batch and the final hidden states are re-packed to [T, H] (exact:
     causal attention never looks at the right padding). Requires logits = hidden @ lm_head.weight.T, checked at
     construction (`check_plain_logits`).
+
+    `gradient_checkpointing=True` recomputes each decoder layer's activations in the backward instead of
+    storing them (HF's own layer checkpointing, non-reentrant): the same values and gradients, less memory,
+    about one more forward of compute.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, gradient_checkpointing: bool = False) -> None:
         super().__init__()
         bad = nonfinite_parameters(model)
         if bad:
@@ -128,6 +133,7 @@ class HFBackbone(nn.Module):
         head = model.get_output_embeddings()
         self.model = model
         self._layout = ParallelLayout.single(int(head.weight.shape[0]))
+        self._checkpointed = _enable_checkpointing(model) if gradient_checkpointing else []
 
     @property
     def layout(self) -> ParallelLayout:
@@ -148,6 +154,11 @@ class HFBackbone(nn.Module):
         position_ids = torch.zeros_like(input_ids)
         input_ids[valid] = batch.tokens  # row-major boolean indexing == sequences back to back
         position_ids[valid] = batch.position_ids
+        for layer in self._checkpointed:
+            # HF checkpoints a layer only while it is in training mode. The policy stays in eval mode (no
+            # dropout: the scores must match the rollout's), so only the layers themselves are flagged, each
+            # call (anything may have called .eval() since); their dropout children stay in eval mode.
+            layer.training = True
         out = self.model.get_decoder()(
             input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
         )
@@ -160,3 +171,24 @@ class HFBackbone(nn.Module):
     def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
+
+
+def _enable_checkpointing(model: nn.Module) -> list[nn.Module]:
+    """Turn on HF's per-layer gradient checkpointing; returns the checkpointed layers."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing; set "
+            "module.gradient_checkpointing=false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} enabled gradient checkpointing on no layer (no GradientCheckpointingLayer); "
+            "set module.gradient_checkpointing=false"
+        )
+    return layers

@@ -69,6 +69,9 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("parallel.cp_mode", p.cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
               "transformer-engine's CP attention assume the zigzag split; all-gather CP exists only in the ops)",
               "use parallel.cp_mode=zigzag")
+    if p.get("strategy") and cfg.module.get("gradient_checkpointing"):
+        _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
+              "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     model_parallel = p.tp_size * p.cp_size
     if world % model_parallel:
         _fail("parallel.tp_size * parallel.cp_size", model_parallel,

@@ -6,6 +6,8 @@ the module (loss from `algo.loss`, optimizer from `optimizer` as a partial), cal
 Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt_path=last` resumes from there.
 """
 
+import json
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from topp_rl.export import HFExport
 from topp_rl.hook import ToppLogProb
 from topp_rl.loggers import LogConfig
 from topp_rl.module import PolicyModule
+from topp_rl.console import StepProgressBar, StepTimer, route_lightning_logs
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
@@ -120,6 +123,9 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
     if export.get("hf"):  # <run dir>/hf/: an HF checkpoint dir with every checkpoint and at the end
         callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint,
                                   rollout=OmegaConf.to_container(cfg.rollout, resolve=True)))
+    callbacks.append(StepTimer())  # after the callbacks whose time a step includes (sync, eval, export)
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(StepProgressBar())  # replaces Lightning's per-epoch bar
     callbacks.append(summary)  # last: reads what the metric callbacks logged this step
     return callbacks
 
@@ -153,7 +159,7 @@ def build_run(cfg: DictConfig) -> Run:
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=cfg.rollout.temperature)
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
-        policy=HFBackbone(policy), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
         lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )
@@ -168,7 +174,8 @@ def build_run(cfg: DictConfig) -> Run:
 
 
 def print_summary(summary: dict[str, float], output_dir: str) -> None:
-    lines = [f"[topp_rl] run finished in {summary['wall_s']:.0f} s; run dir: {output_dir}"]
+    lines = [f"[topp_rl] run finished: {summary['steps']} steps in {summary['wall_s']:.0f} s; run dir: {output_dir} "
+             "(summary.json, metrics in csv/)"]
     if "reward_first" in summary:
         lines.append(f"  reward mean: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f}")
     for key in SUMMARY_KEYS[1:]:
@@ -179,6 +186,7 @@ def print_summary(summary: dict[str, float], output_dir: str) -> None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit one run from a composed config; returns the summary figures (also printed)."""
+    route_lightning_logs()
     threads = torch.get_num_threads()
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
@@ -190,10 +198,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
             fit(run)
     finally:
         torch.set_num_threads(threads)  # tests run several trainings in one process
-    summary = run.summary.summary()
+    summary = run.summary.summary() | {"steps": run.trainer.global_step}
     if run.trainer.is_global_zero:
+        write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
     return summary
+
+
+def write_summary(summary: dict[str, float], path: Path) -> None:
+    """The printed summary as JSON (NaN / inf written as strings: JSON has no such numbers)."""
+    values = {k: v if math.isfinite(v) else str(v) for k, v in summary.items()}
+    path.write_text(json.dumps(values, indent=2) + "\n")
 
 
 def fit(run: Run) -> None:
@@ -203,6 +218,8 @@ def fit(run: Run) -> None:
         with warnings.catch_warnings(), exit_status_on_signal(run.trainer):
             # The policy stays in eval mode on purpose (no dropout: the on-policy pass must match the rollout).
             warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
+            # Lightning 2.6 on torch >= 2.10 warns about its own pytree use on every fit; nothing for users to do.
+            warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
             run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
     finally:
         run.datamodule.close_engine()  # servers and their work dirs go with the run, also on errors

@@ -239,8 +239,8 @@ class RolloutDataModule(L.LightningDataModule):
         )
         self.step = ticket.step + 1
         stats = {
-            "rollout/gen_seconds": (gen_seconds, 1.0),
-            "rollout/gen_tokens_per_s": (
+            "perf/generate_s": (gen_seconds, 1.0),
+            "perf/generate_tokens_per_s": (
                 sum(s.response_length for s in samples) / max(gen_seconds, 1e-9),
                 1.0,
             ),

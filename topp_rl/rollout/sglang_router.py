@@ -88,12 +88,7 @@ class SGLangRouter(LoggedProcessGroup):
         ]  # fmt: skip
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = spawn_group(python, cmd, log=self._log, env=_router_env())
-        try:
-            self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.failed = True
-            self.stop()
-            raise
+        self._await_start(lambda: self._wait_ready(startup_timeout_s))
 
     @property
     def pid(self) -> int:

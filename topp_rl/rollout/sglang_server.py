@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -167,6 +168,19 @@ class LoggedProcessGroup:
         except OSError:
             return "(no log)"
 
+    def _await_start(self, wait_ready: Callable[[], None]) -> None:
+        """Run `wait_ready`, saying on the console that the start began and how long it took (a server start on
+        CPU takes ~20 s, mostly imports); on any failure, stop the group (the subclass's `stop`) and re-raise."""
+        start = time.monotonic()
+        print(f"[topp_rl] SGLang {self.kind} {self.url}: starting (log: {self.log_path})", flush=True)
+        try:
+            wait_ready()
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+        print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s", flush=True)
+
     def _stop_group(self, timeout_s: float) -> bool:
         """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
         if not self._log.closed and self._proc.poll() is not None:
@@ -237,12 +251,7 @@ class SGLangServer(LoggedProcessGroup):
         ]  # fmt: skip
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._proc = spawn_group(python, cmd, log=self._log, env=self._env())
-        try:
-            self._wait_ready(startup_timeout_s, progress_interval_s)
-        except BaseException:
-            self.failed = True
-            self.stop()
-            raise
+        self._await_start(lambda: self._wait_ready(startup_timeout_s, progress_interval_s))
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
