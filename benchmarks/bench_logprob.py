@@ -1,6 +1,7 @@
 """Benchmark of the restricted log-prob ops against the dense paths (issue 2, Part 3), forward + backward.
 
     python benchmarks/bench_logprob.py [--quick] [--reps N] [--json PATH]
+    python benchmarks/bench_logprob.py --sweep [--reps N] [--json PATH]   # mask on / mask off by set size
 
 Shapes (full): T=4096 rows, H=576, V=49152 (SmolLM2-135M's head), candidate sets of log-normal size with median 2
 and mean about 8, every row restricted (response rows); keep_mask on 16384 rows x 75968 vocab. Cases:
@@ -12,6 +13,11 @@ weight) and "logits" (a logits leaf given, gradient to it). keep_mask is compare
 fills the same mask (both allocate and fill the whole output); "zeros floor" only allocates and zeroes a mask of
 that shape (1.2 GB), the memory-bound part no builder avoids on a CPU. For scale, sampling_candidates (top_p=0.95) is
 timed against one decode step of a sort-based torch sampler on [64, V] logits.
+
+--sweep times candidate_head_logprobs with every row restricted to sets of one size (random ids plus the token)
+against the same call with cands=None (the unrestricted path, "mask off"), fwd + bwd, at the tiny model's head
+(T=1024, H=128, V=128) and SmolLM2-135M's (T=512, H=576, V=49152), on and off interleaved in every repetition;
+it reports the median of the per-repetition ratios (target: <= 1.05 at every size).
 
 Every case runs in a fresh subprocess (--quick: in-process) with the inputs built first; peak memory is the
 growth of the peak RSS over the RSS after setup (the peak is reset through /proc/self/clear_refs), time the
@@ -219,6 +225,55 @@ RATIO_BASE = {
 }
 
 
+SWEEP = {
+    "tiny": dict(rows=1024, hidden=128, vocab=128, sizes=(1, 2, 4, 8, 16, 32, 64, 110, 128)),
+    "smollm2": dict(rows=512, hidden=576, vocab=49152, sizes=(1, 8, 64, 512, 1536, 4096, 16384, 49152)),
+}
+
+
+def fixed_size_sets(num_rows: int, vocab: int, size: int, tokens: torch.Tensor, *, seed: int) -> Candidates:
+    """Every row: `size` distinct random ids, the first one its token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(num_rows, vocab, generator=g).argsort(dim=1)[:, :size]
+    hit = (ids == tokens[:, None]).any(dim=1)
+    ids[~hit, 0] = tokens[~hit]
+    return Candidates(ids=ids.flatten().to(torch.int32), offsets=(torch.arange(num_rows + 1) * size).to(torch.int32))
+
+
+def sweep(reps: int) -> list[dict]:
+    """Median over `reps` of time(mask on) / time(mask off), interleaved, per head shape and set size."""
+    rows = []
+    for name, sh in SWEEP.items():
+        g = torch.Generator().manual_seed(0)
+        hidden = (torch.randn(sh["rows"], sh["hidden"], generator=g) * 0.5).requires_grad_()
+        weight = (torch.randn(sh["vocab"], sh["hidden"], generator=g) * 0.1).requires_grad_()
+        tokens = torch.randint(0, sh["vocab"], (sh["rows"],), generator=g)
+        all_rows = torch.arange(sh["rows"])
+
+        def timed(cands):
+            start = time.perf_counter()
+            out = candidate_head_logprobs(
+                hidden, weight, tokens, cands=cands, rows=None if cands is None else all_rows,
+                temperature=TEMPERATURE,
+            )
+            _backward(out, hidden, weight)
+            return (time.perf_counter() - start) * 1e3
+
+        for size in sh["sizes"]:
+            cands = fixed_size_sets(sh["rows"], sh["vocab"], size, tokens, seed=size)
+            timed(cands), timed(None)  # warm-up
+            on, off = [], []
+            for _ in range(reps):
+                on.append(timed(cands))
+                off.append(timed(None))
+            ratio = statistics.median(a / b for a, b in zip(on, off, strict=True))
+            rows.append(dict(shape=name, **{k: sh[k] for k in ("rows", "hidden", "vocab")}, size=size,
+                             on_ms=statistics.median(on), off_ms=statistics.median(off), on_over_off=ratio))
+            print(f"{name:8s} set size {size:6d}: on {rows[-1]['on_ms']:9.1f} ms  off {rows[-1]['off_ms']:9.1f} ms"
+                  f"  on/off {ratio:5.2f}  {'met' if ratio <= 1.05 else 'NOT met'} (<= 1.05)", flush=True)
+    return rows
+
+
 def _status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -313,6 +368,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads in every case (default: torch's)"
     )
+    parser.add_argument("--sweep", action="store_true", help="mask on / mask off of the head by set size")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -321,6 +377,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.case:  # child process: one case, one JSON line
         print(json.dumps(measure(args.case, SHAPES[args.shape], args.reps or 3)))
         return []
+    if args.sweep:
+        rows = sweep(args.reps or 7)
+        if args.json:
+            args.json.write_text(json.dumps(dict(sweep=rows, threads=torch.get_num_threads()), indent=1))
+        return rows
     shape_name = "quick" if args.quick else "full"
     reps = args.reps or (1 if args.quick else 3)
     results = [_run_case(name, shape_name, reps, in_process=args.quick) for name in CASES]

