@@ -178,3 +178,24 @@ def test_gradient_checkpointing_is_refused_with_the_megatron_backbone():
     })
     with pytest.raises(ValueError, match=r"module.gradient_checkpointing.*false with the Megatron backbone"):
         validate_parallel(cfg)
+
+
+def test_one_epoch_step_reuses_the_gradient_forward_with_the_same_result(policy):
+    """ppo_epochs=1 scores old log-probs and the on-policy record from the gradient pass's own forward: the
+    same gradients, loss and records as a separate no-grad pass (one backbone forward fewer)."""
+    samples = make_samples(policy)
+    adv = torch.linspace(-1.0, 1.5, len(samples))
+    micro = [pack(samples, idx, advantages=adv) for idx in ([0, 1], [2], [3, 4, 5])]
+    for loss in (GRPOLoss(), GRPOLoss(kl_coef=0.1)):
+        module = _module(policy, loss)
+        g_two, m_two = _grads(module, micro)
+        records_two = [module.onpolicy_pass(mb)[1] for mb in micro]
+        module.policy.zero_grad(set_to_none=True)
+        m_one, records_one, record_s = module.onpolicy_gradients(micro, module.reference_pass(micro))
+        assert record_s > 0
+        for a, p in zip(g_two, module.policy.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
+        assert m_one == m_two
+        for a, b in zip(records_one, records_two, strict=True):
+            for field in ("logprobs", "logprobs_unmasked", "entropy", "support_size"):
+                torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=0, atol=0)

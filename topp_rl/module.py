@@ -3,7 +3,8 @@ optimizer.
 
 One `training_step` per rollout step:
 1. old-log-prob pass without grad, with the weights the rollout sampled with (so it is also the on-policy pass
-   that the mismatch callbacks read): masked and unmasked log-probs and entropy -> `OnPolicyRecord`;
+   that the mismatch callbacks read): masked and unmasked log-probs and entropy -> `OnPolicyRecord`; with
+   `ppo_epochs=1` it reads the gradient pass's own forward (`onpolicy_gradients`: one forward fewer, same values);
 2. optional reference-model pass (frozen copy) for the KL term;
 3. `ppo_epochs` optimizer steps. Each step accumulates gradients over ALL micro-batches of the rollout step
    (one step per epoch, not one per micro-batch): the losses divide by the rollout step's global token / sequence
@@ -144,16 +145,24 @@ class PolicyModule(L.LightningModule):
     def score(self, model: Backbone, batch, *, use_mask: bool) -> torch.Tensor:
         """Log-probs [R] of the batch's response tokens in sample order (grad when grad mode is on)."""
         hidden, weight = model.forward_hidden(batch)
+        return self.score_hidden(batch, hidden, weight, use_mask=use_mask)
+
+    def score_hidden(self, batch, hidden: torch.Tensor, weight: torch.Tensor, *, use_mask: bool) -> torch.Tensor:
         hook = self.hook if use_mask == self.hook.use_mask else ToppLogProb(
             use_mask=use_mask, temperature=self.hook.temperature
         )
         out = hook(batch, layout=self.layout, hidden=hidden, weight=weight)
         return self._gather(out.logprobs, out.token_index, batch)
 
-    @torch.no_grad()
     def onpolicy_pass(self, batch) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(old log-probs [R] for the loss, the on-policy record over this rank's tokens)."""
-        hidden, weight = self.policy.forward_hidden(batch)
+        with torch.no_grad():
+            hidden, weight = self.policy.forward_hidden(batch)
+        return self.onpolicy_from_hidden(batch, hidden, weight)
+
+    @torch.no_grad()
+    def onpolicy_from_hidden(self, batch, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, OnPolicyRecord]:
+        hidden, weight = hidden.detach(), weight.detach()
         token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
         old = record.logprobs if self.hook.use_mask else record.logprobs_unmasked
@@ -189,10 +198,31 @@ class PolicyModule(L.LightningModule):
             add_sums(metrics, loss_metrics)
         return metrics
 
+    def onpolicy_gradients(self, micro: list, refs: list) -> tuple[dict[str, SumCount], list[OnPolicyRecord], float]:
+        """`ppo_epochs=1`: one backbone forward per micro-batch serves the old-log-prob pass, the on-policy record
+        and the gradient (the weights have not changed since the rollout, so the old log-probs are this pass's
+        own, detached: the same values as a separate no-grad pass, one forward fewer). Returns the loss sums,
+        the records, and the seconds spent on the records (`perf/old_logprob_s`)."""
+        backward = self.manual_backward if self._trainer is not None else torch.Tensor.backward
+        metrics: dict[str, SumCount] = {}
+        records, record_s = [], 0.0
+        for mb, r in zip(micro, refs, strict=True):
+            hidden, weight = self.policy.forward_hidden(mb)
+            start = time.perf_counter()
+            old, record = self.onpolicy_from_hidden(mb, hidden, weight)
+            record_s += time.perf_counter() - start
+            logprobs = self.score_hidden(mb, hidden, weight, use_mask=self.hook.use_mask)
+            loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, r))
+            backward(loss)
+            add_sums(metrics, loss_metrics)
+            records.append(record)
+        return metrics, records, record_s
+
     def training_step(self, batch, batch_idx: int) -> dict:
         micro = batch.micro_batches
         t0 = time.perf_counter()
-        old, records = zip(*(self.onpolicy_pass(mb) for mb in micro), strict=True)
+        fused = self.ppo_epochs == 1
+        old, records = (None, []) if fused else zip(*(self.onpolicy_pass(mb) for mb in micro), strict=True)
         refs = self.reference_pass(micro)
         t1 = time.perf_counter()
         opt = self.optimizers()
@@ -200,7 +230,11 @@ class PolicyModule(L.LightningModule):
         metrics: dict[str, SumCount] = {}
         for _ in range(self.ppo_epochs):
             opt.zero_grad(set_to_none=True)
-            add_sums(metrics, self.accumulate_gradients(micro, list(old), refs))
+            if fused:
+                sums, records, record_s = self.onpolicy_gradients(micro, refs)
+                add_sums(metrics, sums)
+            else:
+                add_sums(metrics, self.accumulate_gradients(micro, list(old), refs))
             grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
@@ -216,8 +250,11 @@ class PolicyModule(L.LightningModule):
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
         optim_s = time.perf_counter() - t1
+        old_s = t1 - t0
+        if fused:  # the records came out of the gradient pass: their share moves from optim_s to old_logprob_s
+            old_s, optim_s = old_s + record_s, optim_s - record_s
         tokens = sum(int(mb.tokens.numel()) for mb in micro) * self.ppo_epochs
-        metrics["perf/old_logprob_s"] = (t1 - t0, 1.0)
+        metrics["perf/old_logprob_s"] = (old_s, 1.0)
         metrics["perf/optim_s"] = (optim_s, 1.0)
         metrics["perf/train_tokens_per_s"] = (tokens / max(optim_s, 1e-9), 1.0)
         metrics["perf/peak_rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0)
