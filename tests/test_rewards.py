@@ -10,6 +10,7 @@ from topp_rl.rollout.rewards import (
     RewardSet,
     countdown_expression,
     countdown_score,
+    leading_number,
     math_answer,
     resolve_reward_fn,
 )
@@ -184,3 +185,11 @@ def test_reward_set_errors(tmp_path):
     with pytest.raises(ValueError, match=r"loading .*bad2.py raised SyntaxError"):
         (tmp_path / "bad2.py").write_text("def f(:\n")
         resolve_reward_fn(f"{tmp_path / 'bad2.py'}:f")
+
+
+@pytest.mark.parametrize(
+    "response, reward",
+    [("14", 1.0), (" 14 apples", 1.0), ("-3.5", 1.0), ("$12", 1.0), ("The answer is 14", 0.0), ("", 0.0)],
+)
+def test_leading_number(response, reward):
+    assert leading_number(response, _record("#### 14")) == reward

@@ -240,6 +240,15 @@ def math_answer(response: str, record: "PromptRecord") -> float:
     return float(verify(_gold(record.answer), _parse(_final_part(response))))
 
 
+_LEADING_NUMBER = re.compile(r"\s*[-+]?\$?\d")
+
+
+def leading_number(response: str, record: "PromptRecord") -> float:
+    """1.0 when the response starts with a number ("14", "14 apples", "-3.5"), else 0.0: a format reward that
+    gives a small model asked for a bare number a signal before its answers are right."""
+    return float(_LEADING_NUMBER.match(response) is not None)
+
+
 @functools.lru_cache(maxsize=65536)
 def _gold(answer: str):
     text = _final_part(answer)
