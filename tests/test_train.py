@@ -135,6 +135,6 @@ def test_console_shows_one_bar_and_each_line_once_and_writes_summary_json(tmp_pa
                 "perf/train_tokens_per_s", "perf/peak_rss_mb"):
         values = column(rows, key)
         assert len(values) == 3 and all(v > 0 for v in values), key
-    step_s, parts = column(rows, "perf/step_s"), zip(*(column(rows, k) for k in
-                                                      ("perf/generate_s", "perf/old_logprob_s", "perf/optim_s")))
-    assert all(s >= sum(p) for s, p in zip(step_s, parts, strict=True))  # the whole step holds its phases
+    phases = [column(rows, k) for k in ("perf/generate_s", "perf/old_logprob_s", "perf/optim_s")]
+    for step_s, *parts in zip(column(rows, "perf/step_s"), *phases, strict=True):
+        assert step_s >= sum(parts)  # the whole step holds its phases

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from topp_rl.backbone import Backbone, HFBackbone, nonfinite_parameters
 from topp_rl.hook import ToppLogProb
@@ -147,7 +147,7 @@ class PolicyModule(L.LightningModule):
         hidden, weight = model.forward_hidden(batch)
         return self.score_hidden(batch, hidden, weight, use_mask=use_mask)
 
-    def score_hidden(self, batch, hidden: torch.Tensor, weight: torch.Tensor, *, use_mask: bool) -> torch.Tensor:
+    def score_hidden(self, batch, hidden: Tensor, weight: Tensor, *, use_mask: bool) -> Tensor:
         hook = self.hook if use_mask == self.hook.use_mask else ToppLogProb(
             use_mask=use_mask, temperature=self.hook.temperature
         )
@@ -161,7 +161,8 @@ class PolicyModule(L.LightningModule):
         return self.onpolicy_from_hidden(batch, hidden, weight)
 
     @torch.no_grad()
-    def onpolicy_from_hidden(self, batch, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, OnPolicyRecord]:
+    def onpolicy_from_hidden(self, batch, hidden: Tensor, weight: Tensor) -> tuple[Tensor, OnPolicyRecord]:
+        """`onpolicy_pass` from a forward already made (detached here: the record carries no gradient)."""
         hidden, weight = hidden.detach(), weight.detach()
         token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
@@ -189,13 +190,10 @@ class PolicyModule(L.LightningModule):
     def accumulate_gradients(self, micro: list, old: list, refs: list) -> dict[str, SumCount]:
         """Backward of the loss over every micro-batch into .grad: the loss divides by the step's global counts,
         so the accumulated gradient equals that of one batch holding all micro-batches."""
-        backward = self.manual_backward if self._trainer is not None else torch.Tensor.backward
         metrics: dict[str, SumCount] = {}
         for mb, o, r in zip(micro, old, refs, strict=True):
-            logprobs = self.score(self.policy, mb, use_mask=self.hook.use_mask)
-            loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, o, r))
-            backward(loss)
-            add_sums(metrics, loss_metrics)
+            hidden, weight = self.policy.forward_hidden(mb)
+            self.backward_loss(mb, hidden, weight, old=o, ref=r, metrics=metrics)
         return metrics
 
     def onpolicy_gradients(self, micro: list, refs: list) -> tuple[dict[str, SumCount], list[OnPolicyRecord], float]:
@@ -203,7 +201,6 @@ class PolicyModule(L.LightningModule):
         and the gradient (the weights have not changed since the rollout, so the old log-probs are this pass's
         own, detached: the same values as a separate no-grad pass, one forward fewer). Returns the loss sums,
         the records, and the seconds spent on the records (`perf/old_logprob_s`)."""
-        backward = self.manual_backward if self._trainer is not None else torch.Tensor.backward
         metrics: dict[str, SumCount] = {}
         records, record_s = [], 0.0
         for mb, r in zip(micro, refs, strict=True):
@@ -211,12 +208,16 @@ class PolicyModule(L.LightningModule):
             start = time.perf_counter()
             old, record = self.onpolicy_from_hidden(mb, hidden, weight)
             record_s += time.perf_counter() - start
-            logprobs = self.score_hidden(mb, hidden, weight, use_mask=self.hook.use_mask)
-            loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, r))
-            backward(loss)
-            add_sums(metrics, loss_metrics)
             records.append(record)
+            self.backward_loss(mb, hidden, weight, old=old, ref=r, metrics=metrics)
         return metrics, records, record_s
+
+    def backward_loss(self, mb, hidden, weight, *, old, ref, metrics: dict[str, SumCount]) -> None:
+        """One micro-batch's loss from its final hidden states, backward into .grad; its sums into `metrics`."""
+        logprobs = self.score_hidden(mb, hidden, weight, use_mask=self.hook.use_mask)
+        loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, ref))
+        (self.manual_backward if self._trainer is not None else torch.Tensor.backward)(loss)
+        add_sums(metrics, loss_metrics)
 
     def training_step(self, batch, batch_idx: int) -> dict:
         micro = batch.micro_batches

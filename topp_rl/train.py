@@ -32,11 +32,11 @@ from topp_rl.checkpoint import (
     exit_status_on_signal,
 )
 from topp_rl.config import validate_config
+from topp_rl.console import StepProgressBar, StepTimer, route_lightning_logs
 from topp_rl.export import HFExport
 from topp_rl.hook import ToppLogProb
 from topp_rl.loggers import LogConfig
 from topp_rl.module import PolicyModule
-from topp_rl.console import StepProgressBar, StepTimer, route_lightning_logs
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
