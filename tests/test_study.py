@@ -111,3 +111,28 @@ def test_the_command_names_a_bad_engine():
     done = subprocess.run([sys.executable, "-m", "topp_rl.study", "ratios", "--engines", "vllm"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown ['vllm']; choose from embedded, sglang" in done.stderr
+
+
+def _write_job(root: Path, name: str, rewards: list[float]) -> None:
+    path = root / name / "csv" / "version_0"
+    path.mkdir(parents=True)
+    with open(path / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "rollout/reward_mean", "train/grad_norm"])
+        writer.writerows([i, r, 1.0] for i, r in enumerate(rewards))
+
+
+def test_report_groups_seeds_into_mean_and_band(tmp_path):
+    from topp_rl.report import group_seeds, load_jobs, render, seed_band, variant_of
+
+    assert variant_of("4-p0.9-k0-maskTrue-tisNone-seed1") == "p0.9-k0-maskTrue-tisNone"
+    _write_job(tmp_path, "0-maskTrue-seed0", [0.1, 0.2, 0.3])
+    _write_job(tmp_path, "1-maskFalse-seed0", [0.0, 0.0, 0.0])
+    _write_job(tmp_path, "2-maskTrue-seed1", [0.3, 0.4])  # stopped early: only common steps count
+    groups = group_seeds(load_jobs(tmp_path))
+    assert sorted(groups) == ["maskFalse", "maskTrue"] and len(groups["maskTrue"]) == 2
+    steps, mean, low, high = seed_band(groups["maskTrue"], "rollout/reward_mean")
+    assert steps == [0.0, 1.0]
+    assert mean == pytest.approx([0.2, 0.3]) and low == [0.1, 0.2] and high == [0.3, 0.4]
+    written = render(tmp_path, out_dir=tmp_path / "plots", seeds=True)
+    assert tmp_path / "plots" / "seeds.png" in written

@@ -3,6 +3,7 @@ grid on each engine, write the tables and the plot."""
 
 import platform
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,10 +67,13 @@ def run_ratios(args) -> list[Path]:
 
 
 def _run_one(name, cfg, policy, tokenizer, backbone, prompts, settings, args) -> EngineRun:
-    extra = {"max_candidates": int(policy.config.vocab_size)} if name == "sglang" else {}
+    # SGLang: record any kept set (no candidate_overflow aborts); embedded: decode the whole batch at once.
+    extra = ({"max_candidates": int(policy.config.vocab_size)} if name == "sglang"
+             else {"max_batch_size": len(prompts) * args.samples})
     t0 = time.perf_counter()
-    with instantiate(cfg.rollout.engine)(model=policy, tokenizer=tokenizer, workdir=args.out / f"engine-{name}",
-                                         **extra) as engine:
+    # The engine's files (a server's weights and logs) go to a temporary dir, never into the output dir.
+    with tempfile.TemporaryDirectory(prefix=f"topp_rl_study_{name}_") as workdir, instantiate(cfg.rollout.engine)(
+            model=policy, tokenizer=tokenizer, workdir=Path(workdir), **extra) as engine:
         print(f"[study] {name} engine ready in {time.perf_counter() - t0:.0f} s; {len(settings)} settings x "
               f"{len(prompts)} prompts x {args.samples} samples x <= {args.max_new_tokens} tokens", flush=True)
         return run_engine(name, engine, backbone, prompts, settings, samples=args.samples,
