@@ -5,6 +5,8 @@ The project's Hydra config is composed from `conf/` with the overrides (`experim
 options below (`rollout.*` sampling keys are not used). Example, the committed run:
     python -m topp_rl.study ratios experiment=study_countdown --engines embedded,sglang \
         --out docs/results --plot docs/img/ratios.png
+Engines run apart (one process each, or on other machines) merge into one table:
+    python -m topp_rl.study merge DIR_A DIR_B --out docs/results --plot docs/img/ratios.png
 """
 
 import argparse
@@ -32,7 +34,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="where ratios.md / .csv / .json go (default outputs/study_ratios)")
     p.add_argument("--plot", type=Path, default=None, help="the PNG (default OUT/ratios.png)")
     p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=study_countdown model=tiny")
+    m = sub.add_parser("merge", help="one table and plot from several ratios runs' output dirs (figures.pt)")
+    m.add_argument("dirs", nargs="+", type=Path)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--plot", type=Path, default=None, help="the PNG (default OUT/ratios.png)")
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        return args
     engines = args.engines.split(",")
     bad = sorted(set(engines) - {"embedded", "sglang"})
     if bad:
@@ -46,11 +54,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    from topp_rl.study.run import run_ratios  # heavy imports after the argument check
+    from topp_rl.study.run import merge_ratios, run_ratios  # heavy imports after the argument check
 
     start = time.perf_counter()
     try:
-        paths = run_ratios(args)
+        paths = (run_ratios if args.command == "ratios" else merge_ratios)(args)
     except ValueError as err:
         raise SystemExit(f"python -m topp_rl.study ratios: {err}") from err
     for path in paths:

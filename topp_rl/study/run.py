@@ -16,11 +16,13 @@ from omegaconf import DictConfig
 from topp_rl.backbone import HFBackbone
 from topp_rl.config import validate_config
 from topp_rl.rollout.sglang_server import sglang_python
-from topp_rl.study.grid import grid
+from topp_rl.study.grid import Setting, grid
 from topp_rl.study.output import plot, rows_of, write_tables
 from topp_rl.study.ratios import EngineRun, run_engine
+from topp_rl.study.stats import TokenFigures
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+FIGURES = "figures.pt"
 
 
 def compose_config(overrides: list[str], *, engine: str, out: Path) -> DictConfig:
@@ -61,9 +63,44 @@ def run_ratios(args) -> list[Path]:
     for name in args.engines:
         count = args.sglang_prompts if name == "sglang" else args.prompts
         runs.append(_run_one(name, cfgs[name], policy, tokenizer, backbone, prompts[:count], settings, args))
-    rows = rows_of(runs)
     facts = _facts(cfg, args, runs)
-    return [*write_tables(rows, facts, args.out), plot(runs, args.plot or args.out / "ratios.png")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_runs(runs, facts, args.out / FIGURES)
+    return [*write_tables(rows_of(runs), facts, args.out), plot(runs, args.plot or args.out / "ratios.png"),
+            args.out / FIGURES]
+
+
+def save_runs(runs: list[EngineRun], facts: dict, path: Path) -> None:
+    """The per-token figures, so runs of different engines (or machines) can be merged into one table."""
+    torch.save({"facts": facts, "runs": [
+        {"engine": r.engine, "prompts": r.prompts, "wall_s": r.wall_s,
+         "figures": [((s.truncation, s.temperature), f.__dict__) for s, f in r.figures.items()]} for r in runs]}, path)
+
+
+def load_runs(path: Path) -> tuple[list[EngineRun], dict]:
+    data = torch.load(path, weights_only=False)
+    runs = [EngineRun(engine=r["engine"], prompts=r["prompts"], wall_s=r["wall_s"], figures={
+        Setting(truncation=t, temperature=temp): TokenFigures(**f) for (t, temp), f in r["figures"]})
+        for r in data["runs"]]
+    return runs, data["facts"]
+
+
+def merge_ratios(args) -> list[Path]:
+    """One table and plot from the figures of several `ratios` runs (e.g. one per engine)."""
+    runs, facts = [], {}
+    for d in args.dirs:
+        if not (d / FIGURES).is_file():
+            raise ValueError(f"{d / FIGURES} does not exist; pass output dirs of python -m topp_rl.study ratios")
+        more, f = load_runs(d / FIGURES)
+        runs += more
+        for key, value in f.items():  # per-engine facts merge; shared ones must agree or are listed per run
+            if isinstance(value, dict) and isinstance(facts.get(key), dict):
+                facts[key] = {**facts[key], **value}
+            elif key in facts and facts[key] != value:
+                facts[key] = f"{facts[key]}; {value}"
+            else:
+                facts[key] = value
+    return [*write_tables(rows_of(runs), facts, args.out), plot(runs, args.plot or args.out / "ratios.png")]
 
 
 def _run_one(name, cfg, policy, tokenizer, backbone, prompts, settings, args) -> EngineRun:
