@@ -136,3 +136,22 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
     assert mean == pytest.approx([0.2, 0.3]) and low == [0.1, 0.2] and high == [0.3, 0.4]
     written = render(tmp_path, out_dir=tmp_path / "plots", seeds=True)
     assert tmp_path / "plots" / "seeds.png" in written
+
+
+def test_saved_figures_merge_into_the_same_table(figures, tmp_path):
+    from argparse import Namespace
+
+    from topp_rl.study.output import rows_of
+    from topp_rl.study.ratios import EngineRun
+    from topp_rl.study.run import load_runs, merge_ratios, save_runs
+
+    runs = [EngineRun(engine=name, prompts=4, figures=figures, wall_s=1.0) for name in ("embedded", "sglang")]
+    for run in runs:
+        (tmp_path / run.engine).mkdir()
+        save_runs([run], {"wall_s": {run.engine: 1.0}, "seed": 0}, tmp_path / run.engine / "figures.pt")
+    loaded, facts = load_runs(tmp_path / "sglang" / "figures.pt")
+    assert rows_of(loaded) == rows_of(runs[1:])
+    merge_ratios(Namespace(dirs=[tmp_path / "embedded", tmp_path / "sglang"], out=tmp_path / "both", plot=None))
+    merged = list(csv.DictReader(open(tmp_path / "both" / "ratios.csv")))
+    assert [r["engine"] for r in merged] == ["embedded"] * 4 + ["sglang"] * 4
+    assert "- wall_s: {'embedded': 1.0, 'sglang': 1.0}" in (tmp_path / "both" / "ratios.md").read_text()
