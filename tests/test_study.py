@@ -136,6 +136,10 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
     assert mean == pytest.approx([0.2, 0.3]) and low == [0.1, 0.2] and high == [0.3, 0.4]
     written = render(tmp_path, out_dir=tmp_path / "plots", seeds=True)
     assert tmp_path / "plots" / "seeds.png" in written
+    table = (tmp_path / "plots" / "seeds.md").read_text()
+    # maskTrue: seed 0 mean of [0.1, 0.2, 0.3] = 0.2, seed 1 mean of [0.3, 0.4] = 0.35 (fewer than 5 points).
+    assert "| maskTrue | rollout/reward_mean | 2 | 0.275 | 0.275 | 0.2 to 0.35 |" in table
+    assert "| maskFalse | train/grad_norm | 1 | 1 | 1 | 1 to 1 |" in table
 
 
 def test_saved_figures_merge_into_the_same_table(figures, tmp_path):

@@ -10,7 +10,9 @@ saves (`support_size_counts.json`, per job). Renders:
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;
 - `support_size_hist.png`: histogram of candidate-set sizes over the run's trainable tokens.
 With `--group-seeds` (a sweep over seeds), jobs whose names differ only in `seed<N>` form one variant, and
-`seeds.png` draws each variant's mean over seeds with a min-max band, one panel per metric of `SEED_PANELS`.
+`seeds.png` draws each variant's mean over seeds with a min-max band, one panel per metric of `SEED_PANELS`, and
+`seeds.md` tabulates each metric's start and end per variant (mean over seeds of the first / last `SUMMARY_POINTS`
+logged values; `val/*` metrics: the first / last evaluation), with the range over seeds.
 """
 
 import argparse
@@ -201,6 +203,39 @@ def seed_band(histories: list[History], key: str) -> tuple[list[float], list[flo
     return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
+SUMMARY_POINTS = 5
+
+
+def seed_summary(groups: dict[str, list[History]]) -> list[dict]:
+    """Per variant and metric of SEED_PANELS: start / end (mean over seeds) and the end's min / max over seeds."""
+    rows = []
+    for variant, histories in groups.items():
+        for key, _ in SEED_PANELS:
+            series = [[v for _, v in h[key]] for h in histories if h.get(key)]
+            if not series:
+                continue
+            k = 1 if key.startswith("val/") else SUMMARY_POINTS
+            start = [sum(s[:k]) / len(s[:k]) for s in series]
+            end = [sum(s[-k:]) / len(s[-k:]) for s in series]
+            rows.append({"variant": variant, "metric": key, "seeds": len(series), "start": sum(start) / len(start),
+                         "end": sum(end) / len(end), "end_min": min(end), "end_max": max(end)})
+    return rows
+
+
+def seed_markdown(rows: list[dict]) -> str:
+    lines = [f"Start / end: mean over seeds of the first / last {SUMMARY_POINTS} logged values (val/*: first / last "
+             "evaluation); range: the end's min and max over seeds.", "",
+             "| variant | metric | seeds | start | end | end range |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['metric']} | {r['seeds']} | {r['start']:.4g} | {r['end']:.4g} | "
+              f"{r['end_min']:.4g} to {r['end_max']:.4g} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_text(text: str, path: Path) -> Path:
+    path.write_text(text)
+    return path
+
+
 def seeds_figure(groups: dict[str, list[History]]) -> Figure | None:
     panels = [(k, t) for k, t in SEED_PANELS if any(k in h for hs in groups.values() for h in hs)]
     if not panels:
@@ -251,6 +286,7 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
         _save(mismatch_figure(jobs), out / "mismatch.png"),
         _save(support_figure(read_counts(run_dir)), out / "support_size_hist.png"),
         _save(seeds_figure(group_seeds(jobs)), out / "seeds.png") if seeds else None,
+        _write_text(seed_markdown(seed_summary(group_seeds(jobs))), out / "seeds.md") if seeds else None,
     ]
     return [p for p in written if p is not None]
 
