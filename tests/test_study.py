@@ -90,9 +90,9 @@ def test_settings_parse_and_reject_unknown_rules():
 
 def test_the_command_runs_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "topp_rl.study", "ratios", "model=tiny", "task=countdown", "--prompts", "3",
-           "--samples", "2", "--max-new-tokens", "8", "--truncations", "top_p=0.9,top_k=20", "--temperatures", "1.0",
-           "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "topp_rl.study", "ratios", "model=tiny", "--prompts", "3", "--samples", "2",
+           "--max-new-tokens", "8", "--truncations", "top_p=0.9,top_k=20", "--temperatures", "1.0",
+           "--out", str(tmp_path), "task=countdown"]  # overrides on both sides of the options
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[study] embedded 2/2 top_k=20 T=1" in done.stdout
@@ -105,6 +105,7 @@ def test_the_command_runs_end_to_end(tmp_path):
         assert abs(float(unmasked["ratio_mean"]) - float(unmasked["kept_mass_mean"])) < 1e-4
     assert (tmp_path / "ratios.png").stat().st_size > 10_000
     assert "| engine | temperature |" in (tmp_path / "ratios.md").read_text()
+    assert "CountdownTask" in (tmp_path / "ratios.md").read_text()
 
 
 def test_the_command_names_a_bad_engine():

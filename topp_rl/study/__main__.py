@@ -38,9 +38,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     m.add_argument("dirs", nargs="+", type=Path)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--plot", type=Path, default=None, help="the PNG (default OUT/ratios.png)")
-    args = parser.parse_args(argv)
+    # Overrides may sit on either side of the options: argparse leaves the later ones over.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or args.command != "ratios"]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "merge":
         return args
+    args.overrides = [*args.overrides, *rest]
     engines = args.engines.split(",")
     bad = sorted(set(engines) - {"embedded", "sglang"})
     if bad:
