@@ -35,7 +35,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="the PNG (default OUT/ratios.png)")
     p.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=study_countdown model=tiny")
     m = sub.add_parser("merge", help="one table and plot from several ratios runs' output dirs (figures.pt)")
-    m.add_argument("dirs", nargs="+", type=Path)
+    m.add_argument("dirs", nargs="+", type=Path, help="output dirs (their figures.pt) or partial-<engine>.pt files")
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--plot", type=Path, default=None, help="the PNG (default OUT/ratios.png)")
     # Overrides may sit on either side of the options: argparse leaves the later ones over.

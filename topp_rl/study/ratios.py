@@ -117,8 +117,10 @@ class EngineRun:
 
 def run_engine(name: str, engine, backbone: HFBackbone, prompts: list[list[int]], settings: list[Setting], *,
                samples: int, max_new_tokens: int, max_tokens: int, seed: int, stop_token_ids=(),
-               log: Callable[[str], None] = print) -> EngineRun:
-    """Sample and score every setting with one engine; a line per setting as it finishes."""
+               log: Callable[[str], None] = print,
+               on_setting: Callable[[EngineRun], None] | None = None) -> EngineRun:
+    """Sample and score every setting with one engine; a line per setting as it finishes, and `on_setting`
+    with the settings done so far (a long run stopped early keeps them)."""
     start = time.perf_counter()
     figures = {}
     for i, setting in enumerate(settings):
@@ -134,4 +136,7 @@ def run_engine(name: str, engine, backbone: HFBackbone, prompts: list[list[int]]
             f"{float(torch.exp(fig.unmasked - fig.rollout).mean()):.4f}, kept mass "
             f"{float(torch.exp(fig.log_kept_mass).mean()):.4f}, aborted {fig.aborted} "
             f"(sample {t1 - t0:.0f} s, score {time.perf_counter() - t1:.0f} s)")
+        if on_setting is not None:
+            on_setting(EngineRun(engine=name, prompts=len(prompts), figures=dict(figures),
+                                 wall_s=time.perf_counter() - start))
     return EngineRun(engine=name, prompts=len(prompts), figures=figures, wall_s=time.perf_counter() - start)

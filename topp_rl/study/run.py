@@ -89,9 +89,11 @@ def merge_ratios(args) -> list[Path]:
     """One table and plot from the figures of several `ratios` runs (e.g. one per engine)."""
     runs, facts = [], {}
     for d in args.dirs:
-        if not (d / FIGURES).is_file():
-            raise ValueError(f"{d / FIGURES} does not exist; pass output dirs of python -m topp_rl.study ratios")
-        more, f = load_runs(d / FIGURES)
+        path = d if d.is_file() else d / FIGURES
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist; pass output dirs of python -m topp_rl.study ratios (or a "
+                             "partial-<engine>.pt file)")
+        more, f = load_runs(path)
         runs += more
         for key, value in f.items():  # per-engine facts merge; shared ones must agree or are listed per run
             if isinstance(value, dict) and isinstance(facts.get(key), dict):
@@ -116,7 +118,14 @@ def _run_one(name, cfg, policy, tokenizer, backbone, prompts, settings, args) ->
         return run_engine(name, engine, backbone, prompts, settings, samples=args.samples,
                           max_new_tokens=args.max_new_tokens, max_tokens=int(cfg.data.max_tokens_per_micro_batch),
                           seed=int(cfg.seed), stop_token_ids=tuple(cfg.rollout.stop_token_ids or ()),
-                          log=lambda line: print(line, flush=True))
+                          log=lambda line: print(line, flush=True),
+                          on_setting=lambda done: _save_partial(done, cfg, args))
+
+
+def _save_partial(run: EngineRun, cfg, args) -> None:
+    """`<out>/partial-<engine>.pt` after every setting; `merge` reads it like a finished run's figures.pt."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_runs([run], {**_facts(cfg, args, [run]), "partial": True}, args.out / f"partial-{run.engine}.pt")
 
 
 def _facts(cfg: DictConfig, args, runs: list[EngineRun]) -> dict:
