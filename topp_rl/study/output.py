@@ -30,9 +30,27 @@ def _cell(value) -> str:
     return str(value)
 
 
+def compact(rows: list[dict]) -> list[str]:
+    """One line per engine x setting: the unmasked figures, and the masked ones that should be ~1."""
+    pairs: dict[tuple, dict] = {}
+    for r in rows:
+        pairs.setdefault((r["engine"], r["temperature"], r["truncation"]), {})[r["scoring"]] = r
+    lines = ["| engine | T | truncation | tokens | kept size | kept mass | unmasked ratio mean / median / p5 / p95 | "
+             "unmasked outside [0.9, 1.1] | unmasked k3 KL | masked max abs log ratio | masked outside |",
+             "|" + "---|" * 11]
+    for (engine, temp, trunc), d in pairs.items():
+        m, u = d["masked"], d["unmasked"]
+        quartet = " / ".join(f"{u[k]:.3g}" for k in ("ratio_mean", "ratio_median", "ratio_p5", "ratio_p95"))
+        lines.append(f"| {engine} | {temp:g} | {trunc} | {u['tokens']} | {u['kept_size_mean']:.4g} | "
+                     f"{u['kept_mass_mean']:.3g} | {quartet} | {100 * u['outside_0.9_1.1']:.1f}% | {u['kl_k3']:.2g} | "
+                     f"{m['max_abs_log_ratio']:.1e} | {100 * m['outside_0.9_1.1']:.0f}% |")
+    return lines
+
+
 def markdown(rows: list[dict], facts: dict) -> str:
     lines = ["# Importance ratios with and without the keep-sampling mask", ""]
     lines += [f"- {k}: {v}" for k, v in facts.items()] + [""]
+    lines += ["## Summary", "", *compact(rows), "", "## All figures", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -59,6 +77,10 @@ def plot(runs: list[EngineRun], path: Path) -> Path:
         for c, temp in enumerate(temps):
             ax = axes[r][c]
             settings = [s for s in run.figures if s.temperature == temp]
+            if not settings:  # a run stopped early (partial figures)
+                ax.set_title(f"{run.engine}, T={temp:g}: not run")
+                ax.axis("off")
+                continue
             for k, (scoring, colour) in enumerate((("masked", "C0"), ("unmasked", "C1"))):
                 data = [torch.exp(getattr(run.figures[s], scoring) - run.figures[s].rollout).numpy() for s in settings]
                 pos = [3 * i + k for i in range(len(settings))]
