@@ -9,6 +9,10 @@ saves (`support_size_counts.json`, per job). Renders:
 - `reward.png`: rollout/reward_mean per step (band: +- rollout/reward_std; accuracy when logged);
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;
 - `support_size_hist.png`: histogram of candidate-set sizes over the run's trainable tokens.
+With `--group-seeds` (a sweep over seeds), jobs whose names differ only in `seed<N>` form one variant, and
+`seeds.png` draws each variant's mean over seeds with a min-max band, one panel per metric of `SEED_PANELS`, and
+`seeds.md` tabulates each metric's start and end per variant (mean over seeds of the first / last `SUMMARY_POINTS`
+logged values; `val/*` metrics: the first / last evaluation), with the range over seeds.
 """
 
 import argparse
@@ -33,6 +37,11 @@ Jobs = dict[str, History]  # job label ("" for a single run) -> its history
 
 REWARD = "rollout/reward_mean"
 MISMATCH = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_unmasked")
+SEED_PANELS = (  # (metric, title) of seeds.png
+    (REWARD, "rollout reward mean"), ("val/accuracy", "held-out greedy accuracy"), ("val/mean@k", "held-out mean@k"),
+    ("train/entropy", "entropy"), ("train/clip_frac", "clip fraction"), ("train/grad_norm", "grad norm"),
+    (MISMATCH[0], "|train - rollout|, mask on"), (MISMATCH[1], "|train - rollout|, mask off"),
+)
 
 
 def read_csv_history(paths: list[Path]) -> History:
@@ -171,6 +180,88 @@ def support_figure(counts_by_job: dict[str, dict[int, int]]) -> Figure | None:
     return fig
 
 
+def variant_of(job: str) -> str:
+    """A job label without its sweep number and seed: `3-p0.9-maskTrue-seed1` -> `p0.9-maskTrue`."""
+    name = re.sub(r"^\d+-", "", Path(job).name)
+    return re.sub(r"[-_]?seed\d+", "", name) or name
+
+
+def group_seeds(jobs: Jobs) -> dict[str, list[History]]:
+    groups: dict[str, list[History]] = defaultdict(list)
+    for job, history in jobs.items():
+        groups[variant_of(job)].append(history)
+    return dict(groups)
+
+
+def seed_band(histories: list[History], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the histories holding `key`, at the steps every one of them logged."""
+    series = [dict(h[key]) for h in histories if key in h]
+    if not series:
+        return [], [], [], []
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    values = [[s[step] for s in series] for step in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+SUMMARY_POINTS = 5
+
+
+def seed_summary(groups: dict[str, list[History]]) -> list[dict]:
+    """Per variant and metric of SEED_PANELS: start / end (mean over seeds) and the end's min / max over seeds."""
+    rows = []
+    for variant, histories in groups.items():
+        for key, _ in SEED_PANELS:
+            series = [[v for _, v in h[key]] for h in histories if h.get(key)]
+            if not series:
+                continue
+            k = 1 if key.startswith("val/") else SUMMARY_POINTS
+            start = [sum(s[:k]) / len(s[:k]) for s in series]
+            end = [sum(s[-k:]) / len(s[-k:]) for s in series]
+            rows.append({"variant": variant, "metric": key, "seeds": len(series), "start": sum(start) / len(start),
+                         "end": sum(end) / len(end), "end_min": min(end), "end_max": max(end)})
+    return rows
+
+
+def seed_markdown(rows: list[dict]) -> str:
+    lines = [f"Start / end: mean over seeds of the first / last {SUMMARY_POINTS} logged values (val/*: first / last "
+             "evaluation); range: the end's min and max over seeds.", "",
+             "| variant | metric | seeds | start | end | end range |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['metric']} | {r['seeds']} | {r['start']:.4g} | {r['end']:.4g} | "
+              f"{r['end_min']:.4g} to {r['end_max']:.4g} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_text(text: str, path: Path) -> Path:
+    path.write_text(text)
+    return path
+
+
+def seeds_figure(groups: dict[str, list[History]]) -> Figure | None:
+    panels = [(k, t) for k, t in SEED_PANELS if any(k in h for hs in groups.values() for h in hs)]
+    if not panels:
+        return None
+    cols = 4 if len(panels) > 4 else len(panels)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        for i, (variant, histories) in enumerate(groups.items()):
+            steps, mean, low, high = seed_band(histories, key)
+            if steps:
+                n = sum(key in h for h in histories)
+                ax.plot(steps, mean, marker="o", ms=2, color=f"C{i}", label=f"{variant} ({n} seeds)")
+                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.15)
+        if key in MISMATCH:
+            ax.set_yscale("log")
+        ax.set(title=title, xlabel="step")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize="small")
+    fig.suptitle("Mean over seeds (band: min to max)")
+    fig.tight_layout(rect=(0, 0.06 + 0.02 * math.ceil(len(labels) / 3), 1, 1))
+    return fig
+
+
 def _save(fig: Figure | None, path: Path) -> Path | None:
     if fig is None:
         return None
@@ -182,7 +273,7 @@ def _save(fig: Figure | None, path: Path) -> Path | None:
     return path
 
 
-def render(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[Path]:
+def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: bool = False) -> list[Path]:
     """Write the run's (or sweep's) PNGs into `out_dir` (default RUN_DIR/plots); returns the paths written."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -194,6 +285,8 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[Pa
         _save(reward_figure(jobs), out / "reward.png"),
         _save(mismatch_figure(jobs), out / "mismatch.png"),
         _save(support_figure(read_counts(run_dir)), out / "support_size_hist.png"),
+        _save(seeds_figure(group_seeds(jobs)), out / "seeds.png") if seeds else None,
+        _write_text(seed_markdown(seed_summary(group_seeds(jobs))), out / "seeds.md") if seeds else None,
     ]
     return [p for p in written if p is not None]
 
@@ -202,9 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m topp_rl.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a training run's output directory, or a sweep's (one curve per job)")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots)")
+    parser.add_argument("--group-seeds", action="store_true",
+                        help="also seeds.png: jobs differing only in seed<N> as one variant (mean, min-max band)")
     args = parser.parse_args(argv)
     try:
-        paths = render(args.run_dir, out_dir=args.out)
+        paths = render(args.run_dir, out_dir=args.out, seeds=args.group_seeds)
     except ValueError as err:
         parser.error(str(err))  # exit status 2 with the message, no traceback
     for path in paths:

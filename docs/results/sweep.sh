@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 13, part 2: the learning sweep (docs/results.md). Two Hydra multiruns side by side, one per sampling
+# setting, each 3 seeds x 3 scoring variants run one after another (at most two jobs at a time on 2 cores).
+#   bash docs/results/sweep.sh [OUT_DIR] [extra overrides...]     (default OUT_DIR: multirun/study)
+# Then: python -m topp_rl.report OUT_DIR/top_p0.9 --group-seeds (and OUT_DIR/top_k20).
+# Committed run (docs/results.md): 56 min wall on a shared 2-core CPU, stopped after 5 jobs per setting.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-multirun/study}; shift || true
+py=${PYTHON:-.venv/bin/python}
+mkdir -p "$out"
+sweep() {  # $1: name, then the setting's overrides
+  local name=$1; shift
+  # seed first: Hydra varies the last list fastest, so every variant of seed 0 runs before seed 1.
+  WANDB_MODE=offline nohup "$py" train.py -m seed=0,1,2 \
+    experiment=study_arith_masked,study_arith_tis,study_arith_full "$@" \
+    hydra.sweep.dir="$out/$name" > "$out/$name.log" 2>&1 &
+  echo $!
+}
+sweep top_p0.9 rollout.top_p=0.9 rollout.top_k=0 "$@" > "$out/pids"
+sweep top_k20 rollout.top_p=1.0 rollout.top_k=20 "$@" >> "$out/pids"
+echo "sweep started (pids $(tr '\n' ' ' < "$out/pids")); logs: $out/*.log"
