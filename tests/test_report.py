@@ -136,3 +136,21 @@ def test_cli_reports_bad_run_dir_without_traceback(tmp_path, capsys):
         report.main([str(tmp_path)])
     assert exc.value.code == 2
     assert "no metrics found" in capsys.readouterr().err
+
+
+def test_val_figure_draws_each_evaluation_metric(tmp_path):
+    csv_dir = tmp_path / "csv" / "version_0"
+    csv_dir.mkdir(parents=True)
+    evals = [(0, 0.0625, 0.25, 0.125), (5, 0.375, 0.3125, 0.21875), (10, 0.5, 0.625, 0.40625)]
+    with open(csv_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "rollout/reward_mean", *(k for k, _, _ in report.VAL)])
+        writer.writeheader()
+        writer.writerows({"step": s, "rollout/reward_mean": 0.1} for s in range(10))
+        writer.writerows({"step": s, "val/accuracy": a, "val/pass@k": p, "val/mean@k": m} for s, a, p, m in evals)
+    fig = report.val_figure(report.load_jobs(tmp_path))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert sorted(lines) == ["greedy accuracy", "mean@k", "pass@k"]
+    assert list(lines["greedy accuracy"].get_xdata()) == [0.0, 5.0, 10.0]
+    assert list(lines["pass@k"].get_ydata()) == [0.25, 0.3125, 0.625]
+    assert "val.png" in [p.name for p in report.render(tmp_path)]
+    assert report.val_figure({"": {"rollout/reward_mean": [(0.0, 0.1)]}}) is None  # no evaluation, no figure

@@ -8,6 +8,7 @@ job, labelled by the job's directory name. Also reads the candidate-set size cou
 saves (`support_size_counts.json`, per job). Renders:
 - `reward.png`: rollout/reward_mean per step (band: +- rollout/reward_std; accuracy when logged);
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;
+- `val.png`: held-out evaluation (val/accuracy, val/pass@k, val/mean@k), when the run evaluated;
 - `support_size_hist.png`: histogram of candidate-set sizes over the run's trainable tokens.
 With `--group-seeds` (a sweep over seeds), jobs whose names differ only in `seed<N>` form one variant, and
 `seeds.png` draws each variant's mean over seeds with a min-max band, one panel per metric of `SEED_PANELS`, and
@@ -148,6 +149,26 @@ def mismatch_figure(jobs: Jobs) -> Figure | None:
     return fig
 
 
+VAL = (("val/accuracy", "greedy accuracy", "-"), ("val/pass@k", "pass@k", "--"), ("val/mean@k", "mean@k", ":"))
+
+
+def val_figure(jobs: Jobs) -> Figure | None:
+    """Held-out evaluation (`eval.every_n_steps`): greedy accuracy, pass@k and mean@k per evaluation."""
+    if not any(key in h for h in jobs.values() for key, _, _ in VAL):
+        return None
+    fig, ax = plt.subplots(figsize=(7 if len(jobs) > 1 else 6, 4))
+    for i, (job, history) in enumerate(jobs.items()):
+        colour = f"C{i}" if job else None
+        for key, label, style in VAL:
+            if key in history:
+                steps, v = zip(*history[key], strict=True)
+                ax.plot(steps, v, marker="o", ms=3, ls=style, color=colour, label=_name(job, label))
+    ax.set(xlabel="step", ylabel="held-out score", title="Evaluation", ylim=(-0.02, 1.02))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize="small")
+    return fig
+
+
 def read_counts(run_dir: Path) -> dict[str, dict[int, int]]:
     """{job label: {candidate-set size: tokens}} from each job's support_size_counts.json."""
     files = sorted(run_dir.rglob(COUNTS_FILE))  # SupportStats writes it into the job's run dir
@@ -284,6 +305,7 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
     written = [
         _save(reward_figure(jobs), out / "reward.png"),
         _save(mismatch_figure(jobs), out / "mismatch.png"),
+        _save(val_figure(jobs), out / "val.png"),
         _save(support_figure(read_counts(run_dir)), out / "support_size_hist.png"),
         _save(seeds_figure(group_seeds(jobs)), out / "seeds.png") if seeds else None,
         _write_text(seed_markdown(seed_summary(group_seeds(jobs))), out / "seeds.md") if seeds else None,
