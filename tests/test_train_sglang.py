@@ -24,6 +24,6 @@ def test_sglang_rollouts_train_with_exact_logprobs(tmp_path, capsys):
     assert summary["train/rollout_logprob_abs_diff_unmasked"] > 1e-2  # top_p=0.9 drops ~10% of the mass
     (metrics,) = tmp_path.glob("csv/*/metrics.csv")
     assert "rollout/support_size_mean" in metrics.read_text().splitlines()[0]
-    out = capsys.readouterr().out  # the console says when the server starts and how long it took
+    out = capsys.readouterr().err  # the console says when the server starts and how long it took
     assert re.search(r"\[topp_rl\] SGLang server http://127\.0\.0\.1:\d+: starting \(log: ", out), out
     assert re.search(r"\[topp_rl\] SGLang server http://127\.0\.0\.1:\d+: ready in \d+\.\d s", out), out

@@ -172,14 +172,17 @@ class LoggedProcessGroup:
         """Run `wait_ready`, saying on the console that the start began and how long it took (a server start on
         CPU takes ~20 s, mostly imports); on any failure, stop the group (the subclass's `stop`) and re-raise."""
         start = time.monotonic()
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: starting (log: {self.log_path})", flush=True)
+        # stderr, like the waiting lines below: stdout may be a protocol (a parent reading JSON from it)
+        print(f"[topp_rl] SGLang {self.kind} {self.url}: starting (log: {self.log_path})", file=sys.stderr,
+              flush=True)
         try:
             wait_ready()
         except BaseException:
             self.failed = True
             self.stop()
             raise
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s", flush=True)
+        print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s",
+              file=sys.stderr, flush=True)
 
     def _stop_group(self, timeout_s: float) -> bool:
         """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
