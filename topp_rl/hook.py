@@ -16,6 +16,8 @@ from topp_rl.ops import candidate_head_logprobs, token_logprobs
 from topp_rl.parallel import ParallelLayout, cp_local_positions, response_rows
 from topp_rl.records import OnPolicyRecord
 
+RECORD_BLOCK_ELEMENTS = 1 << 23  # logits per block of the on-policy record pass
+
 
 @dataclass(frozen=True)
 class TokenLogProbs:
@@ -98,11 +100,13 @@ class ToppLogProb:
         layout: ParallelLayout,
         hidden: torch.Tensor,
         weight: torch.Tensor,
-        chunk_rows: int = 2048,
+        chunk_rows: int | None = None,
     ) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(token index [R_local] into the micro-batch's R response tokens, this rank's `OnPolicyRecord`).
 
-        Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad).
+        Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad); by default
+        a block holds `RECORD_BLOCK_ELEMENTS` logits (32 MB in fp32: 170 rows at V = 49152, one block for a
+        small vocabulary), since each reduction makes a few temporaries of the block's size.
 
         Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
         see both figures; each block of row logits is formed once and shared by the two reductions, and blocks
@@ -112,6 +116,7 @@ class ToppLogProb:
         vocab_start, _ = layout.vocab_range()
         common = dict(temperature=self.temperature, vocab_start=vocab_start, tp_group=layout.tp_group)
         masked, entropy, unmasked = [], [], []
+        chunk_rows = chunk_rows or max(1, RECORD_BLOCK_ELEMENTS // weight.shape[0])
         for a in range(0, max(rows.numel(), 1), chunk_rows):
             b = min(a + chunk_rows, rows.numel())
             block = hidden[rows[a:b]] @ weight.T
