@@ -50,7 +50,7 @@ class StepTimer(Callback):
                "optim_s": float(metrics["perf/optim_s"])}
         row["step_s"] = row["generate_s"] + row["old_logprob_s"] + row["optim_s"]
         row["support_size_mean"] = float(trainer.callback_metrics.get("rollout/support_size_mean", float("nan")))
-        gen_rate, gen_s = (metrics.get(k) for k in ("rollout/gen_tokens_per_s", "rollout/gen_seconds"))
+        gen_rate, gen_s = (metrics.get(k) for k in ("perf/generate_tokens_per_s", "perf/generate_s"))
         row["tokens"] = float(gen_rate * gen_s) if gen_rate is not None and gen_s is not None else float("nan")
         self.rows.append(row)
         self._mark = end
