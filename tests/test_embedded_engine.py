@@ -5,9 +5,9 @@ import torch
 from oracles import sglang_keep_mask
 
 from topp_rl.models import build_tiny_model
-from topp_rl.ops import sampling_candidates
+from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
+from topp_rl.rollout.embedded import EmbeddedEngine, _draw_from_sets
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20], [1, 30, 31, 32]]
 
@@ -150,3 +150,71 @@ def test_exact_on_cuda():
         rows, masked, _ = _replay(reference, s, params)
         assert [sorted(r) for r in s.candidates.to_lists()] == [sorted(r) for r in rows]
         torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-4, rtol=0)
+
+
+def test_draw_from_sets_follows_the_renormalised_kept_distribution():
+    """The set-only draw: each kept id at its renormalised probability, never a dropped one, and the log-prob
+    of the drawn id equal to the dense oracle's log_softmax over the kept set."""
+    base = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)) * 2
+    base[2, 5] = -200.0  # kept by top_k below, but exp underflows to 0 in float32: never drawn
+    reps = 20_000
+    logits = base.repeat_interleave(reps, 0)
+    top_k = torch.tensor([0, 0, 40]).repeat_interleave(reps)
+    top_p = torch.tensor([0.7, 0.95, 1.0]).repeat_interleave(reps)
+    cands = sampling_candidates(logits, temperature=0.9, top_p=top_p, top_k=top_k)
+    u = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    tokens, log_probs = _draw_from_sets(logits / 0.9, cands, u)
+
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[cands.row_of_ids(), cands.ids.long()] = True
+    dense = (logits / 0.9).masked_fill(~keep, float("-inf")).log_softmax(-1)
+    assert bool(keep.gather(1, tokens[:, None]).all()), "a dropped id was drawn"
+    torch.testing.assert_close(log_probs, dense.gather(1, tokens[:, None]).squeeze(1), atol=1e-6, rtol=0)
+    assert not bool((tokens[2 * reps :] == 5).any())
+    for r in range(3):
+        freq = torch.bincount(tokens[r * reps : (r + 1) * reps], minlength=40).double() / reps
+        prob = dense[r * reps].exp().double()
+        sd = (prob * (1 - prob) / reps).sqrt()
+        assert bool(((freq - prob).abs() <= 5 * sd + 1e-12).all()), (r, (freq - prob).abs().max())
+
+
+def test_draw_from_sets_at_the_edges_of_u():
+    """u = 0 draws each row's first id of positive mass, u -> 1 its last one (no spill into a neighbour row)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    cands = Candidates.from_lists([[2, 1, 0], [0, 3]])
+    first, _ = _draw_from_sets(logits, cands, torch.zeros(2, dtype=torch.float64))
+    last, _ = _draw_from_sets(logits, cands, torch.full((2,), 1 - 1e-16, dtype=torch.float64))
+    assert first.tolist() == [2, 0] and last.tolist() == [0, 3]
+
+
+def test_shared_engine_samples_with_the_live_module_and_leaves_its_flags():
+    """share_weights=True: no copy (an optimizer-style in-place update is seen at once, update_weights from
+    the same module copies nothing), generation in eval mode whatever the module's flags (here train mode with
+    attention dropout, which would perturb every draw), and those flags and requires_grad left as they were."""
+    params = SamplingParams(top_p=0.9, max_new_tokens=8)
+    policy = _model()
+    copied = EmbeddedEngine(policy, progress=False)
+    shared = EmbeddedEngine(policy, share_weights=True, progress=False)
+    assert shared.model is policy and all(p.requires_grad for p in policy.parameters())
+    policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for attention in (m for m in policy.modules() if hasattr(m, "attention_dropout")):
+        attention.attention_dropout = 0.5
+    policy.train()
+    flags = {name: m.training for name, m in policy.named_modules()}
+    ref = copied.generate(PROMPTS, params, seed=0)
+    got = shared.generate(PROMPTS, params, seed=0)
+    assert [s.response_ids for s in got] == [s.response_ids for s in ref]
+    assert [s.rollout_log_probs for s in got] == [s.rollout_log_probs for s in ref]
+    assert {name: m.training for name, m in policy.named_modules()} == flags
+    assert all(p.requires_grad for p in policy.parameters())
+
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    pointers = [p.data_ptr() for p in policy.parameters()]
+    shared.update_weights((n, p.detach()) for n, p in policy.named_parameters())  # a no-op: same tensors
+    assert [p.data_ptr() for p in policy.parameters()] == pointers
+    policy.eval()
+    for s in shared.generate(PROMPTS, params, seed=0):
+        _, masked, _ = _replay(policy, s, params)
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-5, rtol=0)

@@ -8,11 +8,12 @@ whatever device the model lives on, no continuous batching (finished rows idle u
 draw uses one seeded `torch.Generator` per `generate` call, so the same seed gives the same rollout.
 """
 
+import contextlib
 import copy
 import inspect
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,13 +36,17 @@ class EmbeddedEngine(RolloutEngine):
         record_candidates: bool = True,
         record_raw_log_probs: bool = False,
         max_batch_size: int = 64,
-        copy_model: bool = True,
+        share_weights: bool = False,
         progress: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1")
-        # The engine owns its module: training updates reach it only through update_weights.
-        self.model = (copy.deepcopy(model) if copy_model else model).eval().requires_grad_(False)
+        # Own copy (the default): training updates reach the engine only through update_weights, as they reach
+        # a separate server. Shared: the engine samples with the caller's module itself (no second copy of the
+        # weights in memory; an optimizer step is visible at once), leaving its grad flags alone and switching
+        # it to eval mode only while it generates.
+        self.share_weights = share_weights
+        self.model = model if share_weights else copy.deepcopy(model).eval().requires_grad_(False)
         config = self.model.config
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
@@ -57,8 +62,8 @@ class EmbeddedEngine(RolloutEngine):
 
     @classmethod
     def for_policy(cls, *, model: PreTrainedModel, tokenizer, workdir: Path, **kwargs) -> "EmbeddedEngine":
-        """The config factory (`rollout.engine`): an engine holding its own copy of the policy's weights, with
-        the tokenizer's stop / pad ids (`workdir` is unused: the embedded engine writes no files)."""
+        """The config factory (`rollout.engine`): an engine on the policy's HF module (shared or copied, as
+        `share_weights` says), with the tokenizer's stop / pad ids (`workdir` is unused: it writes no files)."""
         return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kwargs)
 
     @property
@@ -82,9 +87,10 @@ class EmbeddedEngine(RolloutEngine):
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         samples: list[Sample] = []
-        for start in range(0, len(expanded), self.max_batch_size):
-            chunk = expanded[start : start + self.max_batch_size]
-            samples += self._generate_batch([p for _, p in chunk], params, generator)
+        with _eval_mode(self.model):
+            for start in range(0, len(expanded), self.max_batch_size):
+                chunk = expanded[start : start + self.max_batch_size]
+                samples += self._generate_batch([p for _, p in chunk], params, generator)
         for i, (sample, (group, _)) in enumerate(zip(samples, expanded, strict=True)):
             sample.index, sample.group_index = i, group
         return samples
@@ -137,34 +143,26 @@ class EmbeddedEngine(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None]:
         """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates)."""
         scaled = logits / params.temperature
-        bias, cands = self._keep(logits, params) if params.truncates else (None, None)
-        kept = scaled if bias is None else scaled + bias
-        log_probs = kept.log_softmax(-1)
-        # Inverse-CDF draw, one uniform per row (cheaper than torch.multinomial here); dropped tokens have
-        # probability exactly 0, so the first index whose cumulative mass exceeds u * total is a kept token.
-        cum = log_probs.exp().cumsum(-1)
-        u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device, dtype=cum.dtype)
-        tokens = (
-            torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=logits.shape[1] - 1).squeeze(1)
-        )
-        chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
+        u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
+        if params.truncates:
+            cands = sampling_candidates(
+                logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                min_p=params.min_p,
+            )
+            tokens, chosen = _draw_from_sets(scaled, cands, u)
+        else:
+            cands = None
+            log_probs = scaled.log_softmax(-1)
+            tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
+            chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
         raw = None
         if self.record_raw_log_probs:
             raw = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, chosen, raw, cands if record else None
 
-    def _keep(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, Candidates | None]:
-        """Keep bias [B, V] (0 = kept, -inf = dropped; added to the logits, which ran ~10x faster than a bool
-        masked_fill here) and the CSR sets it came from (the sampler needs the set either way)."""
-        cands = sampling_candidates(
-            logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
-        )
-        bias = torch.full(logits.shape, -math.inf, dtype=logits.dtype, device=logits.device)
-        bias.view(-1).scatter_(0, cands.row_of_ids() * logits.shape[1] + cands.ids.long(), 0.0)
-        return bias, cands
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the engine's own model, in memory (tied weights update together)."""
+        """Copy HF-named tensors into the engine's model, in memory (tied weights update together). A tensor that
+        is the engine's own parameter (a shared engine synced from the module it samples with) is skipped."""
         state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -176,10 +174,60 @@ class EmbeddedEngine(RolloutEngine):
                         f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine expects "
                         f"{tuple(target.shape)}; sync from the same architecture"
                     )
+                if _same_tensor(target, tensor):
+                    continue
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
 
     def close(self) -> None:
         """Nothing to release: the model is garbage-collected with the engine."""
+
+
+def _draw_from_sets(
+    scaled: torch.Tensor, cands: Candidates, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], log-prob [B]) drawn per row from softmax(scaled) renormalised over the row's kept set.
+
+    Works on the sets' K values alone, never on a [B, V] tensor (a mean set of ~100 ids against V = 49152 for
+    SmolLM2): a segmented log-sum-exp gives each row's normaliser, and one float64 cumulative sum over all K
+    values, searched at (mass before the row) + u x (the row's mass), gives the inverse-CDF draw. Ids of
+    probability 0 (underflow) add no mass, so they are never drawn."""
+    rows, ids = cands.row_of_ids(), cands.ids.long()
+    vals = scaled[rows, ids]  # [K]
+    row_max = torch.full_like(u, -math.inf, dtype=vals.dtype).scatter_reduce_(0, rows, vals, "amax")
+    mass = (vals - row_max[rows]).exp()
+    row_mass = torch.zeros_like(row_max).index_add_(0, rows, mass)
+    log_norm = row_max + row_mass.log()
+    cum = torch.cat([mass.new_zeros(1, dtype=torch.float64), mass.double().cumsum(0)])  # [K + 1]
+    starts, ends = cands.offsets[:-1].long(), cands.offsets[1:].long()
+    before = cum[starts]
+    picked = torch.searchsorted(cum[1:], before + u * (cum[ends] - before), right=True)
+    picked = torch.minimum(torch.maximum(picked, starts), ends - 1)  # u * mass rounding at a row's edge
+    return ids[picked], vals[picked] - log_norm
+
+
+def _inverse_cdf(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index [B] of the first entry of each row's cumulative mass [B, V] above u x the row's total."""
+    target = (u * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1).squeeze(1)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and a.stride() == b.stride())
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode for the block, then each back to its own flag (a shared policy may be in
+    train mode, or have layers flagged `training` for gradient checkpointing: sampling must see no dropout)."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
 
 
 class _StepRecords:
