@@ -6,7 +6,7 @@ candidate mask on and off, side by side in one process.
 Each variant runs the default config (`train.py algo=grpo rollout.top_p=0.9` unless overridden) through the real
 Trainer. Generation is the time from the previous step's end (after the weight sync) to this step's start, i.e.
 `RolloutDataModule.on_before_batch_transfer`; the old-log-prob pass and optimisation are the module's own logged
-`perf/old_logprob_s` and `perf/optim_s`. The
+`perf/old_logprob_s` and `perf/optim_s`; `wall_s` (in the rows) is the whole step, callbacks included. The
 first step of each run is warm-up and not counted; figures are medians over the remaining steps of `--repeats`
 runs per variant, interleaved (on, off, on, off) so that load changes on a shared machine hit both.
 """
@@ -49,6 +49,9 @@ class StepTimer(Callback):
         row = {"generate_s": self._generate, "old_logprob_s": float(metrics["perf/old_logprob_s"]),
                "optim_s": float(metrics["perf/optim_s"])}
         row["step_s"] = row["generate_s"] + row["old_logprob_s"] + row["optim_s"]
+        # Wall time since the previous step's end: also the callbacks (weight sync, metrics), and under
+        # rollout.overlap the wait for the generation running beside the step.
+        row["wall_s"] = end - self._mark
         row["support_size_mean"] = float(trainer.callback_metrics.get("rollout/support_size_mean", float("nan")))
         gen_rate, gen_s = (metrics.get(k) for k in ("perf/generate_tokens_per_s", "perf/generate_s"))
         row["tokens"] = float(gen_rate * gen_s) if gen_rate is not None and gen_s is not None else float("nan")

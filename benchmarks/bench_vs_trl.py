@@ -10,7 +10,8 @@ Both: 1-digit sums ("3+4="), 8 prompts x 4 samples per step, temperature 1, top_
 step per rollout, no KL. Arms, run one after another in fresh processes (so peak RSS is each arm's own) and
 rotated every repeat: topp_rl with the candidate mask on, with it off, and TRL. The first step of every run is
 warm-up; the table gives medians over the remaining steps of all repeats. Phases: topp_rl generation / old
-log-prob pass / optimisation (benchmarks/bench_train_step.py's split); TRL generation / the rest of
+log-prob pass / optimisation (benchmarks/bench_train_step.py's split; its step is the wall time, callbacks
+included); `--arms` adds topp_overlap (rollout.overlap=true). TRL generation / the rest of
 `_generate_and_score_completions` / the rest of the step (benchmarks/trl_worker.py).
 Prompts come from the same ArithmeticTask (seed 0) on both sides; rewards are exact-match on both sides.
 """
@@ -47,13 +48,24 @@ def topp_overrides(scale: str) -> list[str]:
     ]
 
 
-def run_topp_child(scale: str, mask: bool, steps: int) -> dict:
-    """In a child process: one topp_rl run through the real Trainer; JSON rows on stdout."""
+# topp_rl arms: (mask on, extra overrides). The overlap arm generates step k + 1 beside step k (its engine keeps
+# its own copy of the weights; TIS corrects the one-update gap).
+TOPP_ARMS = {
+    "topp_mask_on": (True, []),
+    "topp_mask_off": (False, []),
+    "topp_overlap": (True, ["rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0"]),
+}
+
+
+def run_topp_child(scale: str, arm: str, steps: int) -> dict:
+    """In a child process: one topp_rl run through the real Trainer; JSON rows on stdout. Its step time is the
+    step's wall time (callbacks included: the weight sync, and under overlap the wait for the generation)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_train_step import run_variant
 
-    rows = run_variant(topp_overrides(scale), steps=steps, use_mask=mask)
-    out = [dict(generate_s=r["generate_s"], score_s=r["old_logprob_s"], optim_s=r["optim_s"], step_s=r["step_s"],
+    mask, extra = TOPP_ARMS[arm]
+    rows = run_variant([*topp_overrides(scale), *extra], steps=steps, use_mask=mask)
+    out = [dict(generate_s=r["generate_s"], score_s=r["old_logprob_s"], optim_s=r["optim_s"], step_s=r["wall_s"],
                 tokens=r.get("tokens", float("nan"))) for r in rows]
     return dict(rows=out, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
@@ -118,28 +130,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--child", choices=["topp_mask_on", "topp_mask_off"], help=argparse.SUPPRESS)
+    ap.add_argument("--arms", default="topp_mask_on,topp_mask_off,trl",
+                    help=f"comma-separated, from {', '.join([*TOPP_ARMS, 'trl'])}")
+    ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(run_topp_child(args.scale, args.child == "topp_mask_on", args.steps)))
+        print(json.dumps(run_topp_child(args.scale, args.child, args.steps)))
         return
+    arms = args.arms.split(",")
+    unknown = sorted(set(arms) - {*TOPP_ARMS, "trl"})
+    if unknown or "trl" not in arms:
+        raise SystemExit(f"--arms {args.arms!r}: unknown {unknown} or no 'trl'; pick from {[*TOPP_ARMS, 'trl']}")
     trl_python = subprocess.run([str(ROOT / "scripts" / "setup_trl.sh"), "--print-path"], capture_output=True,
                                 text=True, check=False).stdout.strip()
     if not trl_python:
         raise SystemExit("the TRL venv is not built; run scripts/setup_trl.sh first (it prints the venv's python)")
-    arms = ["topp_mask_on", "topp_mask_off", "trl"]
     results: dict[str, list[dict]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as workdir:
         model_dir = model_dir_for(args.scale, workdir)
         for rep in range(args.repeats):
-            for arm in arms[rep % 3 :] + arms[: rep % 3]:  # rotated: no arm always runs first
+            for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:  # rotated: no arm always runs first
                 results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
                 last = results[arm][-1]["rows"]
                 print(f"[rep {rep}] {arm}: step_s {statistics.median(r['step_s'] for r in last):.3f}", flush=True)
     trl_tokens = statistics.median(r["tokens"] for run in results["trl"] for r in run["rows"])
     batch = COMMON["prompts_per_step"] * COMMON["n_samples"]
     # topp_rl steps generate up to batch x max_new_tokens; its rows carry the datamodule's count when logged
-    topp_tokens = {a: statistics.median(r["tokens"] for run in results[a] for r in run["rows"]) for a in arms[:2]}
+    topp_tokens = {a: statistics.median(r["tokens"] for run in results[a] for r in run["rows"])
+                   for a in arms if a != "trl"}
     tokens = {a: (v if v == v else batch * SCALES[args.scale]["max_new_tokens"]) for a, v in topp_tokens.items()}
     tokens["trl"] = trl_tokens
     table = summarise(results, tokens)

@@ -98,6 +98,10 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.n_samples=true", "rollout.n_samples"),
         ("trainer.max_steps=abc", "trainer.max_steps"),
         ("callbacks.weight_sync=null", "callbacks.weight_sync"),  # off-policy without saying so
+        # Overlap: the engine must keep its own weights, and the one-update gap must be corrected.
+        ("rollout.overlap=true", "rollout.engine.share_weights"),
+        ("rollout.overlap=true rollout.engine.share_weights=false", "algo.loss.tis_cap"),
+        ("rollout.overlap=yes", "rollout.overlap"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),

@@ -98,6 +98,10 @@ def test_an_overflowing_learning_rate_stops_naming_the_step_and_the_lr(tmp_path)
     with pytest.raises(FloatingPointError, match=r"step 0: the optimizer update overflowed float32 .* "
                                                    r"optimizer.lr=1e\+38 is far too large"):
         train(compose_cfg(tmp_path, "trainer.max_steps=2", "optimizer.lr=1e38"))
+    # The foreach AdamW fails on the overflowing scalar itself; the same message either way.
+    with pytest.raises(FloatingPointError, match=r"step 0: the optimizer update overflowed float32 .* "
+                                                   r"optimizer.lr=1e\+38 is far too large"):
+        train(compose_cfg(tmp_path / "foreach", "trainer.max_steps=2", "optimizer.lr=1e38", "optimizer.fused=false"))
 
 
 def test_a_dead_gradient_raises_the_zero_grad_alarm(tmp_path, capfd):
@@ -117,9 +121,10 @@ def test_a_dead_gradient_raises_the_zero_grad_alarm(tmp_path, capfd):
 
 
 def test_training_without_weight_sync_raises_the_mismatch_alarm(tmp_path, capfd):
-    """Allowed explicitly (allow_stale_weights=true), the off-policy drift is still reported."""
+    """Allowed explicitly (allow_stale_weights=true), the off-policy drift is still reported (an engine with its
+    own copy of the weights: one that shares the policy's module samples with the trained weights anyway)."""
     train(compose_cfg(tmp_path, "trainer.max_steps=6", "callbacks.weight_sync=null", "allow_stale_weights=true",
-                      "rollout.top_p=0.9", "optimizer.lr=0.01"))
+                      "rollout.top_p=0.9", "optimizer.lr=0.01", "rollout.engine.share_weights=false"))
     rows = read_metrics(tmp_path)
     diff = [float(r["train/rollout_logprob_abs_diff"]) for r in rows if r.get("train/rollout_logprob_abs_diff")]
     alarm = [float(r["health/mismatch_alarm"]) for r in rows if r.get("health/mismatch_alarm")]

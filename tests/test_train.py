@@ -47,8 +47,9 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_every_algorithm_trains_end_to_end(tmp_path):
     for algo in ALGOS:
         out = tmp_path / algo
-        logger = "logger=csv" if algo == "grpo" else "logger=none"
-        summary = train(compose_cfg(out, f"algo={algo}", logger))
+        # grpo logs, with groups big enough that some hold different rewards (a nonzero gradient to check).
+        logged = ("logger=csv", "rollout.prompts_per_step=4", "rollout.n_samples=4")
+        summary = train(compose_cfg(out, f"algo={algo}", *(logged if algo == "grpo" else ("logger=none",))))
         # On-policy pass, mask on: training and rollout agree to float32 precision; unmasked shows the bias.
         assert summary["train/rollout_logprob_abs_diff_max"] <= 1e-5, algo
         assert summary["train/rollout_logprob_abs_diff_unmasked"] > 1e-3, algo

@@ -102,10 +102,30 @@ def validate_weight_sync(cfg: DictConfig) -> None:
           "off-policy against the initial weights on purpose")
 
 
+def validate_overlap(cfg: DictConfig) -> None:
+    """rollout.overlap=true trains each step on samples one weight update old: the engine must keep its own
+    weights while the trainer updates, and the loss must correct the gap."""
+    overlap = cfg.rollout.get("overlap", False)
+    if not isinstance(overlap, bool):
+        _fail("rollout.overlap", overlap, "true or false", "set rollout.overlap=true or false")
+    if not overlap:
+        return
+    if cfg.rollout.engine.get("share_weights"):
+        _fail("rollout.engine.share_weights", True, "false with rollout.overlap=true (the next step is generated "
+              "while this one updates the weights)", "set rollout.engine.share_weights=false (the embedded engine "
+              "keeps its own copy), or use rollout=sglang")
+    loss = cfg.algo.get("loss") or {}
+    if loss.get("tis_cap") is None and loss.get("icepop_low") is None:
+        _fail("algo.loss.tis_cap", None, "set with rollout.overlap=true (samples come from the policy one update "
+              "back; the importance ratio to it needs a correction)",
+              "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ValueError on the first invalid setting (see module docstring)."""
     validate_sampling(cfg)
     validate_weight_sync(cfg)
+    validate_overlap(cfg)
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:
         _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "

@@ -262,19 +262,25 @@ class PolicyModule(L.LightningModule):
         self.log_step_metrics(metrics, lr=lr, step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
-    @staticmethod
-    def optimizer_step_checked(opt, *, step: int) -> None:
-        """`opt.step()`, with torch's bare overflow error turned into one naming the step and the learning rate."""
+    def optimizer_step_checked(self, opt, *, step: int) -> None:
+        """`opt.step()`; an update that overflows float32 stops the run naming the step and the learning rate.
+        The foreach AdamW raises on its overflowing scalar; the fused one leaves inf / NaN weights, found here by
+        one max-abs reduction per tensor (all ranks decide together, so none is left in a collective)."""
+        lr = opt.param_groups[0]["lr"]
         try:
             opt.step()
         except RuntimeError as err:
             if "overflow" not in str(err):
                 raise
-            lr = opt.param_groups[0]["lr"]
-            raise FloatingPointError(
-                f"step {step}: the optimizer update overflowed float32 ({err}); optimizer.lr={lr:g} is far too "
-                "large for this model: lower it (e.g. 1e-3 for the tiny model, 1e-6 for SmolLM2)"
-            ) from err
+            raise _overflow(step, lr, str(err)) from err
+        params = [p.detach() for group in opt.param_groups for p in group["params"]]
+        finite = not params or bool(
+            torch.isfinite(torch.stack([torch.linalg.vector_norm(p, float("inf")) for p in params])).all()
+        )
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            raise _overflow(step, lr, "the weights hold inf or NaN after it")
 
     def log_step_metrics(self, sums: dict[str, SumCount], *, lr: float, step: int) -> dict[str, float]:
         """Reduce the step's (sum, count) pairs across ranks once, stop on a non-finite loss or entropy (the
@@ -302,3 +308,10 @@ class PolicyModule(L.LightningModule):
 
 
 __all__ = ["Backbone", "HFBackbone", "PolicyModule", "gather_tokens"]
+
+
+def _overflow(step: int, lr: float, what: str) -> FloatingPointError:
+    return FloatingPointError(
+        f"step {step}: the optimizer update overflowed float32 ({what}); optimizer.lr={lr:g} is far too large "
+        "for this model: lower it (e.g. 1e-3 for the tiny model, 1e-6 for SmolLM2)"
+    )

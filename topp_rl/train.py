@@ -154,6 +154,7 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule = instantiate(cfg.data, _partial_=True)(
         engine=engine_factory, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
         prompts_per_step=cfg.rollout.prompts_per_step, advantage=instantiate(cfg.algo.advantage), seed=cfg.seed,
+        overlap=cfg.rollout.overlap,
     )
     loss = instantiate(cfg.algo.loss)
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=cfg.rollout.temperature)

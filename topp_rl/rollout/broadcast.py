@@ -72,6 +72,7 @@ def _header(samples: list[Sample]) -> dict:
         "index": [s.index for s in samples],
         "group_index": [s.group_index for s in samples],
         "reward": [s.reward for s in samples],
+        "weight_version": [s.weight_version for s in samples],
         "metadata": [s.metadata for s in samples],
         "has_raw": [s.rollout_raw_log_probs is not None for s in samples],
         "has_candidates": [s.candidates is not None for s in samples],
@@ -134,6 +135,6 @@ def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
             loss_mask=per_response["loss_mask"][i].tolist(), rollout_log_probs=per_response["log_probs"][i].tolist(),
             rollout_raw_log_probs=next(raw).tolist() if meta["has_raw"][i] else None, candidates=candidates,
             reward=meta["reward"][i], group_index=meta["group_index"][i], index=meta["index"][i],
-            status=meta["status"][i], metadata=meta["metadata"][i],
+            status=meta["status"][i], metadata=meta["metadata"][i], weight_version=meta["weight_version"][i],
         ))
     return samples

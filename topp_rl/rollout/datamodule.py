@@ -16,6 +16,10 @@ only their source rank creates the engine (`engine` may be a factory `dp_rank ->
 `setup`, after the process groups exist), generates and scores, and `share_samples` hands the scored samples
 to the peers, so they hold byte-identical rollouts.
 
+Overlap (`overlap=True`, off by default): step k + 1's generation runs on a background thread while step k
+trains, one update behind (`topp_rl.rollout.overlap`); samples record their weight version and
+`rollout/weight_staleness` logs the gap (1 in the steady state).
+
 State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
 (seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
 `RolloutBatch.samples` (for stats) but never trained on.
@@ -34,7 +38,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
 from topp_rl.rollout.broadcast import RolloutPeers, share_samples
+from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.overlap import Prefetcher, VersionedEngine
 from topp_rl.rollout.packing import RolloutBatch, pack_samples
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
@@ -99,6 +105,7 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         dp_rank: int | None = None,
         dp_size: int | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -109,7 +116,11 @@ class RolloutDataModule(L.LightningDataModule):
             raise TypeError(
                 f"engine is a {type(engine).__name__}; pass a RolloutEngine or a factory dp_rank -> RolloutEngine"
             )
-        self.engine: RolloutEngine | None = engine if isinstance(engine, RolloutEngine) else None
+        self.overlap = overlap
+        self._prefetch = Prefetcher() if overlap else None
+        self.engine: RolloutEngine | None = (
+            self._for_overlap(engine) if isinstance(engine, RolloutEngine) else None
+        )
         self._engine_factory = None if isinstance(engine, RolloutEngine) else engine
         self.peers = RolloutPeers()  # alone until `setup` asks the strategy
         self.task, self.tokenizer, self.params = task, tokenizer, params
@@ -165,12 +176,25 @@ class RolloutDataModule(L.LightningDataModule):
 
     def ensure_engine(self) -> RolloutEngine:
         if self.engine is None:
-            self.engine = self._engine_factory(self.dp_rank)
+            self.engine = self._for_overlap(self._engine_factory(self.dp_rank))
         return self.engine
+
+    def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
+        if not self.overlap:
+            return engine
+        if isinstance(engine, EmbeddedEngine) and engine.share_weights:
+            raise ValueError(
+                "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
+                "samples with the trainer's own weights (rollout.engine.share_weights=true); set "
+                "rollout.engine.share_weights=false so it keeps its own copy, or use rollout=sglang"
+            )
+        return VersionedEngine(engine)
 
     def close_engine(self) -> None:
         """Release a factory-built engine (servers, work dirs); idempotent, rebuilt on next use. An engine passed
-        in as an instance belongs to the caller, who closes it."""
+        in as an instance belongs to the caller, who closes it. A generation in flight finishes first."""
+        if self._prefetch is not None:
+            self._prefetch.wait()
         if self.engine is not None and self._engine_factory is not None:
             self.engine.close()
             self.engine = None
@@ -196,8 +220,8 @@ class RolloutDataModule(L.LightningDataModule):
     # ----- one rollout step -----
     def generate(self, ticket: RolloutTicket) -> list[Sample]:
         """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here)."""
-        samples = self.ensure_engine().generate([r.prompt_ids for r in ticket.records], self.params,
-                                                seed=ticket.seed)
+        ahead = self._prefetch.take(ticket.step) if self._prefetch is not None else None
+        samples = ahead if ahead is not None else self._sample(ticket)
         if len(samples) != len(ticket.records) * self.params.n:
             raise ValueError(
                 f"engine returned {len(samples)} samples for {len(ticket.records)} prompts x n={self.params.n}; "
@@ -210,9 +234,23 @@ class RolloutDataModule(L.LightningDataModule):
             s.group_index += ticket.first_group
         return samples
 
+    def _sample(self, ticket: RolloutTicket) -> list[Sample]:
+        return self.ensure_engine().generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
+
+    def _prefetch_next(self, step: int) -> None:
+        """Start generating `step` on the background thread (not past the trainer's last step)."""
+        max_steps = self.trainer.max_steps if self._trainer_attached() else -1
+        if max_steps < 0 or step < max_steps:
+            ticket = self.ticket(step)
+            self._prefetch.submit(step, lambda: self._sample(ticket))
+
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
         own = self.generate(ticket) if self.peers.is_source else None
+        overlapped = own is not None and self._prefetch is not None
+        own_seconds = self.engine.last_generate_s if overlapped else None  # read before the next one starts
+        if overlapped:
+            self._prefetch_next(ticket.step + 1)
         generated = time.perf_counter()
         samples, shared_bytes = share_samples(own, self.peers)
         share_seconds = time.perf_counter() - generated
@@ -238,6 +276,9 @@ class RolloutDataModule(L.LightningDataModule):
             num_sequences_global=int(totals[1]),
         )
         self.step = ticket.step + 1
+        wait_seconds = gen_seconds
+        if own_seconds is not None:  # overlap: it ran beside the previous step
+            gen_seconds = own_seconds
         stats = {
             "perf/generate_s": (gen_seconds, 1.0),
             "perf/generate_tokens_per_s": (
@@ -250,6 +291,10 @@ class RolloutDataModule(L.LightningDataModule):
             "rollout/candidate_overflow_frac": (float(sum(bool(s.metadata.get("candidate_overflow")) for s in samples)),
                                                 float(len(samples))),
         }
+        if overlapped:
+            stats["perf/rollout_wait_s"] = (wait_seconds, 1.0)  # what the step waited for its rollout
+            stats["rollout/weight_staleness"] = (
+                float(sum(self.engine.version - s.weight_version for s in own)), float(len(own)))
         if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
             stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
                                              float(self.peers.is_source))

@@ -36,6 +36,8 @@ class Sample:
     index: int = 0
     status: SampleStatus = SampleStatus.COMPLETED
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Which weights sampled it: the number of weight updates its engine had received (`VersionedEngine`).
+    weight_version: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

@@ -216,10 +216,19 @@ class SGLangEngine(RolloutEngine):
             raise
 
     @classmethod
-    def for_policy(cls, *, model, tokenizer, workdir: Path, **kwargs) -> "SGLangEngine":
+    def for_policy(
+        cls, *, model, tokenizer, workdir: Path, share_weights: bool = False, **kwargs
+    ) -> "SGLangEngine":
         """The config factory (`rollout.engine`): servers launched on the policy's initial weights, written
-        once to `workdir/init` (SGLang loads weights from disk); their logs and weight copies live under `workdir`."""
+        once to `workdir/init` (SGLang loads weights from disk); their logs and weight copies live under `workdir`.
+        A server always holds its own weights: `share_weights` (the embedded engine's option) must be false."""
         from topp_rl.models import save_model
+
+        if share_weights:
+            raise ValueError(
+                "rollout.engine.share_weights=true: an SGLang server holds its own copy of the weights and cannot "
+                "sample with the trainer's; set rollout.engine.share_weights=false (the rollout=sglang default)"
+            )
 
         path = save_model(model, tokenizer, Path(workdir) / "init")
         return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, **kwargs)

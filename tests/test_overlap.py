@@ -1,0 +1,99 @@
+"""rollout.overlap: step k + 1 generated while step k trains, exactly one weight update behind, and recorded."""
+
+import copy
+import threading
+
+import lightning as L
+import pytest
+import torch
+from test_train import compose_cfg, read_metrics
+
+from topp_rl.models import build_tiny_model
+from topp_rl.rollout import SamplingParams
+from topp_rl.rollout.embedded import EmbeddedEngine
+from topp_rl.rollout.overlap import Prefetcher, VersionedEngine
+from topp_rl.train import build_run, fit
+
+OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0",
+           "trainer.max_steps=4", "logger=csv", "rollout.prompts_per_step=8", "rollout.n_samples=8")
+
+
+class _Capture(L.Callback):
+    """Each step's batch samples and the policy's weights the step starts from (before its update)."""
+
+    def __init__(self) -> None:
+        self.samples, self.weights = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.samples.append(batch.samples)
+        self.weights.append(copy.deepcopy(pl_module.policy.model.state_dict()))
+
+
+def _regenerate(model, weights, ticket, params):
+    model.load_state_dict(weights)
+    engine = EmbeddedEngine(model, progress=False)
+    return engine.generate([r.prompt_ids for r in ticket.records], params, seed=ticket.seed)
+
+
+def test_overlap_trains_each_step_on_the_rollout_of_the_weights_one_update_back(tmp_path):
+    cfg = compose_cfg(tmp_path, *OVERLAP)
+    run = build_run(cfg)
+    capture = _Capture()
+    run.trainer.callbacks.append(capture)
+    fit(run)
+    dm = run.datamodule
+    model = copy.deepcopy(run.module.policy.model)
+    for step, samples in enumerate(capture.samples):
+        # Step 0 is generated in place (weights W0); step k >= 1 beside step k - 1, with the weights step k - 1
+        # started from: W(k-1). The start push is version 1, each step's push one more.
+        source = capture.weights[max(step - 1, 0)]
+        expected = _regenerate(model, source, dm.ticket(step), dm.params)
+        assert [s.response_ids for s in samples] == [s.response_ids for s in expected], step
+        assert [s.rollout_log_probs for s in samples] == [s.rollout_log_probs for s in expected], step
+        assert {s.weight_version for s in samples} == {max(step, 1)}, step
+    for before, after in zip(capture.weights, capture.weights[1:]):  # every step did move the weights
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = [r for r in read_metrics(tmp_path) if r.get("rollout/weight_staleness")]
+    assert [float(r["rollout/weight_staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(float(r["perf/rollout_wait_s"]) >= 0 for r in rows)
+    tis = [float(r["train/tis_weight_mean"]) for r in read_metrics(tmp_path) if r.get("train/tis_weight_mean")]
+    assert tis[0] == pytest.approx(1.0, abs=1e-5) and all(abs(w - 1) > 1e-5 for w in tis[1:])  # off-policy
+
+
+def test_versioned_engine_stamps_the_weights_that_sampled():
+    """A push from another thread waits for the generation in flight; whichever wins the lock, each batch's
+    weight_version names the weights that produced it."""
+    model = build_tiny_model(vocab_size=96, seed=0, initializer_range=0.2)
+    engine = VersionedEngine(EmbeddedEngine(model, progress=False))
+    new = {n: p + 0.05 * torch.randn_like(p) for n, p in model.state_dict().items()}
+    params = SamplingParams(top_p=0.9, max_new_tokens=6, n=2)
+    prompts = [[1, 5, 6], [1, 7]]
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("s", engine.generate(prompts, params, seed=3)))
+    thread.start()
+    engine.update_weights(new.items())
+    thread.join()
+    after = engine.generate(prompts, params, seed=3)
+    assert engine.version == 1 and {s.weight_version for s in after} == {1}
+    (version,) = {s.weight_version for s in out["s"]}
+    reference = copy.deepcopy(model)
+    if version == 1:
+        reference.load_state_dict(new)
+    again = EmbeddedEngine(reference, progress=False).generate(prompts, params, seed=3)
+    assert [s.rollout_log_probs for s in out["s"]] == [s.rollout_log_probs for s in again]
+
+
+def test_prefetcher_hands_over_only_its_own_step_and_reraises():
+    prefetch = Prefetcher()
+    prefetch.submit(3, lambda: ["three"])
+    assert prefetch.take(2) is None and prefetch.take(3) is None  # step 2 dropped the pending step 3
+    prefetch.submit(4, lambda: ["four"])
+    assert prefetch.take(4) == ["four"]
+
+    def fail():
+        raise RuntimeError("engine down")
+
+    prefetch.submit(5, fail)
+    with pytest.raises(RuntimeError, match="engine down"):
+        prefetch.take(5)
+    prefetch.close()

@@ -1,0 +1,86 @@
+"""One-step off-policy rollouts (`rollout.overlap=true`): step k + 1 is generated while step k trains.
+
+`VersionedEngine` wraps the engine: `generate` and `update_weights` take one lock, so a weight push waits for
+the generation in flight (which keeps sampling with the weights it started with), and every sample records the
+number of weight updates its engine had received (`Sample.weight_version`). `Prefetcher` runs `generate` for the
+next ticket on one background thread; everything else of a rollout step (rewards, which may use signals,
+advantages, collectives, packing) stays on the trainer's thread.
+
+Staleness is bounded by 1: step k + 1's generation starts once step k's batch is taken, with the weights of
+step k - 1's update, and step k's own update waits for it. The loss sees old log-probs (the trained policy)
+against rollout log-probs (the policy one update back), both over the recorded kept sets; `algo.loss.tis_cap`
+or `algo.loss.icepop` corrects the gap. Where it pays: an engine on other cores or devices (an SGLang server
+beside the trainer); an embedded engine shares the trainer's cores.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.rollout.params import SamplingParams
+from topp_rl.rollout.sample import Sample
+
+
+class VersionedEngine(RolloutEngine):
+    """A `RolloutEngine` made safe to generate on one thread while another pushes weights."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.inner = engine
+        self.vocab_size = engine.vocab_size
+        self.version = 0  # weight updates received
+        self.last_generate_s = 0.0  # the latest generate's own duration (wherever it ran)
+        self._lock = threading.Lock()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
+        with self._lock:
+            version, start = self.version, time.perf_counter()
+            samples = self.inner.generate(prompts, params, seed=seed)
+            self.last_generate_s = time.perf_counter() - start
+        for s in samples:
+            s.weight_version = version
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            self.inner.update_weights(named_tensors)
+            self.version += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self.inner.close()
+
+
+class Prefetcher:
+    """At most one generation in flight, keyed by its rollout step."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
+        self._pending: tuple[int, Future] | None = None
+
+    def submit(self, step: int, generate: Callable[[], list[Sample]]) -> None:
+        self.wait()
+        self._pending = (step, self._pool.submit(generate))
+
+    def take(self, step: int) -> list[Sample] | None:
+        """The samples generated ahead for `step` (re-raising its error), or None if none was."""
+        if self._pending is None or self._pending[0] != step:
+            self.wait()  # a stale one (another step): finish it, drop it
+            return None
+        _, future = self._pending
+        self._pending = None
+        return future.result()
+
+    def wait(self) -> None:
+        """Let the generation in flight finish, dropping its result (and its error: nobody will train on it)."""
+        if self._pending is not None:
+            _, future = self._pending
+            self._pending = None
+            future.exception()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
