@@ -3,7 +3,8 @@
 Same model, prompts, sampling rule and seed in every arm. "record" stores the CSR candidate sets per sample;
 "norecord" computes the same kept set (`sampling_candidates`, top-k preselect; the sampler needs it) but
 stores nothing; "dense_sort" is a reference sampler without recording that builds the keep mask by a full
-vocabulary sort, as HF's and SGLang's torch samplers do. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
+vocabulary sort, as HF's and SGLang's torch samplers do; "hf_generate" is HF `generate` on the same model
+(do_sample, the same top_p / top_k, no stop id). `--smollm2` runs SmolLM2-135M-Instruct instead. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
 
     .venv/bin/python benchmarks/bench_rollout.py [--json out.json] [--sglang auto|off|on]
 """
@@ -20,19 +21,45 @@ import torch
 
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
+from topp_rl.rollout.embedded import EmbeddedEngine, _inverse_cdf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from oracles import sglang_keep_mask  # noqa: E402  (the tests' full-sort reference is this arm's sampler)
 
 
 class DenseSortEngine(EmbeddedEngine):
-    """Reference arm: keep mask from one full sort per step, no candidate sets."""
+    """Reference arm: keep mask from one full sort per step, dense [B, V] softmax and inverse-CDF draw, no sets."""
 
-    def _keep(self, logits, params):
+    def _sample(self, logits, params, generator, *, record):
         scaled = logits / params.temperature
         keep = sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
-        return torch.zeros_like(scaled).masked_fill_(~keep, float("-inf")), None
+        log_probs = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
+        u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+        tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
+        return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), None, None
+
+
+class HFGenerate:
+    """HF `generate` on the same model and prompts (sampling with top_p / top_k, no stop id), as an arm."""
+
+    def __init__(self, model, params_top_p: float, params_top_k: int) -> None:
+        self.model, self.top_p, self.top_k = model, params_top_p, params_top_k
+
+    @torch.no_grad()
+    def generate(self, prompts, params, *, seed):
+        torch.manual_seed(seed)
+        ids = torch.tensor(prompts)  # equal lengths: no padding
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens, eos_token_id=None,
+            pad_token_id=0,
+        )
+        return [_Generated(len(row) - ids.shape[1]) for row in out]
+
+
+class _Generated:
+    def __init__(self, n: int) -> None:
+        self.response_length, self.candidates = n, None
 
 
 def _args() -> argparse.Namespace:
@@ -52,6 +79,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (2 thrash on a loaded 2-core machine)"
     )
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of a random tiny model")
     ap.add_argument("--sglang", choices=["auto", "off", "on"], default="auto")
     ap.add_argument("--json", type=Path)
     return ap.parse_args()
@@ -69,9 +97,15 @@ def _time(engine: EmbeddedEngine, prompts, params, seed: int) -> tuple[float, in
 def main() -> None:
     args = _args()
     torch.set_num_threads(args.threads)
-    model = build_tiny_model(
-        vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, initializer_range=args.init_range
-    )
+    if args.smollm2:
+        from topp_rl.models import load_smollm2
+
+        model = load_smollm2()[0].float().eval()
+        args.vocab = int(model.config.vocab_size)
+    else:
+        model = build_tiny_model(
+            vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, initializer_range=args.init_range
+        )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g).tolist()
     # No stop ids: every sample runs to new_tokens, so both arms generate exactly the same number of tokens.
@@ -84,6 +118,7 @@ def main() -> None:
         "embedded_dense_sort": DenseSortEngine(
             model, eos_token_id=[], progress=False, record_candidates=False, max_batch_size=args.batch
         ),
+        "hf_generate": HFGenerate(model, args.top_p, args.top_k),
     }
     for engine in arms.values():  # warm-up
         engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
@@ -112,6 +147,7 @@ def main() -> None:
         print(f"{row['name']:<22}{row['tokens_per_s']:>20.1f}")
     print(f"recording cost vs norecord: {100 * (overhead - 1):+.1f}% time per token (target <= +15%)")
     print(f"record vs dense_sort sampler: {100 * (vs_dense - 1):+.1f}% time per token")
+    print(f"embedded (recording) vs HF generate: {median['embedded_record'] / median['hf_generate']:.2f}x tokens/s")
     if args.json:
         args.json.write_text(
             json.dumps(

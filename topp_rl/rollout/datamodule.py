@@ -136,6 +136,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.seed = seed
         self._dp = (dp_rank, dp_size)
         self.step = 0  # next rollout step to generate
+        self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
 
     # ----- data parallel layout -----
     @property
@@ -221,7 +222,12 @@ class RolloutDataModule(L.LightningDataModule):
     def generate(self, ticket: RolloutTicket) -> list[Sample]:
         """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here)."""
         ahead = self._prefetch.take(ticket.step) if self._prefetch is not None else None
-        samples = ahead if ahead is not None else self._sample(ticket)
+        if ahead is not None:
+            samples, self.last_generate_s = ahead
+        else:
+            start = time.perf_counter()
+            samples = self._sample(ticket)
+            self.last_generate_s = time.perf_counter() - start
         if len(samples) != len(ticket.records) * self.params.n:
             raise ValueError(
                 f"engine returned {len(samples)} samples for {len(ticket.records)} prompts x n={self.params.n}; "
@@ -248,7 +254,6 @@ class RolloutDataModule(L.LightningDataModule):
         start = time.perf_counter()
         own = self.generate(ticket) if self.peers.is_source else None
         overlapped = own is not None and self._prefetch is not None
-        own_seconds = self.engine.last_generate_s if overlapped else None  # read before the next one starts
         if overlapped:
             self._prefetch_next(ticket.step + 1)
         generated = time.perf_counter()
@@ -277,8 +282,8 @@ class RolloutDataModule(L.LightningDataModule):
         )
         self.step = ticket.step + 1
         wait_seconds = gen_seconds
-        if own_seconds is not None:  # overlap: it ran beside the previous step
-            gen_seconds = own_seconds
+        if overlapped:  # the generation's own time (it ran beside the previous step), not the wait for it
+            gen_seconds = self.last_generate_s
         stats = {
             "perf/generate_s": (gen_seconds, 1.0),
             "perf/generate_tokens_per_s": (

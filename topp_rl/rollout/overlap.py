@@ -32,14 +32,12 @@ class VersionedEngine(RolloutEngine):
         self.inner = engine
         self.vocab_size = engine.vocab_size
         self.version = 0  # weight updates received
-        self.last_generate_s = 0.0  # the latest generate's own duration (wherever it ran)
         self._lock = threading.Lock()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
         with self._lock:
-            version, start = self.version, time.perf_counter()
+            version = self.version
             samples = self.inner.generate(prompts, params, seed=seed)
-            self.last_generate_s = time.perf_counter() - start
         for s in samples:
             s.weight_version = version
         return samples
@@ -63,10 +61,11 @@ class Prefetcher:
 
     def submit(self, step: int, generate: Callable[[], list[Sample]]) -> None:
         self.wait()
-        self._pending = (step, self._pool.submit(generate))
+        self._pending = (step, self._pool.submit(_timed, generate))
 
-    def take(self, step: int) -> list[Sample] | None:
-        """The samples generated ahead for `step` (re-raising its error), or None if none was."""
+    def take(self, step: int) -> tuple[list[Sample], float] | None:
+        """(samples, seconds they took on the background thread) generated ahead for `step` (re-raising its
+        error), or None if none was."""
         if self._pending is None or self._pending[0] != step:
             self.wait()  # a stale one (another step): finish it, drop it
             return None
@@ -84,3 +83,9 @@ class Prefetcher:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+def _timed(generate: Callable[[], list[Sample]]) -> tuple[list[Sample], float]:
+    start = time.perf_counter()
+    samples = generate()
+    return samples, time.perf_counter() - start
