@@ -138,7 +138,8 @@ def main() -> None:
     if args.sglang != "off":
         rows += _sglang_rows(model, args)
     print(
-        f"model qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch} "
+        f"model {'smollm2-135m' if args.smollm2 else f'qwen2 layers={args.layers} hidden={args.hidden}'} "
+        f"vocab={args.vocab} batch={args.batch} "
         f"prompt={args.prompt_len} new={args.new_tokens} top_p={args.top_p} top_k={args.top_k} "
         f"threads={args.threads} mean candidate-set size={set_size:.1f}"
     )
