@@ -9,8 +9,12 @@ advantages, collectives, packing) stays on the trainer's thread.
 Staleness is bounded by 1: step k + 1's generation starts once step k's batch is taken, with the weights of
 step k - 1's update, and step k's own update waits for it. The loss sees old log-probs (the trained policy)
 against rollout log-probs (the policy one update back), both over the recorded kept sets; `algo.loss.tis_cap`
-or `algo.loss.icepop` corrects the gap. Where it pays: an engine on other cores or devices (an SGLang server
-beside the trainer); an embedded engine shares the trainer's cores.
+or `algo.loss.icepop_low` / `icepop_high` corrects the gap. Where it pays: an engine on other cores or devices
+(an SGLang server beside the trainer); an embedded engine shares the trainer's cores.
+
+Resume: a checkpoint holds the data position of the steps trained, not the generation in flight, so the first
+step after a resume is generated in place with the restored weights (staleness 0, not the 1 an uninterrupted
+run had there): the same prompts and seed, other weights, so not the same samples.
 """
 
 import threading
