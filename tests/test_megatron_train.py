@@ -27,7 +27,7 @@ NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "trainer.max_steps=3", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
+    "trainer.max_steps=3", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=6",
     "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false", "rollout.top_p=0.9", "logger=csv",
 ]
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.train", "hydra")
