@@ -11,7 +11,8 @@ step per rollout, no KL. Arms, run one after another in fresh processes (so peak
 rotated every repeat: topp_rl with the candidate mask on, with it off, and TRL. The first step of every run is
 warm-up; the table gives medians over the remaining steps of all repeats. Phases: topp_rl generation / old
 log-prob pass / optimisation (benchmarks/bench_train_step.py's split; its step is the wall time, callbacks
-included); `--arms` adds topp_overlap (rollout.overlap=true). TRL generation / the rest of
+included); `--arms` adds topp_overlap (rollout.overlap=true), topp_ckpt (gradient checkpointing, as TRL's
+GRPOConfig does by default) and trl_no_ckpt (TRL without it). TRL generation / the rest of
 `_generate_and_score_completions` / the rest of the step (benchmarks/trl_worker.py).
 Prompts come from the same ArithmeticTask (seed 0) on both sides; rewards are exact-match on both sides.
 """
@@ -54,7 +55,11 @@ TOPP_ARMS = {
     "topp_mask_on": (True, []),
     "topp_mask_off": (False, []),
     "topp_overlap": (True, ["rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0"]),
+    "topp_ckpt": (True, ["module.gradient_checkpointing=true"]),  # like TRL's default: layers recomputed
 }
+# TRL arms: GRPOConfig's own default recomputes every layer in the backward (gradient_checkpointing=True);
+# trl_no_ckpt turns that off, like topp_rl's default.
+TRL_ARMS = {"trl": True, "trl_no_ckpt": False}
 
 
 def run_topp_child(scale: str, arm: str, steps: int) -> dict:
@@ -70,7 +75,7 @@ def run_topp_child(scale: str, arm: str, steps: int) -> dict:
     return dict(rows=out, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def trl_spec(scale: str, steps: int, model_dir: str, workdir: str) -> Path:
+def trl_spec(scale: str, steps: int, model_dir: str, workdir: str, *, checkpointing: bool) -> Path:
     from topp_rl.rollout.tasks import ArithmeticTask
 
     task = ArithmeticTask(digits=1, ops="+", seed=0)
@@ -79,7 +84,7 @@ def trl_spec(scale: str, steps: int, model_dir: str, workdir: str) -> Path:
     s = SCALES[scale]
     spec = dict(model_dir=model_dir, plain_tokenizer=scale == "tiny", prompts=prompts, answers=answers,
                 steps=steps, threads=s["threads"], max_new_tokens=s["max_new_tokens"], lr=s["lr"],
-                output_dir=str(Path(workdir) / "trl_out"), **COMMON)
+                output_dir=str(Path(workdir) / "trl_out"), gradient_checkpointing=checkpointing, **COMMON)
     path = Path(workdir) / "trl_spec.json"
     path.write_text(json.dumps(spec))
     return path
@@ -100,15 +105,16 @@ def model_dir_for(scale: str, workdir: str) -> str:
 
 def run_arm(arm: str, scale: str, steps: int, workdir: str, trl_python: str, model_dir: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    if arm == "trl":
-        cmd = [trl_python, str(ROOT / "benchmarks" / "trl_worker.py"), str(trl_spec(scale, steps, model_dir, workdir))]
+    if arm in TRL_ARMS:
+        spec = trl_spec(scale, steps, model_dir, workdir, checkpointing=TRL_ARMS[arm])
+        cmd = [trl_python, str(ROOT / "benchmarks" / "trl_worker.py"), str(spec)]
     else:
         cmd = [sys.executable, __file__, "--child", arm, "--scale", scale, "--steps", str(steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"arm {arm} failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["rows"] = result["rows"][1:] or result["rows"] if arm == "trl" else result["rows"]  # TRL: drop warm-up
+    result["rows"] = result["rows"][1:] or result["rows"] if arm in TRL_ARMS else result["rows"]  # drop warm-up
     return result
 
 
@@ -131,16 +137,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--arms", default="topp_mask_on,topp_mask_off,trl",
-                    help=f"comma-separated, from {', '.join([*TOPP_ARMS, 'trl'])}")
+                    help=f"comma-separated, from {', '.join([*TOPP_ARMS, *TRL_ARMS])} ('trl' is the reference)")
     ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(run_topp_child(args.scale, args.child, args.steps)))
         return
     arms = args.arms.split(",")
-    unknown = sorted(set(arms) - {*TOPP_ARMS, "trl"})
+    unknown = sorted(set(arms) - {*TOPP_ARMS, *TRL_ARMS})
     if unknown or "trl" not in arms:
-        raise SystemExit(f"--arms {args.arms!r}: unknown {unknown} or no 'trl'; pick from {[*TOPP_ARMS, 'trl']}")
+        raise SystemExit(f"--arms {args.arms!r}: unknown {unknown} or no 'trl'; pick from {[*TOPP_ARMS, *TRL_ARMS]}")
     trl_python = subprocess.run([str(ROOT / "scripts" / "setup_trl.sh"), "--print-path"], capture_output=True,
                                 text=True, check=False).stdout.strip()
     if not trl_python:
@@ -153,13 +159,14 @@ def main() -> None:
                 results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
                 last = results[arm][-1]["rows"]
                 print(f"[rep {rep}] {arm}: step_s {statistics.median(r['step_s'] for r in last):.3f}", flush=True)
-    trl_tokens = statistics.median(r["tokens"] for run in results["trl"] for r in run["rows"])
+
     batch = COMMON["prompts_per_step"] * COMMON["n_samples"]
     # topp_rl steps generate up to batch x max_new_tokens; its rows carry the datamodule's count when logged
     topp_tokens = {a: statistics.median(r["tokens"] for run in results[a] for r in run["rows"])
-                   for a in arms if a != "trl"}
+                   for a in arms if a not in TRL_ARMS}
     tokens = {a: (v if v == v else batch * SCALES[args.scale]["max_new_tokens"]) for a, v in topp_tokens.items()}
-    tokens["trl"] = trl_tokens
+    tokens |= {a: statistics.median(r["tokens"] for run in results[a] for r in run["rows"])
+               for a in arms if a in TRL_ARMS}
     table = summarise(results, tokens)
     print(f"scale={args.scale} {COMMON} max_new_tokens={SCALES[args.scale]['max_new_tokens']} "
           f"threads={SCALES[args.scale]['threads']} steps/run={args.steps} repeats={args.repeats}")

@@ -63,6 +63,7 @@ def main() -> None:
         temperature=spec["temperature"], top_p=spec["top_p"], top_k=0, learning_rate=spec["lr"],
         max_steps=spec["steps"], use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         dataloader_num_workers=0, bf16=False, seed=0, disable_tqdm=True, shuffle_dataset=False,
+        gradient_checkpointing=spec.get("gradient_checkpointing", True),  # GRPOConfig's default is True
     )
     trainer = GRPOTrainer(
         model=spec["model_dir"], reward_funcs=reward, args=config, processing_class=tokenizer,
