@@ -116,8 +116,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise TypeError(
                 f"engine is a {type(engine).__name__}; pass a RolloutEngine or a factory dp_rank -> RolloutEngine"
             )
-        self.overlap = overlap
-        self._prefetch = Prefetcher() if overlap else None
+        self._prefetch = Prefetcher() if overlap else None  # None: on-policy, generated in place
         self.engine: RolloutEngine | None = (
             self._for_overlap(engine) if isinstance(engine, RolloutEngine) else None
         )
@@ -181,7 +180,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self.engine
 
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
-        if not self.overlap:
+        if self._prefetch is None:
             return engine
         if isinstance(engine, EmbeddedEngine) and engine.share_weights:
             raise ValueError(
