@@ -102,6 +102,18 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.overlap=true", "rollout.engine.share_weights"),
         ("rollout.overlap=true rollout.engine.share_weights=false", "algo.loss.tis_cap"),
         ("rollout.overlap=yes", "rollout.overlap"),
+        # Every boolean key: a string would be truthy ("false" included). Issue 18 part 5f.
+        ("module.gradient_checkpointing=yes", "module.gradient_checkpointing"),
+        ("module.use_mask=no", "module.use_mask"),
+        ("allow_stale_weights=1", "allow_stale_weights"),
+        ("export.hf=on", "export.hf"),
+        ("export.on_checkpoint=0", "export.on_checkpoint"),
+        ("resume.allow_config_change=yes", "resume.allow_config_change"),
+        ("data.drop_zero_variance_groups=yes", "data.drop_zero_variance_groups"),
+        ("rollout.engine.share_weights=yes", "rollout.engine.share_weights"),
+        ("rollout=sglang rollout.engine.router=yes", "rollout.engine.router"),
+        ("rollout.max_candidates=0", "rollout.max_candidates"),
+        ("rollout.max_candidates=-3", "rollout.max_candidates"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -134,3 +146,72 @@ def test_sweep_values_parse_as_numbers(tmp_path):
     cfg = _compose(["rollout.top_p=0.8"], tmp_path)
     assert OmegaConf.select(cfg, "rollout.top_p") == pytest.approx(0.8)
     assert cfg.run_name == "grpo-top_p0.8-seed0"
+
+
+def test_max_candidates_of_one_with_sglang_fails_before_the_server_starts(tmp_path):
+    """Found only after the ~60 s server start before (issue 18 part 5g); validate_config runs before any engine."""
+    cfg = _compose(["rollout=sglang", "rollout.max_candidates=1"], tmp_path)
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg)
+    assert str(info.value) == (
+        "config rollout.max_candidates=1: must be >= 2 with rollout=sglang (SGLang records candidate sets only for "
+        "top_k >= 2); set rollout.max_candidates=2 or more"
+    )
+    validate_config(_compose(["rollout=sglang", "rollout.max_candidates=2"], tmp_path))
+    validate_config(_compose(["rollout.max_candidates=1"], tmp_path))  # the embedded engine records any set
+
+
+def test_booleans_name_the_key_value_and_fix(tmp_path):
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["module.gradient_checkpointing=yes"], tmp_path))
+    assert str(info.value) == (
+        "config module.gradient_checkpointing='yes': must be true or false; set module.gradient_checkpointing=true "
+        "or module.gradient_checkpointing=false"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "near"),
+    [
+        ("+rollout.topp=0.9", "rollout.topp", "rollout.top_p"),
+        ("+rollout.top_pp=0.9", "rollout.top_pp", "rollout.top_p"),
+        ("+module.gradient_checkpoint=1", "module.gradient_checkpoint", "module.gradient_checkpointing"),
+        ("+eval.every_n_step=5", "eval.every_n_step", "eval.every_n_steps"),
+        ("+seeed=1", "seeed", "seed"),
+        ("+optimizer.weight_decy=0.1", "optimizer.weight_decy", "optimizer.weight_decay"),
+        ("+data.max_tokens_per_microbatch=64", "data.max_tokens_per_microbatch", "data.max_tokens_per_micro_batch"),
+    ],
+)
+def test_an_unknown_key_fails_at_start_naming_the_nearest_known_one(override, key, near, tmp_path):
+    """Hydra's `+` adds any key; a misspelt one used to be ignored, the run training with the default (issue 18
+    part 5a). Closed sections are checked against the shipped yaml, `optimizer` / `data` against their target."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose([override], tmp_path))
+    message = str(info.value)
+    assert message.startswith(f"config {key}={override.split('=', 1)[1]}: must be a ")
+    assert f"; did you mean {near}? fix the spelling, or drop the key" in message
+
+
+def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["+rollout.topp=0.9"], tmp_path))
+    assert str(info.value) == (
+        "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_candidates, "
+        "max_new_tokens, min_p, n_samples, overlap, prompts_per_step, stop_token_ids, temperature, top_k, top_p); "
+        "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
+        "this one)"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["+callbacks.more_stats._target_=callbacks.RolloutStats"],  # `+callbacks.<name>` adds a callback
+        ["+optimizer.amsgrad=true"],  # a torch.optim.AdamW kwarg the shipped yaml does not set
+        ["rollout=sglang", "+rollout.engine.server_kwargs.device=cuda"],  # engine kwargs (docs/sglang.md)
+        ["+model.rope_theta=10000.0"],  # model / task / trainer / logger: constructor kwargs via _target_
+        ["+trainer.gradient_clip_val=1.0"],
+    ],
+)
+def test_legitimate_extra_keys_are_accepted(overrides, tmp_path):
+    validate_config(_compose(overrides, tmp_path))

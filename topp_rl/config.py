@@ -5,12 +5,32 @@ of deep inside a rollout step. The sampling rules are the ops' own (`topp_rl.ops
 can do is asked of its class (`_target_`), never guessed from names.
 """
 
+import difflib
+import functools
+from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
+# they do not define (`+rollout.topp=0.9`: Hydra's `+` adds it, nothing reads it) is a typo. "" is the top level.
+# Open, and not checked here: `_target_` nodes (their keys are constructor kwargs: model, task, data, optimizer,
+# rollout.engine, algo.*, trainer, logger.*, callbacks.*: `+callbacks.<name>` adds a callback) and `hydra`.
+CLOSED_SECTIONS = ("", "paths", "module", "lr_schedule", "eval", "checkpoint", "export", "resume", "rollout")
+# Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
+BOOLEAN_KEYS = (
+    "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
+    "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
+    "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
+)
+# SGLang's sampling mask needs top_k >= 2, and the engine asks for max_candidates + 1 (`SGLangEngine._mask_cap`).
+SGLANG_MIN_CANDIDATES = 2
 
 
 def _fail(key: str, value, constraint: str, fix: str) -> None:
@@ -49,6 +69,71 @@ def _world_size(cfg: DictConfig) -> int:
     return 1  # "auto" / device lists: checked again by Lightning once the devices are known
 
 
+@functools.cache
+def shipped_keys() -> dict[str, frozenset[str]]:
+    """Per closed section, the keys the shipped yaml defines: `conf/config.yaml` (its defaults' group names at
+    the top level) and, for `rollout`, the union over the `conf/rollout/*.yaml` options."""
+    main = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    groups = {next(iter(d)) for d in main["defaults"] if isinstance(d, dict)}
+    keys = {"": frozenset(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}}
+    for section in CLOSED_SECTIONS[1:]:
+        keys[section] = frozenset(main.get(section) or ())
+    rollout: set[str] = set()
+    for path in sorted((CONF_DIR / "rollout").glob("*.yaml")):
+        rollout |= set(yaml.safe_load(path.read_text()) or ()) - {"defaults"}
+    keys["rollout"] = frozenset(rollout)
+    return keys
+
+
+def validate_known_keys(cfg: DictConfig) -> None:
+    """A key the shipped config does not define, in a closed section (`CLOSED_SECTIONS`), is refused naming the
+    nearest known key: Hydra's `+` adds any key, and nothing would ever read a misspelt one."""
+    known = shipped_keys()
+    for section in CLOSED_SECTIONS:
+        node = cfg if not section else cfg.get(section)
+        if not isinstance(node, DictConfig) or "_target_" in node:
+            continue
+        for key in node:
+            if key in known[section]:
+                continue
+            dotted = f"{section}.{key}" if section else str(key)
+            near = difflib.get_close_matches(str(key), sorted(known[section]), n=1, cutoff=0.5)
+            hint = f"did you mean {section + '.' if section else ''}{near[0]}? " if near else ""
+            _fail(dotted, node._get_node(key)._value(),
+                  f"a key the shipped config defines (in {section or 'the top level'}: "
+                  f"{', '.join(sorted(known[section]))})",
+                  f"{hint}fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads this one)")
+
+
+def validate_target_kwargs(cfg: DictConfig, section: str) -> None:
+    """The keys of a `_target_` section whose target takes no **kwargs must be parameters of it (the optimizer
+    is called only at fit start, after the engine started: a misspelt kwarg would fail there)."""
+    import inspect
+
+    node = cfg.get(section)
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    params = inspect.signature(get_object(str(node._target_))).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in node:
+        if str(key).startswith("_") or key in params:
+            continue
+        near = difflib.get_close_matches(str(key), sorted(params), n=1, cutoff=0.5)
+        _fail(f"{section}.{key}", node._get_node(key)._value(),
+              f"a parameter of {node._target_} ({', '.join(p for p in params if p != 'self')})",
+              (f"did you mean {section}.{near[0]}? " if near else "") + "fix the spelling, or drop the key")
+
+
+def validate_booleans(cfg: DictConfig) -> None:
+    from omegaconf import OmegaConf
+
+    for key in BOOLEAN_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            _fail(key, value, "true or false", f"set {key}=true or {key}=false")
+
+
 def validate_sampling(cfg: DictConfig) -> None:
     for rule in SAMPLING_RULES:
         try:
@@ -57,6 +142,25 @@ def validate_sampling(cfg: DictConfig) -> None:
             raise ValueError(str(err).replace(" must be ", ": must be ", 1)) from None
     for key in ("n_samples", "max_new_tokens", "prompts_per_step"):
         _positive_int(cfg, f"rollout.{key}", f"set rollout.{key} to a positive integer")
+    if "max_candidates" in cfg.rollout:
+        _positive_int(cfg, "rollout.max_candidates", "set rollout.max_candidates to the largest candidate set an "
+                      "engine may record (default 4096)")
+        validate_sglang_candidates(cfg)
+
+
+def validate_sglang_candidates(cfg: DictConfig) -> None:
+    """The SGLang engine's own rule, checked here so that it fails before the ~60 s server start."""
+    from topp_rl.rollout.sglang import SGLangEngine
+
+    engine = cfg.rollout.get("engine")
+    if not isinstance(engine, DictConfig) or "_target_" not in engine:
+        return
+    if not issubclass(target_class(engine), SGLangEngine):
+        return
+    value = engine.get("max_candidates", cfg.rollout.max_candidates)
+    if value < SGLANG_MIN_CANDIDATES:
+        _fail("rollout.max_candidates", value, f">= {SGLANG_MIN_CANDIDATES} with rollout=sglang (SGLang records "
+              "candidate sets only for top_k >= 2)", f"set rollout.max_candidates={SGLANG_MIN_CANDIDATES} or more")
 
 
 def validate_parallel(cfg: DictConfig) -> None:
@@ -123,6 +227,10 @@ def validate_overlap(cfg: DictConfig) -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise ValueError on the first invalid setting (see module docstring)."""
+    validate_known_keys(cfg)
+    for section in ("optimizer", "data"):
+        validate_target_kwargs(cfg, section)
+    validate_booleans(cfg)
     validate_sampling(cfg)
     validate_weight_sync(cfg)
     validate_overlap(cfg)
