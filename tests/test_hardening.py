@@ -81,6 +81,29 @@ def test_nan_weights_fail_at_start_and_nan_logits_never_sample():
         engine.generate([[1, 10]], SamplingParams(top_p=0.9, max_new_tokens=2), seed=0)
 
 
+def test_nan_logits_raise_on_the_untruncated_path_too():
+    """At top_p=1.0 (no truncation) the engine drew token 127 three times with NaN log-probs and status
+    TRUNCATED (issue 18 part 5h): the finite check rode only on the truncating path's sampling_candidates."""
+    model = build_tiny_model(vocab_size=128, hidden=32, seed=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    engine = EmbeddedEngine(model, progress=False)
+    expected = (
+        "logits row 0 (of 2) is not finite after dividing by temperature=0.7 (NaN, +inf, or every entry -inf): it "
+        "defines no distribution to truncate; check the model weights for NaN and that the temperature does not "
+        "overflow the logits"
+    )
+    for params in (SamplingParams(top_p=1.0, temperature=0.7, max_new_tokens=3, n=2),
+                   SamplingParams(top_p=0.9, temperature=0.7, max_new_tokens=3, n=2)):
+        with pytest.raises(ValueError) as info:
+            engine.generate([[1, 10]], params, seed=0)
+        assert str(info.value) == expected
+    # A finite model still samples on the untruncated path (the check adds no false alarm).
+    healthy = EmbeddedEngine(build_tiny_model(vocab_size=128, hidden=32, seed=1), progress=False)
+    (sample,) = healthy.generate([[1, 10]], SamplingParams(top_p=1.0, max_new_tokens=3), seed=0)
+    assert len(sample.response_ids) == 3 and all(math.isfinite(x) for x in sample.rollout_log_probs)
+
+
 def test_a_nan_written_into_a_checkpoint_stops_the_resumed_run(tmp_path):
     out = tmp_path / "run"
     train(compose_cfg(out, "trainer.max_steps=2", "checkpoint.every_n_steps=1"))

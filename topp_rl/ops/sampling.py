@@ -78,11 +78,16 @@ def _check_distribution(probs: torch.Tensor, temperature: torch.Tensor) -> None:
     bad = ~torch.isfinite(probs.sum(dim=-1))
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
-        raise ValueError(
-            f"logits row {row} (of {probs.shape[0]}) is not finite after dividing by temperature="
-            f"{float(temperature[row]):g} (NaN, +inf, or every entry -inf): it defines no distribution to "
-            "truncate; check the model weights for NaN and that the temperature does not overflow the logits"
-        )
+        raise nonfinite_row_error(row, probs.shape[0], float(temperature[row]))
+
+
+def nonfinite_row_error(row: int, rows: int, temperature: float) -> ValueError:
+    """The error for a row of logits that defines no distribution (shared by every sampling path)."""
+    return ValueError(
+        f"logits row {row} (of {rows}) is not finite after dividing by temperature={temperature:g} (NaN, +inf, or "
+        "every entry -inf): it defines no distribution to truncate; check the model weights for NaN and that the "
+        "temperature does not overflow the logits"
+    )
 
 
 def _sglang_keep(

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.ops.sampling import nonfinite_row_error
 from topp_rl.rollout.engine import RolloutEngine, check_prompts
 from topp_rl.rollout.params import SamplingParams
 from topp_rl.rollout.sample import Sample, SampleStatus
@@ -127,12 +128,18 @@ class EmbeddedEngine(RolloutEngine):
                 **{self._cache_kwarg: cache},
             )
             logits = out.logits[:, -1, : self.vocab_size].float()
-            tokens, log_probs, raw, cands = self._sample(logits, params, generator, record=record)
+            tokens, log_probs, raw, cands, finite = self._sample(logits, params, generator, record=record)
             steps.add(tokens, log_probs, raw, cands)
             stopped = torch.isin(tokens, stop_ids) & ~done
             lengths = torch.where(stopped, t + 1, lengths)
             done |= stopped
-            if bool(done.all()):  # one host sync per step: ~1 us on CPU (measured), so checked every step
+            # One host sync per step (~1 us on CPU, measured): all rows done, and (untruncated sampling) all rows
+            # finite. A NaN / +inf row has no distribution; the truncating path raised on it in sampling_candidates.
+            all_done, all_finite = torch.stack([done.all(), finite.all()]).tolist()
+            if not all_finite:
+                row = int((~finite).nonzero()[0])
+                raise nonfinite_row_error(row, batch, params.temperature)
+            if all_done:
                 break
             step_ids = tokens[:, None]
             positions = positions[:, -1:] + 1
@@ -140,8 +147,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None]:
-        """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None, torch.Tensor]:
+        """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates,
+        finite [B]: whether each row's logits define a distribution, checked by the caller with its step sync)."""
         scaled = logits / params.temperature
         u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
         if params.truncates:
@@ -150,15 +158,18 @@ class EmbeddedEngine(RolloutEngine):
                 min_p=params.min_p,
             )
             tokens, chosen = _draw_from_sets(scaled, cands, u)
+            finite = torch.ones_like(tokens, dtype=torch.bool)  # sampling_candidates raised on a bad row
         else:
             cands = None
             log_probs = scaled.log_softmax(-1)
-            tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
+            cum = log_probs.exp().double().cumsum(-1)
+            finite = torch.isfinite(cum[:, -1])  # NaN iff some entry is NaN / +inf, or every entry is -inf
+            tokens = _inverse_cdf(cum, u)
             chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
         raw = None
         if self.record_raw_log_probs:
             raw = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
-        return tokens, chosen, raw, cands if record else None
+        return tokens, chosen, raw, cands if record else None, finite
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's model, in memory (tied weights update together). A tensor that
