@@ -26,6 +26,7 @@ from topp_rl.rollout.sample import SampleStatus
 from topp_rl.rollout.tasks import Task
 
 HELD_OUT_OFFSET = 10**9  # example indices past every training step's
+METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs
 
 
 class Evaluation(Callback):
@@ -37,6 +38,7 @@ class Evaluation(Callback):
                 f"Evaluation(every_n_steps={every_n_steps}, num_prompts={num_prompts}, k={k}): need "
                 "every_n_steps, num_prompts and k >= 1"
             )
+        _check_best_metric(best_metric, METRICS)
         self.every_n_steps, self.num_prompts, self.k = every_n_steps, num_prompts, k
         self.task, self.correct_reward = task, correct_reward
         self.best_metric, self.checkpoint_dir = best_metric, checkpoint_dir
@@ -66,7 +68,8 @@ class Evaluation(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
         self.history.append({"step": float(step), **values})
-        metric = values.get(self.best_metric) if self.best_metric else None
+        _check_best_metric(self.best_metric, tuple(values))  # a subclass may log other names
+        metric = values[self.best_metric] if self.best_metric else None
         if metric is not None and metric > self.best and self.checkpoint_dir is not None:
             self.best = metric
             trainer.save_checkpoint(Path(self.checkpoint_dir) / "best.ckpt")
@@ -106,11 +109,20 @@ class Evaluation(Callback):
     @staticmethod
     def _complete(sums: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
         """Every rank reduces the same names in the same order (ranks without an engine contribute zeros)."""
-        names = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")
-        return {n: sums.get(n, (0.0, 0.0)) for n in names}
+        return {n: sums.get(n, (0.0, 0.0)) for n in METRICS}
 
     def state_dict(self) -> dict:
         return {"best": self.best}
 
     def load_state_dict(self, state: dict) -> None:
         self.best = state["best"]
+
+
+def _check_best_metric(best_metric: str | None, logged: tuple[str, ...]) -> None:
+    """A best_metric that is never logged would never write best.ckpt, silently (checked at construction
+    against `METRICS`, and against what each evaluation really logged)."""
+    if best_metric and best_metric not in logged:
+        raise ValueError(
+            f"eval.best_metric={best_metric!r} is not a metric the evaluation logs ({', '.join(logged)}); set "
+            "eval.best_metric to one of them, or eval.best_metric=null for no best checkpoint"
+        )

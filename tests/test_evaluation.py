@@ -11,7 +11,7 @@ from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.rollout import RolloutDataModule, SamplingParams
 from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.tasks import CopyDigitTask
-from topp_rl.train import train
+from topp_rl.train import build_run, fit, train
 
 
 def test_figures_equal_a_direct_computation():
@@ -57,3 +57,28 @@ def test_a_finite_dataset_needs_an_explicit_eval_task(tmp_path):
                       "eval.every_n_steps=1", "trainer.max_steps=1")
     with pytest.raises(ValueError, match=r"finite dataset, so its examples are not held out; set eval.task"):
         train(cfg)
+
+
+def test_a_best_metric_that_is_never_logged_fails_at_start_listing_the_logged_ones(tmp_path):
+    """best.ckpt was silently never written (issue 18 part 5b): values.get(best_metric) was None at every eval."""
+    expected = (
+        "eval.best_metric='val/acc' is not a metric the evaluation logs (val/accuracy, val/response_length_mean, "
+        "val/pass@k, val/mean@k); set eval.best_metric to one of them, or eval.best_metric=null for no best "
+        "checkpoint"
+    )
+    with pytest.raises(ValueError) as info:
+        train(compose_cfg(tmp_path, "eval.every_n_steps=1", "eval.best_metric=val/acc", "trainer.max_steps=1"))
+    assert str(info.value) == expected
+    assert not (tmp_path / "config.yaml").exists()  # refused in build_run, before the run was recorded
+
+    class OtherMetrics(Evaluation):  # a subclass logging other names: the check holds at the first eval too
+        @staticmethod
+        def _complete(sums):
+            return {"val/score": sums.get("val/accuracy", (0.0, 0.0))}
+
+    run = build_run(compose_cfg(tmp_path / "sub", "trainer.max_steps=1"))
+    run.trainer.callbacks.insert(0, OtherMetrics(every_n_steps=1, num_prompts=2, k=1, best_metric="val/accuracy"))
+    with pytest.raises(ValueError, match=r"^eval.best_metric='val/accuracy' is not a metric the evaluation logs "
+                                         r"\(val/score\); set eval.best_metric"):
+        fit(run)
+    Evaluation(best_metric=None)  # null: no best checkpoint, nothing to check
