@@ -149,16 +149,21 @@ def test_sweep_values_parse_as_numbers(tmp_path):
 
 
 def test_max_candidates_of_one_with_sglang_fails_before_the_server_starts(tmp_path):
-    """Found only after the ~60 s server start before (issue 18 part 5g); validate_config runs before any engine."""
-    cfg = _compose(["rollout=sglang", "rollout.max_candidates=1"], tmp_path)
+    """Found only at the first step before (issue 18 part 5g): after the ~60 s server start, every sample whose kept
+    set held two ids was aborted and the step stopped. validate_config runs before any engine is built."""
+    cfg = _compose(["rollout=sglang", "rollout.max_candidates=1", "rollout.top_p=0.9"], tmp_path)
     with pytest.raises(ValueError) as info:
         validate_config(cfg)
     assert str(info.value) == (
-        "config rollout.max_candidates=1: must be >= 2 with rollout=sglang (SGLang records candidate sets only for "
-        "top_k >= 2); set rollout.max_candidates=2 or more"
+        "config rollout.max_candidates=1: must be >= 2 with rollout=sglang and truncated sampling (top_p=0.9, "
+        "top_k=0, min_p=0.0): the engine aborts every sample whose kept set holds more than 1 id, so the first step "
+        "would stop with its samples aborted; set rollout.max_candidates=2 or more (default 4096)"
     )
-    validate_config(_compose(["rollout=sglang", "rollout.max_candidates=2"], tmp_path))
-    validate_config(_compose(["rollout.max_candidates=1"], tmp_path))  # the embedded engine records any set
+    for ok in (["rollout.max_candidates=2", "rollout.top_p=0.9"],  # the smallest cap that can hold a choice
+               ["rollout.max_candidates=1", "rollout.top_k=1"],  # greedy keeps one id: works (checked on a server)
+               ["rollout.max_candidates=1"]):  # untruncated: no mask is asked for, nothing can overflow
+        validate_config(_compose(["rollout=sglang", *ok], tmp_path))
+    validate_config(_compose(["rollout.max_candidates=1", "rollout.top_p=0.9"], tmp_path))  # embedded: no cap
 
 
 def test_booleans_name_the_key_value_and_fix(tmp_path):

@@ -224,3 +224,39 @@ def test_task_configs_instantiate(option, tmp_path, monkeypatch):
         final = record.answer.rpartition("####")[2].strip()
         assert record.text == record.data["question"] and task.num_examples == 32  # 512 tokens keeps every problem
         assert (task.reward(f"#### {final}", record), task.reward("#### 0.5", record)) == (1.0, 0.0)
+
+
+def test_empty_prompts_null_answers_and_non_utf8_files_are_refused_naming_the_row(tmp_path):
+    """Issue 18 parts 5c, 5d, 6j: an empty prompt string trained on a bare BOS, a null / missing answer reached the
+    reward as None (and made a csv int column floats: "1" -> "1.0"), a latin-1 byte raised a bare
+    UnicodeDecodeError naming neither file nor line."""
+    def error(name: str, text: bytes, **kwargs) -> str:
+        path = tmp_path / name
+        path.write_bytes(text)
+        with pytest.raises(ValueError) as info:
+            _task(tmp_path, path, **kwargs)
+        return str(info.value)
+
+    rows = b'{"prompt": "1:", "answer": "1"}\n{"prompt": "", "answer": "2"}\n'
+    assert error("e.jsonl", rows) == f"prompt 1 of {tmp_path}/e.jsonl ('prompt') is null or empty; every row needs a prompt"
+    # the same message as an empty csv cell (read as null)
+    assert error("e.csv", b"prompt,answer\n1:,1\n,2\n") == (
+        f"prompt 1 of {tmp_path}/e.csv ('prompt') is null or empty; every row needs a prompt")
+    assert error("e2.csv", b'prompt,answer\n1:,1\n"",2\n').startswith(f"prompt 1 of {tmp_path}/e2.csv ('prompt')")
+    null_answer = (f"answer 1 of {tmp_path}/{{}} ('answer') is null or missing; every row needs a reference answer "
+                   "for the reward (record.answer): fix the data, or set task.answer_key=null if the rewards use none")
+    assert error("a.jsonl", b'{"prompt": "1:", "answer": "1"}\n{"prompt": "2:", "answer": null}\n') == (
+        null_answer.format("a.jsonl"))
+    assert error("m.jsonl", b'{"prompt": "1:", "answer": "1"}\n{"prompt": "2:"}\n') == null_answer.format("m.jsonl")
+    assert error("a.csv", b"prompt,answer\n1:,1\n2:,\n") == null_answer.format("a.csv")
+    # answer_key=null: no answers wanted, none checked
+    ok = tmp_path / "ok.jsonl"
+    ok.write_bytes(b'{"prompt": "1:"}\n')
+    assert _task(tmp_path, ok, reward_fn="json:loads", rewards=None, answer_key=None).num_examples == 1
+    latin1 = '{"prompt": "1:", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1")
+    assert error("l.jsonl", latin1) == (
+        f"{tmp_path}/l.jsonl line 2 is not UTF-8 (byte 0xe9 at column 16: invalid continuation byte); dataset files "
+        "are read as UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`)"
+    )
+    assert error("l.csv", "prompt,answer\n1:,1\ncaf\u00e9,2\n".encode("latin-1")).startswith(
+        f"{tmp_path}/l.csv line 3 is not UTF-8 (byte 0xe9 at column 4: ")

@@ -158,6 +158,9 @@ def test_reward_set_errors(tmp_path):
 
             def short(responses, records):
                 return [1.0]
+
+            def empty(response, record):
+                return {}
             """
         )
     )
@@ -176,6 +179,13 @@ def test_reward_set_errors(tmp_path):
         run({"fn": f"{bad}:shifting"})
     with pytest.raises(RewardError, match=r"batched reward function short returned 1 values for 2 responses"):
         run({"fn": f"{bad}:short", "batched": True})
+    # issue 18 part 5e: {} summed to a silent 0.0 reward and logged nothing
+    with pytest.raises(RewardError) as info:
+        run({"fn": f"{bad}:empty"})
+    assert str(info.value) == (
+        "reward function empty returned an empty dict for sample 4; return a float, or a dict with at least one "
+        "named sub-score"
+    )
     with pytest.raises(ValueError, match=r"reward names \['a', 'a'\] repeat"):
         RewardSet.from_config([{"fn": "json:loads", "name": "a"}, {"fn": "json:dumps", "name": "a"}])
     with pytest.raises(ValueError, match=r"task.rewards\[0\] .* has unknown keys \['wieght'\]"):
@@ -193,3 +203,14 @@ def test_reward_set_errors(tmp_path):
 )
 def test_leading_number(response, reward):
     assert leading_number(response, _record("#### 14")) == reward
+
+
+def test_math_answer_without_a_reference_raises():
+    """answer_key=null (no answer column): the record's answer is None, and math_answer says so (issue 18 part
+    5d; a null in an answer column is refused when the dataset loads, tests/test_datasets.py)."""
+    with pytest.raises(RewardError) as info:
+        RewardSet.from_config(["topp_rl.rollout.rewards:math_answer"])(["15"], [_record(None)], [3])
+    assert str(info.value) == (
+        "reward function math_answer raised on sample 3 (prompt 'q', response '15'): ValueError: the record has no "
+        "reference answer; set the task's answer_key to the answer column"
+    )

@@ -29,7 +29,7 @@ BOOLEAN_KEYS = (
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
 )
-# SGLang's sampling mask needs top_k >= 2, and the engine asks for max_candidates + 1 (`SGLangEngine._mask_cap`).
+# Below this, SGLangEngine aborts every sample a truncating sampler keeps two ids for (`validate_sglang_candidates`).
 SGLANG_MIN_CANDIDATES = 2
 
 
@@ -149,18 +149,23 @@ def validate_sampling(cfg: DictConfig) -> None:
 
 
 def validate_sglang_candidates(cfg: DictConfig) -> None:
-    """The SGLang engine's own rule, checked here so that it fails before the ~60 s server start."""
+    """SGLangEngine aborts every sample whose kept set outgrows max_candidates; at max_candidates=1 that is every
+    sample a truncating sampler keeps two ids for, so the first step stopped (all samples aborted) after the
+    ~60 s server start. Checked here, before it. Greedy (top_k=1) and untruncated sampling (no mask asked) work."""
     from topp_rl.rollout.sglang import SGLangEngine
 
-    engine = cfg.rollout.get("engine")
+    engine, r = cfg.rollout.get("engine"), cfg.rollout
     if not isinstance(engine, DictConfig) or "_target_" not in engine:
         return
     if not issubclass(target_class(engine), SGLangEngine):
         return
-    value = engine.get("max_candidates", cfg.rollout.max_candidates)
-    if value < SGLANG_MIN_CANDIDATES:
-        _fail("rollout.max_candidates", value, f">= {SGLANG_MIN_CANDIDATES} with rollout=sglang (SGLang records "
-              "candidate sets only for top_k >= 2)", f"set rollout.max_candidates={SGLANG_MIN_CANDIDATES} or more")
+    value = engine.get("max_candidates", r.max_candidates)
+    truncates = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
+    if value < SGLANG_MIN_CANDIDATES and truncates and r.top_k != 1:
+        _fail("rollout.max_candidates", value, f">= {SGLANG_MIN_CANDIDATES} with rollout=sglang and truncated "
+              f"sampling (top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}): the engine aborts every sample whose "
+              f"kept set holds more than {value} id, so the first step would stop with its samples aborted",
+              f"set rollout.max_candidates={SGLANG_MIN_CANDIDATES} or more (default 4096)")
 
 
 def validate_parallel(cfg: DictConfig) -> None:

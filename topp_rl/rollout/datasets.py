@@ -65,8 +65,8 @@ class DatasetTask(Task):
                 f"column {prompt_key!r} of {self.path} holds chat conversations; set chat_template=true so the "
                 "tokenizer's chat template renders them"
             )
-        if answer_key is not None and answer_key not in self.rows.column_names:
-            raise ValueError(_missing(answer_key, self.rows, self.path, "answer_key", "or answer_key=null"))
+        if answer_key is not None:
+            check_answer_column(self.rows, answer_key, self.path)
         self.filtered_prompts = 0
         self._kept: np.ndarray = np.arange(len(self.rows))  # row ids in use (all until filtered)
         self._ids: list[list[int]] | None = None  # their prompt ids when filtering encoded them
@@ -167,7 +167,7 @@ def _file_split(path: Path, split: str, cache_dir: str | None):
         raise ValueError(
             f"dataset file {path} has an unknown extension; use one of {sorted(LOADERS)} or a save_to_disk directory"
         )
-    if loader != "parquet" and not path.read_text().strip():  # the json loader raises a bare StopIteration
+    if loader != "parquet" and not _utf8_text(path).strip():  # the json loader raises a bare StopIteration
         raise ValueError(f"{path} is empty; a dataset task needs at least one prompt")
     base = split.partition("[")[0]  # the file is this split; a slice ("train[:90%]") applies to it
     try:
@@ -176,6 +176,20 @@ def _file_split(path: Path, split: str, cache_dir: str | None):
         if "corresponds to no data" in str(err):  # datasets' words for a split with no rows (a header-only csv)
             raise ValueError(f"{path} [{split}] holds no rows; a dataset task needs at least one prompt") from None
         raise ValueError(f"{path} cannot be read as {loader} split {split!r}: {err}") from err
+
+
+def _utf8_text(path: Path) -> str:
+    """The text of a json / csv file; bytes that are not UTF-8 (what `datasets` reads) name their line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"{path} line {line} is not UTF-8 (byte 0x{data[err.start]:02x} at column {err.start - line_start + 1}: "
+            f"{err.reason}); dataset files are read as UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
 
 
 def _saved_split(path: Path, split: str):
@@ -226,10 +240,28 @@ def check_prompt_column(rows, key: str, path: Path) -> bool:
             pc.any(pc.is_null(pc.struct_field(messages, f))).as_py() for f in ("role", "content")
         ):
             raise ValueError(f"a conversation in column {key!r} of {path} has a null message, role or content")
+    else:  # an empty string is no prompt, as an empty csv cell (read as null) is none
+        nulls = pc.or_(nulls, pc.fill_null(pc.equal(pc.utf8_length(column), 0), True))
     if pc.any(nulls).as_py():
         bad = int(pc.index(nulls, True).as_py())
         raise ValueError(f"prompt {bad} of {path} ({key!r}) is null or empty; every row needs a prompt")
     return kind == "chat"
+
+
+def check_answer_column(rows, key: str, path: Path) -> None:
+    """Every row has a reference answer: a null (or, in jsonl, a row without the key) would reach the reward
+    as None, and a csv column with an empty cell is read as floats ("1" -> "1.0")."""
+    if key not in rows.column_names:
+        raise ValueError(_missing(key, rows, path, "answer_key", "or answer_key=null"))
+    import pyarrow.compute as pc
+
+    nulls = pc.is_null(rows.data.column(key))
+    if pc.any(nulls).as_py():
+        bad = int(pc.index(nulls, True).as_py())
+        raise ValueError(
+            f"answer {bad} of {path} ({key!r}) is null or missing; every row needs a reference answer for the "
+            "reward (record.answer): fix the data, or set task.answer_key=null if the rewards use none"
+        )
 
 
 def _column_kind(arrow_type) -> str | None:

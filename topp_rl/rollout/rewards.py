@@ -158,6 +158,11 @@ class RewardSet:
 
     def _named(self, term: RewardTerm, value: RewardValue, sample_id: int) -> dict[str, float]:
         if isinstance(value, Mapping):
+            if not value:  # its sum would be a silent 0.0, and it would log nothing
+                raise RewardError(
+                    f"reward function {term.name} returned an empty dict for sample {sample_id}; return a float, or "
+                    "a dict with at least one named sub-score"
+                )
             named = {f"{term.name}/{k}": value[k] for k in value}
             keys = tuple(sorted(value))
         else:
