@@ -106,19 +106,43 @@ def build_loggers(cfg: DictConfig) -> list:
                     entry.get("mode"), os.environ.get("WANDB_MODE")),
                 "id": wandb_run_id(Path(cfg.paths.output_dir)), "resume": "allow",
             }
-        if name == "tensorboard":
-            _require_tensorboard()
+        require_logger_packages(name, entry)
         loggers.append(instantiate(entry, _convert_="all", **kwargs))  # plain lists (tags) for the loggers
     return loggers
 
 
-def _require_tensorboard() -> None:
-    import importlib.util
+def _packages() -> dict[type, tuple[tuple[str, ...], str]]:
+    """Per Lightning logger class: the packages it imports (any one of them), and how to install one."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-    if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+    return {
+        WandbLogger: (("wandb",), "pip install wandb"),
+        TensorBoardLogger: (("tensorboard", "tensorboardX"), "pip install 'topp_rl[tensorboard]' (or pip install "
+                                                             "tensorboard)"),
+    }
+
+
+def require_logger_packages(name: str, entry: DictConfig) -> None:
+    """A logger whose package cannot be imported fails here naming it and the install command; Lightning's own
+    check reads the package metadata only, so a broken or missing import surfaced later as a bare ImportError."""
+    import importlib
+
+    from hydra.utils import get_object
+
+    cls = get_object(str(entry._target_))
+    for base, (modules, install) in _packages().items():
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            continue
+        errors = []
+        for module in modules:
+            try:
+                importlib.import_module(module)
+                return
+            except ImportError as err:
+                errors.append(f"{module}: {err}")
         raise ValueError(
-            "logger=tensorboard needs the tensorboard package, which is not installed; "
-            "run `pip install 'topp_rl[tensorboard]'` (or `pip install tensorboard`), or pick logger=csv / wandb"
+            f"logger={name} needs the {' or '.join(modules)} package, which cannot be imported ({'; '.join(errors)}); "
+            f"run `{install}`, or pick another logger (logger=csv)"
         )
 
 
