@@ -163,3 +163,24 @@ def test_resume_checks_the_config_keeps_its_history_and_the_wandb_run(tmp_path, 
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
     pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
     assert len(runs) == 2 and all(pattern.fullmatch(r) for r in runs), (runs, run_id)
+
+
+def test_a_refused_second_run_leaves_the_first_runs_hydra_files_alone(tmp_path):
+    """Hydra wrote `<run dir>/.hydra/` before `train()` ran, so a second start refused for the dir's run had
+    already replaced the first run's config.yaml / overrides.yaml with its own (issue 18 part 6i)."""
+    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    base = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "trainer.max_steps=1"]
+    first = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    hydra_dir = tmp_path / ".hydra"
+    written = {p.name: p.read_bytes() for p in hydra_dir.iterdir()}
+    assert sorted(written) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert OmegaConf.load(hydra_dir / "config.yaml").rollout.top_p == 0.9  # the task config, as Hydra writes it
+    assert "trainer.max_steps=1" in OmegaConf.load(hydra_dir / "overrides.yaml")
+    second = subprocess.run([*base, "rollout.top_p=0.5"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 1
+    assert (f"run dir {tmp_path} already holds a run (config.yaml); resume it with ckpt_path=last, or start this "
+            "run in a new dir") in second.stderr
+    assert {p.name: p.read_bytes() for p in hydra_dir.iterdir()} == written  # byte for byte

@@ -5,7 +5,10 @@ A run dir (`paths.output_dir`) holds one run:
   SIGKILL), so a second run in the same dir fails at start naming the holder's pid;
 - `config.yaml` (the first start's config, never rewritten) and `config.resume-<n>.yaml` (one per resume);
 - `checkpoints/` (probed for writing at start; temp files of dead writers are removed, each one reported);
-- `wandb_id`: the W&B run id, so every resume appends to the same W&B run.
+- `wandb_id`: the W&B run id, so every resume appends to the same W&B run;
+- `.hydra/` (config, hydra, overrides of the latest start): Hydra writes it before the job runs, which let a
+  refused start overwrite the first run's; conf/config.yaml sets `hydra.output_subdir: null` and `RunDir`
+  writes the same files once the start is accepted.
 
 A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over. A resume must find its
 checkpoint, and the checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
@@ -24,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 LOCK = ".lock"
 WANDB_ID = "wandb_id"
+HYDRA_SUBDIR = ".hydra"
 _MISSING = "<absent>"
 
 
@@ -206,6 +210,23 @@ def record_config(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
+def write_hydra_files(cfg: DictConfig) -> Path | None:
+    """Hydra's `<output dir>/.hydra/{config,hydra,overrides}.yaml`, as its `run_job` writes them (`cfg`, the task
+    config, unresolved), in a Hydra app only (a test composing its config has none). Called once the run dir
+    accepted this start: Hydra itself writes them before any check, unless `hydra.output_subdir` is null."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.instance().cfg  # {"hydra": ...}
+    out = Path(hydra_cfg.hydra.runtime.output_dir) / HYDRA_SUBDIR
+    out.mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra_cfg),
+                       ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+        (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+    return out
+
+
 # ----- W&B -----
 def wandb_run_id(run_dir: Path) -> str | None:
     """The run dir's W&B run id, created on first use: a resume logs into the same W&B run (no split history)."""
@@ -249,6 +270,7 @@ class RunDir:
                 )
             if self.resume_from is not None:
                 check_resume_config(cfg, self.resume_from)
+            write_hydra_files(cfg)  # accepted: a new run, or a resume (.hydra/ holds the latest start, as in Hydra)
         except BaseException:
             self.close()
             raise
