@@ -4,6 +4,8 @@ the tiny test model, candidate sets and log-probs against HF transformers in flo
 import copy
 import ipaddress
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,26 @@ def listening(pids: set[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.IP
                 mapped = getattr(addr, "ipv4_mapped", None)
                 found.append((mapped or addr, owner[fields[9]]))
     return found
+
+
+_NEW_SEQS = re.compile(rb"Prefill batch.*?#new-seq: (\d+)")
+
+
+def log_size(path: Path) -> int:
+    """Where a server log ends now: `wait_for_prefills` counts what the server logs after it."""
+    return path.stat().st_size
+
+
+def wait_for_prefills(path: Path, *, offset: int, seqs: int, timeout_s: float = 300.0) -> int:
+    """Wait until the server has logged prefill batches for `seqs` requests past byte `offset` of its log (SGLang
+    logs "Prefill batch, #new-seq: N, ..." as it starts decoding N requests): the event a test acts on, instead of
+    a fixed sleep. The bound is generous: reaching it means the server hung. Returns the requests seen."""
+    deadline, seen = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        with path.open("rb") as f:
+            f.seek(offset)
+            seen = sum(int(n) for n in _NEW_SEQS.findall(f.read()))
+        if seen >= seqs:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"{path}: prefills for {seen} of {seqs} requests after {timeout_s:.0f} s (a hung server?)")

@@ -25,9 +25,11 @@ from sglang_checks import (
     check_candidates,
     hf_logits,
     listening,
+    log_size,
     pgid,
     require_sglang,
     tiny_model,
+    wait_for_prefills,
 )  # fmt: skip
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
@@ -172,15 +174,18 @@ def _assert_loopback_only(engine) -> None:
     assert engine._distributed is not None  # the check ran while the weight-sync group exists
 
 
-def _abort_while(engine, generate) -> None:
-    """Run `generate` in a thread, abort every request on the server 1.5 s in, and wait for it to return."""
+def _abort_while(engine, generate, *, requests_sent: int) -> None:
+    """Run `generate` in a thread, abort every request on the server once it logged their prefills (an event:
+    a fixed 1.5 s delay aborted nothing when the requests arrived late on a loaded machine), and wait for it."""
     engine.extra_sampling_params = {"ignore_eos": True}  # runs far past the abort (3000 tokens, >= 6 s here)
+    offset = log_size(engine.server.log_path)
     try:
         worker = threading.Thread(target=generate)
         worker.start()
-        time.sleep(1.5)
+        wait_for_prefills(engine.server.log_path, offset=offset, seqs=requests_sent)
         requests.post(f"{engine.urls[0]}/abort_request", json={"abort_all": True}, timeout=30)
-        worker.join(timeout=120)
+        worker.join(timeout=300)
+        assert not worker.is_alive(), "generate still running 300 s after the abort"
     finally:
         engine.extra_sampling_params = {}
 
@@ -188,7 +193,7 @@ def _abort_while(engine, generate) -> None:
 def test_aborted_requests_give_empty_aborted_samples(engine):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3000, n=2)
     result = {}
-    _abort_while(engine, lambda: result.update(samples=engine.generate(PROMPTS[:1], params)))
+    _abort_while(engine, lambda: result.update(samples=engine.generate(PROMPTS[:1], params)), requests_sent=2)
     samples = result["samples"]
     assert [s.status for s in samples] == [SampleStatus.ABORTED] * 2
     for s in samples:
@@ -209,7 +214,7 @@ def test_step_with_every_sample_aborted_fails_naming_the_aborts(engine):
         except RuntimeError as err:
             errors.append(err)
 
-    _abort_while(engine, step)
+    _abort_while(engine, step, requests_sent=2)
     (err,) = errors
     assert str(err).startswith("rollout step 0: 2 of 2 samples on this rank were aborted by the engine ")
     assert "ckpt_path=last" in str(err) and dm.step == 0  # not advanced: a resume regenerates step 0

@@ -65,8 +65,10 @@ def test_hung_server_fails_within_its_bound_naming_server_and_call(mode, tmp_pat
     finally:
         server.close()
     waited = time.monotonic() - start
-    # silent: the first-byte bound (1.5 s); trickle: the whole-request bound (1.5 + 1.0 s). No retries.
-    assert (1.5 if mode == "silent" else 2.5) <= waited < (3.0 if mode == "silent" else 4.0)
+    # silent: the first-byte bound (1.5 s); trickle: the whole-request bound (1.5 + 1.0 s). No retries: one
+    # connection (counted by the server, not inferred from a tight upper time bound that a loaded machine breaks).
+    assert (1.5 if mode == "silent" else 2.5) <= waited < 60
+    assert len(server._conns) == 1
     message = str(err.value)
     assert message.startswith(f"SGLang server {server.url}: GET /server_info got no complete answer after ")
     assert "first-byte bound 1.5 s = first_byte_timeout_s 1.5 + per_token_timeout_s 0.5 x 0 tokens" in message

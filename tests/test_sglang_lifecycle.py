@@ -84,12 +84,14 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
                 SGLangTimeoutError, match=rf"^SGLang server {url}: POST /generate got no complete "
             ):
                 client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=17))
-            assert 2.0 + 0.05 * 20 <= time.monotonic() - start < 2.0 + 0.05 * 20 + 1.5
+            # At least the bound (waited for it); the upper bound only catches a hang (a loaded machine is slow,
+            # and that a timeout is not retried is checked by counting connections in test_sglang_client).
+            assert 2.0 + 0.05 * 20 <= time.monotonic() - start < 2.0 + 0.05 * 20 + 60
             start = time.monotonic()
             # A sync's first call to the worker, pausing its generation, is bounded like the weight push itself.
             with pytest.raises(SGLangTimeoutError, match=rf"{url}: POST /pause_generation .*per_gb"):
                 client.update_weights(model.named_parameters())
-            assert 2.0 <= time.monotonic() - start < 3.5
+            assert 2.0 <= time.monotonic() - start < 2.0 + 60
         finally:
             os.killpg(pgid, signal.SIGCONT)
         client.close()

@@ -7,12 +7,13 @@ can do is asked of its class (`_target_`), never guessed from names.
 
 import difflib
 import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
 import yaml
 from hydra.utils import get_object
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 
@@ -108,8 +109,6 @@ def validate_known_keys(cfg: DictConfig) -> None:
 def validate_target_kwargs(cfg: DictConfig, section: str) -> None:
     """The keys of a `_target_` section whose target takes no **kwargs must be parameters of it (the optimizer
     is called only at fit start, after the engine started: a misspelt kwarg would fail there)."""
-    import inspect
-
     node = cfg.get(section)
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
@@ -126,8 +125,6 @@ def validate_target_kwargs(cfg: DictConfig, section: str) -> None:
 
 
 def validate_booleans(cfg: DictConfig) -> None:
-    from omegaconf import OmegaConf
-
     for key in BOOLEAN_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and not isinstance(value, bool):
@@ -152,6 +149,7 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
     """SGLangEngine aborts every sample whose kept set outgrows max_candidates; at max_candidates=1 that is every
     sample a truncating sampler keeps two ids for, so the first step stopped (all samples aborted) after the
     ~60 s server start. Checked here, before it. Greedy (top_k=1) and untruncated sampling (no mask asked) work."""
+    from topp_rl.rollout.params import SamplingParams
     from topp_rl.rollout.sglang import SGLangEngine
 
     engine, r = cfg.rollout.get("engine"), cfg.rollout
@@ -160,7 +158,7 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
     if not issubclass(target_class(engine), SGLangEngine):
         return
     value = engine.get("max_candidates", r.max_candidates)
-    truncates = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
+    truncates = SamplingParams(top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).truncates
     if value < SGLANG_MIN_CANDIDATES and truncates and r.top_k != 1:
         _fail("rollout.max_candidates", value, f">= {SGLANG_MIN_CANDIDATES} with rollout=sglang and truncated "
               f"sampling (top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}): the engine aborts every sample whose "

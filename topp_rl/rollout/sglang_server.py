@@ -7,7 +7,9 @@ ours). Its python comes from an explicit setting: the `python=` argument, else `
 Lifecycle: `SGLangServer` starts the server in its own process group, behind a tiny watchdog (`_WATCHDOG`,
 the group leader) that takes the whole group down when the trainer dies, SIGKILL and OOM-kill included (the
 server gets PR_SET_PDEATHSIG on the watchdog; SGLang's scheduler and detokenizer set theirs on the server).
-`stop()` kills the group. Everything lives in a per-engine work dir (`make_workdir`: the server log, weight
+`stop()` kills the group. Once ready, a watcher thread reports at once (stderr) when the group's leader exits
+unasked (`[topp_rl] SGLang server <url> (pid N) exited with status S while in use; ...`), so a dead worker behind a
+router is seen when it dies, not only at close. Everything lives in a per-engine work dir (`make_workdir`: the server log, weight
 checkpoints of disk sync, the rendezvous file); a dir left by a dead process is cleaned at the next start.
 
 Listeners: the HTTP server binds `host` (127.0.0.1 by default). On loopback, SGLang's own rendezvous goes
@@ -29,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +164,7 @@ class LoggedProcessGroup:
     log_path: Path
     failed: bool
     kind: str = "process"
+    _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -183,9 +187,34 @@ class LoggedProcessGroup:
             raise
         print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s",
               file=sys.stderr, flush=True)
+        self._watch()
+
+    WATCH_INTERVAL_S = 0.5
+
+    def _watch(self) -> None:
+        """Report the process group's leader exiting while in use, when it happens (not at `stop`): a dead worker
+        behind a router only shows as retried requests otherwise. `stop` silences it first."""
+        self._stopping = threading.Event()
+
+        def watch() -> None:
+            while not self._stopping.wait(self.WATCH_INTERVAL_S):
+                code = self._proc.poll()
+                if code is None:
+                    continue
+                if not self._stopping.is_set():
+                    self.failed = True
+                    status = f"{code} (signal {signal.Signals(-code).name})" if code < 0 else str(code)
+                    print(f"[topp_rl] SGLang {self.kind} {self.url} (pid {self._proc.pid}) exited with status "
+                          f"{status} while in use; calls to it fail from now on (a router retries them on the "
+                          f"other workers); log: {self.log_path}", file=sys.stderr, flush=True)  # fmt: skip
+                return
+
+        threading.Thread(target=watch, name=f"topp_rl-sglang-{self.kind}-watch", daemon=True).start()
 
     def _stop_group(self, timeout_s: float) -> bool:
         """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
+        if self._stopping is not None:
+            self._stopping.set()  # an exit from here on is asked for: the watcher says nothing
         if not self._log.closed and self._proc.poll() is not None:
             self.failed = True  # it exited before anyone asked it to
         stop_group(self._proc, timeout_s=timeout_s)
