@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 
-
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
 # they do not define (`+rollout.topp=0.9`: Hydra's `+` adds it, nothing reads it) is a typo. "" is the top level.
