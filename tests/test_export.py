@@ -277,8 +277,8 @@ def test_cli_refuses_a_crafted_checkpoint_without_running_its_code(tmp_path, cap
     crafted, marker = tmp_path / "crafted.ckpt", tmp_path / "code_ran"
     torch.save({"state_dict": {}, "topp_rl": RunsCode(marker)}, crafted)
     err = _refused([crafted, tmp_path / "out"], capsys)
-    assert (f"checkpoint {crafted} holds objects torch's safe loader refuses (Unsupported global: GLOBAL "
-            f"posix.system") in err
+    assert f"error: checkpoint {crafted} holds objects torch's safe loader refuses (" in err
+    assert "GLOBAL posix.system" in err  # torch's words for the refused global vary between versions
     assert ("loading them could run code, so export reads tensors and plain values only: pass a checkpoint written "
             "by topp_rl's train.py") in err
     assert not marker.exists() and not (tmp_path / "out").exists()

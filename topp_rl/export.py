@@ -123,11 +123,6 @@ def check_target(target: str | os.PathLike, *, checkpoint: str | os.PathLike | N
     """
     given = Path(target)
     path = given.resolve()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "a file" if existing == path else f"below the file {existing}"
-        raise ValueError(f"{name} {given} is {where}; pass the path of a new or empty directory, or of a previous "
-                         f"export (a dir holding {INFO_FILE})")
     if checkpoint is not None and any(_within(c, p) for c in _forms(checkpoint) for p in _forms(given)):
         raise ValueError(f"{name} {given} is or contains the checkpoint being exported ({checkpoint}); an export "
                          f"replaces its target, which would delete the checkpoint: choose a new or empty dir outside "
@@ -142,6 +137,11 @@ def check_target(target: str | os.PathLike, *, checkpoint: str | os.PathLike | N
         if any(_within(p, c) for c in _forms(checkpoints) for p in _forms(given)):
             raise ValueError(f"{name} {given} is inside the checkpoint dir {checkpoints}, which holds the run's "
                              f"checkpoints and their temp files only: use {run_dir / 'hf'} (the default)")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "a file" if existing == path else f"below the file {existing}"
+        raise ValueError(f"{name} {given} is {where}; pass the path of a new or empty directory, or of a previous "
+                         f"export (a dir holding {INFO_FILE})")
     if path.is_dir() and (foreign := _foreign_entries(path)):
         listed = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise ValueError(f"{name} {given} holds files that are not a topp_rl export ({listed}); an export replaces "
@@ -202,6 +202,9 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
         generation.save_pretrained(staged)
         files = sorted({p.name for p in staged.iterdir()} | {INFO_FILE})
         (staged / INFO_FILE).write_text(json.dumps({**info, "files": files}, indent=2, default=str) + "\n")
+        mode = (staged / INFO_FILE).stat().st_mode & 0o777  # a plain new file's: the umask decides (0644 at 022)
+        for path in staged.iterdir():
+            path.chmod(mode)  # safetensors writes its file 0600
     except Exception as err:
         shutil.rmtree(staged, ignore_errors=True)
         needed = sum(t.numel() * t.element_size() for t in state.values())
@@ -308,7 +311,7 @@ def read_checkpoint_safely(path: Path) -> dict[str, Any]:
         if not (isinstance(cause, pickle.UnpicklingError) and "weights only load failed" in str(cause).lower()):
             raise
         lines = [line.strip() for line in str(cause).splitlines()]
-        reason = next((line for line in lines if "Unsupported global" in line), lines[0])
+        reason = next((line for line in lines if "GLOBAL" in line), lines[0])  # the refused global, named
         raise ValueError(
             f"checkpoint {path} holds objects torch's safe loader refuses ({reason}); loading them could run code, "
             "so export reads tensors and plain values only: pass a checkpoint written by topp_rl's train.py"
