@@ -304,6 +304,7 @@ def test_full_disk_names_the_path_and_the_space_and_keeps_the_checkpoint_and_the
     err = capsys.readouterr().err
     assert exc.value.code == 1
     assert err.startswith(f"python -m topp_rl.export: error: could not write the export {out}: ")
+    assert "File too large" in err  # the cause, as the OS put it (EFBIG here; ENOSPC on a full disk)
     assert (f"; its weights need {needed / 2**20:.1f} MiB ({needed} bytes), " in err
             and f" MiB free in {tmp_path}: free space there or export to a larger disk; the checkpoint and the "
                 f"previous out, if any, are kept\n" in err)

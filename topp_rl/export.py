@@ -2,8 +2,9 @@
 checkpoint file: `python -m topp_rl.export CKPT OUT_DIR`.
 
 An export directory holds `config.json` + `model.safetensors` (full weights under HF names), the tokenizer,
-`generation_config.json` with the rollout's sampling settings, and `topp_rl_export.json` (step, source and the
-rollout settings as configured). `transformers.AutoModelForCausalLM.from_pretrained` loads it; SGLang serves it
+`generation_config.json` with the rollout's sampling settings, and the manifest `topp_rl_export.json`: the global
+`step`, the `source` (the checkpoint's path for the command, "training" for `HFExport`), the rollout settings as
+configured and the `files` written. `transformers.AutoModelForCausalLM.from_pretrained` loads it; SGLang serves it
 (`--sampling-defaults model` takes temperature / top_p / top_k / min_p from the generation config).
 
 Departure: the rollout's `top_k=0` (no top-k) is written as top_k = vocabulary size. HF reads 0 as "off" but
@@ -103,7 +104,7 @@ def _export_files(manifest: Path) -> set[str] | None:
     if not isinstance(info, dict):
         return None
     if "files" not in info:  # an export written before manifests listed their files
-        return {n.name for n in manifest.parent.iterdir() if _LEGACY_FILES.match(n.name)}
+        return {n.name for n in manifest.parent.iterdir() if _LEGACY_FILES.fullmatch(n.name)}
     return {str(n) for n in info["files"]} | {INFO_FILE}
 
 
@@ -181,6 +182,7 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
     gets `info` plus `files`, the names written. Every rank must call this when the tensors come from a
     collective; ranks with `write=False` only take part in it and return None.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not write:
@@ -205,7 +207,7 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
         mode = (staged / INFO_FILE).stat().st_mode & 0o777  # a plain new file's: the umask decides (0644 at 022)
         for path in staged.iterdir():
             path.chmod(mode)  # safetensors writes its file 0600
-    except Exception as err:
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as "I/O error: ... (os error 28)"
         shutil.rmtree(staged, ignore_errors=True)
         needed = sum(t.numel() * t.element_size() for t in state.values())
         free = shutil.disk_usage(target.parent).free
@@ -214,7 +216,7 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
             f"({needed} bytes), {_mib(free)} free in {target.parent}: free space there or export to a larger disk; "
             f"the checkpoint and the previous {target.name}, if any, are kept"
         ) from err
-    except BaseException:  # KeyboardInterrupt mid-write: no staged copy left behind
+    except BaseException:  # any other error, KeyboardInterrupt: no staged copy left behind
         shutil.rmtree(staged, ignore_errors=True)
         raise
     _swap_in(staged, target)
