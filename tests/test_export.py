@@ -353,3 +353,20 @@ def test_a_previous_export_without_a_file_list_is_still_one(tmp_path):
     (old / "config.yaml").write_text("run: 1")
     with pytest.raises(ValueError, match="holds files that are not a topp_rl export \\(config.yaml\\); "):
         export.check_target(old)
+
+
+def test_a_run_start_removes_the_copies_of_an_export_killed_with_its_run(tmp_path, capfd):
+    """`HFExport.on_fit_start` (rank 0): staged / replaced copies of `<run dir>/hf` whose writer is gone."""
+    from types import SimpleNamespace
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    run_dir = tmp_path / "run"
+    stale, other = run_dir / f".hf.{int(dead.stdout)}.0123abcd.tmp", run_dir / f".hf2.{int(dead.stdout)}.0123abcd.tmp"
+    for d in (stale, other):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"partial")
+    callback = export.HFExport(dirpath=run_dir / "hf", rollout={}, run_dir=run_dir)
+    callback.on_fit_start(SimpleNamespace(is_global_zero=True), None)
+    assert (f"[topp_rl] removed stale temp dir {stale} (7 bytes) left by a writer that is gone "
+            f"(pid {int(dead.stdout)})") in capfd.readouterr().err
+    assert not stale.exists() and other.exists()  # another target's copy is not this export's to remove
