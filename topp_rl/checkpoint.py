@@ -50,10 +50,16 @@ def temp_path(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
+def temp_writer(name: str) -> tuple[str, int] | None:
+    """(target name, writer pid) of a temp name as written by `temp_path`, else None."""
+    m = _TEMP.match(name)
+    return (m["target"], int(m["pid"])) if m else None
+
+
 def temp_writer_pid(name: str) -> int | None:
     """The pid in a temp file's name as written by `temp_path`, else None."""
-    m = _TEMP.match(name)
-    return int(m["pid"]) if m else None
+    parsed = temp_writer(name)
+    return parsed[1] if parsed else None
 
 
 def _mib(n: int) -> str:

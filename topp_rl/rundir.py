@@ -14,8 +14,10 @@ starts later only resolve the checkpoint path.
 """
 
 import fcntl
+import glob
 import os
 import secrets
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,18 +93,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Remove checkpoint temp files whose writer is gone (SIGKILL mid-write); called with the run dir locked."""
-    from topp_rl.checkpoint import temp_writer_pid
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir())
+    return path.lstat().st_size
+
+
+def remove_stale_temps(directory: Path, *, target: str | None = None) -> list[Path]:
+    """Remove temp files and staged dirs whose writer is gone (SIGKILL mid-write), each one reported.
+
+    Without `target`: every `.*.tmp` in `directory` (a checkpoint dir, with the run dir locked). With `target`:
+    only the temps of `directory/target` named by `temp_path` (the dir may be anyone's, e.g. an export's parent).
+    """
+    from topp_rl.checkpoint import temp_writer
 
     removed = []
-    for tmp in sorted(directory.glob(".*.tmp")):
-        pid = temp_writer_pid(tmp.name)
+    for tmp in sorted(directory.glob(f".{glob.escape(target)}.*.tmp" if target else ".*.tmp")):
+        parsed = temp_writer(tmp.name)
+        if target is not None and (parsed is None or parsed[0] != target):
+            continue
+        pid = parsed[1] if parsed else None
         if pid is not None and pid != os.getpid() and _pid_alive(pid):
             continue
-        size = tmp.stat().st_size
-        tmp.unlink()
-        _say(f"removed stale temp file {tmp} ({size} bytes) left by a writer that is gone (pid {pid or 'unknown'})")
+        size, kind = _size(tmp), "dir" if tmp.is_dir() and not tmp.is_symlink() else "file"
+        if kind == "dir":
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+        _say(f"removed stale temp {kind} {tmp} ({size} bytes) left by a writer that is gone (pid {pid or 'unknown'})")
         removed.append(tmp)
     return removed
 

@@ -116,7 +116,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
     callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
     export = cfg.get("export") or {}
     if export.get("hf"):  # <run dir>/hf/: an HF checkpoint dir with every checkpoint and at the end
-        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint,
+        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint, run_dir=output_dir,
                                   rollout=OmegaConf.to_container(cfg.rollout, resolve=True)))
     callbacks.append(StepTimer())  # after the callbacks whose time a step includes (sync, eval, export)
     if cfg.trainer.get("enable_progress_bar", True):
