@@ -7,6 +7,10 @@ logged every step as a 0 / 1 flag:
   `max_mismatch` (default by the trainer's precision: 1e-3 at 32 bits, where engines agree to ~1e-6; 1e-2 at
   16 bits, where bf16 scoring alone gives ~2e-3 (measured: tiny model, CPU bf16-mixed, top_p 0.9). Above it
   the engine samples with other weights, e.g. a missing weight sync, or another model). Needs `LogProbMismatch`.
+  Under `rollout.overlap=true` a step's samples come from the policy one update back by design (the batch's
+  `rollout/weight_staleness` > 0), and the mismatch then measures that gap, which TIS / ICEPOP correct; the
+  alarm checks only the steps whose samples carry the weights being trained (staleness 0: the first step, and
+  every step of a run whose engine never receives an update) and logs 0 on the others.
 - `health/zero_grad_alarm`: `train/grad_norm` is exactly 0 for `zero_grad_steps` steps in a row (every
   advantage zero: all groups tied, or a collapsed policy whose samples all get one reward).
 - `health/entropy_collapse_alarm`: `train/entropy` below `entropy_collapse_frac` of its first step's value
@@ -20,6 +24,13 @@ import sys
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.module import PolicyModule
+
+
+def _stale(outputs) -> bool:
+    """Whether the step trained on samples of older weights than the trained ones (`rollout.overlap`)."""
+    stats = getattr((outputs or {}).get("rollout"), "stats", None) or {}
+    staleness, _ = stats.get("rollout/weight_staleness", (0.0, 0.0))
+    return staleness > 0
 
 
 class TrainingHealth(Callback):
@@ -47,7 +58,9 @@ class TrainingHealth(Callback):
         step = trainer.global_step
         alarms: dict[str, str | None] = {}
         mismatch = metrics.get("train/rollout_logprob_abs_diff")
-        if mismatch is not None:
+        if mismatch is not None and _stale(outputs):
+            alarms["health/mismatch_alarm"] = None  # one update behind on purpose (rollout.overlap)
+        elif mismatch is not None:
             alarms["health/mismatch_alarm"] = (
                 f"masked on-policy mismatch train/rollout_logprob_abs_diff={mismatch:.3g} > {self.max_mismatch:g}: "
                 "the engine is not sampling with the trained weights (is callbacks.weight_sync set?) or scores "

@@ -2,6 +2,7 @@
 stopped with SIGTERM, resumes at the same step with the same next rollouts as an uninterrupted run, and Ctrl-C
 saves too (subprocesses running the real `train.py`)."""
 
+import csv
 import json
 import os
 import resource
@@ -122,11 +123,11 @@ class RolloutDump(Callback):
 
 
 RUN = ["trainer.max_steps=6", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-       "rollout.top_p=0.9", "logger=none", "trainer.enable_progress_bar=false", "num_threads=1"]
+       "rollout.top_p=0.9", "trainer.enable_progress_bar=false", "num_threads=1"]
 
 
-def _cmd(out: Path, dump: Path, *extra: str) -> list[str]:
-    return [sys.executable, "train.py", f"hydra.run.dir={out}", *RUN,
+def _cmd(out: Path, dump: Path, *extra: str, logger: str = "none") -> list[str]:
+    return [sys.executable, "train.py", f"hydra.run.dir={out}", *RUN, f"logger={logger}",
             "+callbacks.dump._target_=test_checkpoint.RolloutDump", f"+callbacks.dump.path={dump}", *extra]
 
 
@@ -150,8 +151,8 @@ def reference(tmp_path_factory) -> list[dict]:
     return lines
 
 
-def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: int) -> None:
-    assert [r["global_step"] for r in after] == list(range(first_step, 7))
+def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: int, last_step: int = 6) -> None:
+    assert [r["global_step"] for r in after] == list(range(first_step, last_step + 1))
     # Same data position, RNG and weights: the resumed run draws exactly the rollouts of the uninterrupted one.
     for got in after:
         want = reference[got["global_step"] - 1]
@@ -159,10 +160,10 @@ def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: 
         assert got["responses"] == want["responses"], got["global_step"]
 
 
-def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: int = 40,
+def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: int = 40, logger: str = "none",
                       meanwhile=lambda: None) -> tuple[subprocess.Popen, str]:
     """Start a long run, call `meanwhile` and send `signum` once its first step is done; (process, stderr)."""
-    proc = subprocess.Popen(_cmd(out, dump, f"trainer.max_steps={steps}", *extra), cwd=ROOT, env=_env(),
+    proc = subprocess.Popen(_cmd(out, dump, f"trainer.max_steps={steps}", *extra, logger=logger), cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -245,3 +246,50 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_p
     assert (f"ValueError: run dir {out} is in use by another run (pid {proc.pid}, holding {out}/.lock); wait for "
             "that run to end") in other.stderr
     assert not (tmp_path / "other.jsonl").exists()  # it trained nothing
+
+
+OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0")
+
+
+def _csv_steps(out: Path) -> list[int]:
+    """The `step` of every training row of every CSV a run dir's starts wrote (one csv/version_N per start)."""
+    steps = []
+    for path in sorted(out.glob("csv/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+        with path.open() as f:
+            steps += [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), OVERLAP], ids=["on_policy", "overlap"])
+def test_interrupted_before_the_first_checkpoint_then_resumed_twice_continues_from_the_newest_state(tmp_path, extra):
+    """The sequence that once went back in time: Ctrl-C before the first periodic checkpoint (last.ckpt written
+    by the signal), a resume that runs to its end (periodic and final saves: Lightning's ModelCheckpoint wrote them
+    to last-v1.ckpt, leaving last.ckpt at the interrupted step), and a second resume that extends the run."""
+    out, dump = tmp_path / "run", tmp_path / "run.jsonl"
+    last = out / "checkpoints" / "last.ckpt"
+    logged = ("checkpoint.every_n_steps=4", *extra)
+    ref = subprocess.run(_cmd(tmp_path / "ref", tmp_path / "ref.jsonl", "trainer.max_steps=10", *logged, logger="csv"),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference = _lines(tmp_path / "ref.jsonl")
+
+    proc, stderr = _start_and_signal(out, dump, signal.SIGINT, *logged, logger="csv")
+    assert proc.returncode == 130, stderr[-3000:]
+    done = len(_lines(dump))
+    assert 1 <= done < 4, "the signal must come before the first periodic checkpoint (step 4)"
+    steps = {}
+    for max_steps in (8, 10):
+        resumed = subprocess.run(_cmd(out, dump, f"trainer.max_steps={max_steps}", *logged, "ckpt_path=last",
+                                      logger="csv"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        steps[max_steps] = torch.load(last, weights_only=True, mmap=True)["global_step"]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["checkpoint"] == str(last) and summary["checkpoint_step"] == max_steps
+        assert summary["resumed_from"] == str(last)
+        assert f"checkpoint: {last} (step {max_steps})" in resumed.stdout
+    assert steps == {8: 8, 10: 10}
+    assert summary["resumed_step"] == 8
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # never a last-v1.ckpt
+    _assert_same_rollouts(_lines(dump), reference[:10], 1, last_step=10)
+    assert _csv_steps(out) == list(range(10))  # each step logged once, in order, over the three starts

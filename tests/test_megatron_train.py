@@ -32,7 +32,9 @@ TINY = [
 ]
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.train", "hydra")
 KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_logprob_abs_diff_max",
-        "train/rollout_logprob_abs_diff_unmasked")
+        "train/rollout_logprob_abs_diff_unmasked", "rollout/weight_staleness")
+# rollout.overlap: the source rank generates the next step on a background thread beside the TP / CP collectives.
+OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0")
 
 
 def _metrics(output_dir: Path) -> dict[str, list[float]]:
@@ -95,6 +97,7 @@ def _worker(rank: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
     out = {p: _run(Path(tmp) / p, p) for p in ("tp2", "cp2")}
+    out["cp2_overlap"] = _run(Path(tmp) / "cp2_overlap", "cp2", *OVERLAP)  # once a gloo collective mismatch
     # Checkpoint after 2 steps, resume at the saved TP for the 3rd: it must match the uninterrupted run.
     _run(Path(tmp) / "part", "tp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
     out["resumed"] = _run(Path(tmp) / "resumed", "tp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
@@ -119,6 +122,13 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
         assert min(metrics["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel  # the mask matters
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
             assert metrics[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (parallel, key)
+    overlap_ref, _ = _run(tmp_path / "none_overlap", "none", *OVERLAP)
+    infos = [results[rank]["cp2_overlap"][1] for rank in range(2)]
+    assert len(infos[0]["digests"]) == 3 and infos[0]["digests"] == infos[1]["digests"]
+    metrics, _ = results[0]["cp2_overlap"]
+    assert metrics["rollout/weight_staleness"] == [0.0, 1.0, 1.0]  # each step after the first: one update behind
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/weight_staleness"):
+        assert metrics[key] == pytest.approx(overlap_ref[key], rel=1e-4, abs=1e-6), ("cp2_overlap", key)
     resumed, _ = results[0]["resumed"]
     full, _ = results[0]["tp2"]
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"

@@ -35,7 +35,7 @@ def _regenerate(model, weights, ticket, params):
     return engine.generate([r.prompt_ids for r in ticket.records], params, seed=ticket.seed)
 
 
-def test_overlap_trains_each_step_on_the_rollout_of_the_weights_one_update_back(tmp_path):
+def test_overlap_trains_each_step_on_the_rollout_of_the_weights_one_update_back(tmp_path, capfd):
     cfg = compose_cfg(tmp_path, *OVERLAP)
     run = build_run(cfg)
     capture = _Capture()
@@ -58,6 +58,13 @@ def test_overlap_trains_each_step_on_the_rollout_of_the_weights_one_update_back(
     assert all(float(r["perf/rollout_wait_s"]) >= 0 for r in rows)
     tis = [float(r["train/tis_weight_mean"]) for r in read_metrics(tmp_path) if r.get("train/tis_weight_mean")]
     assert tis[0] == pytest.approx(1.0, abs=1e-5) and all(abs(w - 1) > 1e-5 for w in tis[1:])  # off-policy
+    # The alarm knows the staleness is intended: once it fired on every overlap run (mismatch 0.14-0.16).
+    mismatch = [float(r["train/rollout_logprob_abs_diff"]) for r in read_metrics(tmp_path)
+                if r.get("train/rollout_logprob_abs_diff")]
+    assert mismatch[0] <= 1e-5 and min(mismatch[1:]) > 1e-3
+    alarms = [float(r["health/mismatch_alarm"]) for r in read_metrics(tmp_path) if r.get("health/mismatch_alarm")]
+    assert alarms == [0.0] * 4
+    assert "not sampling with the trained weights" not in capfd.readouterr().err
 
 
 def test_versioned_engine_stamps_the_weights_that_sampled():
@@ -97,4 +104,20 @@ def test_prefetcher_hands_over_only_its_own_step_and_reraises():
     prefetch.submit(5, fail)
     with pytest.raises(RuntimeError, match="engine down"):
         prefetch.take(5)
+    prefetch.submit(6, lambda: ["six"])
+    assert prefetch.peek(5) is None and prefetch.peek(6)[0] == ["six"]  # peek leaves it in place
+    assert prefetch.take(6)[0] == ["six"] and prefetch.peek(6) is None
+    prefetch.put(7, ["seven"], 1.5)  # restored from a checkpoint
+    assert prefetch.take(7) == (["seven"], 1.5)
     prefetch.close()
+
+
+def test_a_restored_engine_does_not_count_the_resend_of_its_checkpoint_weights():
+    model = build_tiny_model(vocab_size=96, seed=0)
+    engine = VersionedEngine(EmbeddedEngine(model, progress=False))
+    weights = list(model.state_dict().items())
+    engine.restore(7)
+    engine.update_weights(weights)  # the resumed run's start push: the checkpoint's weights, version 7
+    assert engine.version == 7
+    engine.update_weights(weights)  # the first step's push: a new version
+    assert engine.version == 8

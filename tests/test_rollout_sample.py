@@ -1,6 +1,7 @@
 """`Sample` and `SamplingParams`: multi-turn appends, strict length checks, parameter validation."""
 
 import pytest
+import torch
 
 from topp_rl.ops import Candidates
 from topp_rl.rollout import Sample, SampleStatus, SamplingParams
@@ -128,3 +129,28 @@ def test_sampling_params_defaults_and_truncates():
     assert p.stop_token_ids == (3, 4) and not p.truncates
     assert SamplingParams(top_p=0.9).truncates and SamplingParams(top_k=5).truncates
     assert SamplingParams(min_p=0.1).truncates
+
+
+def test_samples_survive_a_checkpoint_read_with_the_safe_loader(tmp_path):
+    """The rollout in flight under overlap travels in the checkpoint as lists and tensors: torch's
+    `weights_only=True` loader reads it back, every field equal (log-probs bit for bit)."""
+    import io
+
+    from topp_rl.models import build_tiny_model
+    from topp_rl.rollout import SamplingParams
+    from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
+    from topp_rl.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(build_tiny_model(vocab_size=96, seed=0), progress=False)
+    samples = engine.generate([[1, 5, 6], [1, 7]], SamplingParams(top_p=0.9, max_new_tokens=5, n=2), seed=3)
+    samples[1].status, samples[1].metadata = SampleStatus.ABORTED, {"finish_reason": {"type": "abort"}}
+    samples[2].weight_version = 4
+    buffer = io.BytesIO()
+    torch.save({"in_flight": samples_to_state(samples)}, buffer)
+    buffer.seek(0)
+    back = samples_from_state(torch.load(buffer, weights_only=True)["in_flight"])
+    fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_log_probs", "rollout_raw_log_probs", "reward",
+              "group_index", "index", "status", "metadata", "weight_version")
+    for a, b in zip(samples, back, strict=True):
+        assert all(getattr(a, f) == getattr(b, f) for f in fields)
+        assert torch.equal(a.candidates.ids, b.candidates.ids) and torch.equal(a.candidates.offsets, b.candidates.offsets)

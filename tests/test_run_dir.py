@@ -15,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from topp_rl.rundir import report_versioned_checkpoints
 from topp_rl.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,3 +185,19 @@ def test_a_refused_second_run_leaves_the_first_runs_hydra_files_alone(tmp_path):
     assert (f"run dir {tmp_path} already holds a run (config.yaml); resume it with ckpt_path=last, or start this "
             "run in a new dir") in second.stderr
     assert {p.name: p.read_bytes() for p in hydra_dir.iterdir()} == written  # byte for byte
+
+
+def test_a_versioned_last_checkpoint_is_reported_at_start_with_both_steps(tmp_path, capfd):
+    """`last-v1.ckpt` is what Lightning's version counter wrote beside an older `last.ckpt`; topp_rl no longer
+    writes one, but a run dir from before may hold it, and `ckpt_path=last` reads `last.ckpt` only."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    torch.save({"global_step": 18}, checkpoints / "last.ckpt")
+    torch.save({"global_step": 120}, checkpoints / "last-v1.ckpt")
+    torch.save({"global_step": 10}, checkpoints / "last-v2.ckpt")
+    assert report_versioned_checkpoints(checkpoints) == [checkpoints / "last-v1.ckpt", checkpoints / "last-v2.ckpt"]
+    err = capfd.readouterr().err
+    assert (f"[topp_rl] found {checkpoints}/last-v1.ckpt (step 120), a versioned copy an older topp_rl wrote beside "
+            f"last.ckpt (step 18); ckpt_path=last reads last.ckpt only; this copy is NEWER: resume it with "
+            f"ckpt_path={checkpoints}/last-v1.ckpt, and delete the copies you no longer need") in err
+    assert f"{checkpoints}/last-v2.ckpt (step 10)" in err and "(step 18); ckpt_path=last reads last.ckpt only; it is not newer" in err

@@ -8,8 +8,9 @@ leave a truncated `last.ckpt`. `AtomicCheckpointIO` writes a temp file next to t
 `.<target>.<pid>.<random>.tmp` (unique per writer; `topp_rl.rundir` removes those of dead writers at start) and
 created with the umask's normal mode (0644 under umask 022; `mkstemp` would give 0600).
 
-Lightning's own SIGTERM handler only stops the loop at the next step boundary and exits 0 without saving.
-`SignalCheckpoint` saves `last.ckpt` there and `fit` turns the stop into exit status 128 + signal number.
+`LastCheckpoint` is the only writer of `last.ckpt` (periodic, train end, SIGTERM / Ctrl-C). Lightning's own
+SIGTERM handler only stops the loop at the next step boundary and exits 0 without saving; `LastCheckpoint`
+saves there and `fit` turns the stop into exit status 128 + signal number.
 
 The rollout state (step, RNG, data position) travels in the checkpoint through the datamodule's `state_dict`,
 which Lightning saves and restores itself; resume with `ckpt_path=last`.
@@ -22,14 +23,13 @@ import shutil
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -50,10 +50,16 @@ def temp_path(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
+def temp_writer(name: str) -> tuple[str, int] | None:
+    """(target name, writer pid) of a temp name as written by `temp_path`, else None."""
+    m = _TEMP.match(name)
+    return (m["target"], int(m["pid"])) if m else None
+
+
 def temp_writer_pid(name: str) -> int | None:
     """The pid in a temp file's name as written by `temp_path`, else None."""
-    m = _TEMP.match(name)
-    return int(m["pid"]) if m else None
+    parsed = temp_writer(name)
+    return parsed[1] if parsed else None
 
 
 def _mib(n: int) -> str:
@@ -124,19 +130,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, *args, **kwargs)
 
 
-class RolloutCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that saves after the step's optimizer updates, without Lightning's manual-opt warning.
-
-    Saving the post-update state is what resume needs: the checkpoint at global step k holds the weights the
-    engine samples rollout k+1 with, and the datamodule state that draws it.
-    """
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-
 class RunRecord(Callback):
     """Writes the run's resolved config into every checkpoint, so a resume can check what it continues."""
 
@@ -156,23 +149,65 @@ class RunInterrupted(SystemExit):
         self.message = message
 
 
-class SignalCheckpoint(Callback):
-    """SIGTERM or a first Ctrl-C: finish the current step, save `<dirpath>/last.ckpt`, exit 128 + signal.
+class LastCheckpoint(Checkpoint):
+    """The one writer of `<dirpath>/last.ckpt`, so `ckpt_path=last` always means the newest saved state.
 
-    Lightning's SIGTERM handler raises `SIGTERMException` at the next step boundary (all ranks); a first Ctrl-C
-    is forwarded to that handler, so both save the same consistent post-step state (a KeyboardInterrupt can land
-    mid-update, where a save would not resume exactly). A second Ctrl-C exits at once without saving.
+    It saves the post-update state (the weights the engine samples the next rollout with, and the datamodule
+    state that draws it) every `every_n_steps` steps, at train end, and on SIGTERM or a first Ctrl-C, always to
+    the same file: Lightning's `ModelCheckpoint` counts versions (`last-v1.ckpt`, ...) whenever `last.ckpt`
+    exists and it did not write it itself, which left a resumed run's later saves beside an old `last.ckpt`.
+    The train-end save is skipped only for a run that never had a checkpoint (`every_n_steps=0`, fresh start).
+    An exception other than a signal saves nothing: it may land mid-update, and the last save stays the newest
+    consistent state.
+
+    Signals: Lightning's SIGTERM handler raises `SIGTERMException` at the next step boundary (all ranks); a
+    first Ctrl-C is forwarded to that handler, so both save the same consistent post-step state (a
+    KeyboardInterrupt can land mid-update, where a save would not resume exactly). A second Ctrl-C exits at once
+    without saving. `fit` turns the stop into exit status 128 + signal number.
     """
 
-    def __init__(self, *, dirpath: Path) -> None:
+    def __init__(self, *, dirpath: str | Path, every_n_steps: int = 0) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"checkpoint.every_n_steps ({every_n_steps}) must be >= 0 (0: no periodic saves)")
         self.path = Path(dirpath) / "last.ckpt"
+        self.every_n_steps = every_n_steps
+        self.saved_step: int | None = None  # the step last.ckpt holds, once this run or a resumed one wrote it
         self.signum: int | None = None  # SIGINT when forwarded; a bare SIGTERMException means SIGTERM
-        self.saved: Path | None = None
         self._previous_sigint = None
+
+    @property
+    def state_key(self) -> str:
+        return "LastCheckpoint"  # one per run: independent of every_n_steps, so a resume may change it
+
+    def save(self, trainer) -> None:
+        self.saved_step = trainer.global_step  # before the save: it is part of the saved state
+        trainer.save_checkpoint(self.path)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
             self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+        if self.saved_step != trainer.global_step and (self.every_n_steps or self.saved_step is not None):
+            self.save(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if isinstance(exception, SIGTERMException):
+            if self.signum is None:
+                self.signum = signal.SIGTERM
+            self.save(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_step": self.saved_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved_step = state.get("saved_step")
 
     def _on_sigint(self, signum, frame) -> None:
         if self.signum is not None:
@@ -191,21 +226,10 @@ class SignalCheckpoint(Callback):
             signal.signal(signal.SIGINT, self._previous_sigint)
             self._previous_sigint = None
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._restore_sigint()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_sigint()
-        if isinstance(exception, SIGTERMException):
-            if self.signum is None:
-                self.signum = signal.SIGTERM
-            trainer.save_checkpoint(self.path)
-            self.saved = self.path
-
     def interrupted(self, step: int) -> RunInterrupted:
         name = signal.Signals(self.signum).name
         return RunInterrupted(self.signum, (
-            f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.saved}; resume with the same "
+            f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.path}; resume with the same "
             f"overrides plus hydra.run.dir={self.path.parent.parent} ckpt_path=last (exit status "
             f"{128 + self.signum})"
         ))
@@ -217,8 +241,8 @@ def exit_status_on_signal(trainer) -> Iterator[None]:
     try:
         yield
     except SIGTERMException:
-        saver = next((c for c in trainer.callbacks if isinstance(c, SignalCheckpoint)), None)
-        if saver is None or saver.saved is None:
+        saver = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+        if saver is None or saver.signum is None:
             err = RunInterrupted(signal.SIGTERM, "[topp_rl] stopped by SIGTERM; no checkpoint saved (exit status 143)")
         else:
             err = saver.interrupted(trainer.global_step)

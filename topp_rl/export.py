@@ -2,8 +2,9 @@
 checkpoint file: `python -m topp_rl.export CKPT OUT_DIR`.
 
 An export directory holds `config.json` + `model.safetensors` (full weights under HF names), the tokenizer,
-`generation_config.json` with the rollout's sampling settings, and `topp_rl_export.json` (step, source and the
-rollout settings as configured). `transformers.AutoModelForCausalLM.from_pretrained` loads it; SGLang serves it
+`generation_config.json` with the rollout's sampling settings, and the manifest `topp_rl_export.json`: the global
+`step`, the `source` (the checkpoint's path for the command, "training" for `HFExport`), the rollout settings as
+configured and the `files` written. `transformers.AutoModelForCausalLM.from_pretrained` loads it; SGLang serves it
 (`--sampling-defaults model` takes temperature / top_p / top_k / min_p from the generation config).
 
 Departure: the rollout's `top_k=0` (no top-k) is written as top_k = vocabulary size. HF reads 0 as "off" but
@@ -12,15 +13,23 @@ SGLang rejects it (it wants -1, which HF would clamp to top_k=1, greedy); the vo
 During training (`HFExport`) the weights come from `PolicyModule.hf_named_tensors()`, a TP collective for the
 Megatron backbone, so every rank walks the export and only global rank 0 writes. The command rebuilds the model
 skeleton and tokenizer from the config stored in the checkpoint (`checkpoint["topp_rl"]["config"]`) and loads
-the state dict's `policy.model.<HF name>` weights, which both backends write. A directory is staged next to its
-target and swapped in, so the target always holds one complete export.
+the state dict's `policy.model.<HF name>` weights, which both backends write; it reads the checkpoint with
+torch's safe loader (`weights_only=True`), so a crafted file is refused instead of running code.
+
+An export replaces its target, so the target must be absent, an empty dir, or a previous export (a dir whose
+`topp_rl_export.json` lists every file in it); a file, a dir holding anything else, a dir that is or contains the
+checkpoint or the run dir, and a dir inside `<run dir>/checkpoints` are refused at start, naming the rule. The
+export is staged next to its target as `.<name>.<pid>.<hex>.tmp` and renamed in; the previous export is renamed to
+such a name and removed last. The next export of that target removes (and reports) the copies of a writer that
+died. A write that fails (disk full) names the path, the space needed and the space free, and changes nothing.
 """
 
 import argparse
 import copy
 import json
 import os
-import secrets
+import pickle
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,6 +39,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from topp_rl.checkpoint import temp_path
+from topp_rl.rundir import remove_stale_temps
 
 POLICY_PREFIX = "policy.model."  # a checkpoint's policy weights: policy.model.<HF name> (both backends)
 INFO_FILE = "topp_rl_export.json"
@@ -60,13 +72,105 @@ def _model_config(hf_config: PretrainedConfig, dtype: torch.dtype) -> Pretrained
     return config
 
 
+# ----- the target: absent, empty, or a previous export; never the run, the checkpoint or a user's files -----
+class ExportWriteError(RuntimeError):
+    """An export could not be written (disk full, ...); its target and the checkpoint are left as they were."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _forms(path: str | os.PathLike) -> set[Path]:
+    """The absolute path as given and with its symlinks resolved (a link to a checkpoint protects both)."""
+    return {Path(os.path.abspath(path)), Path(path).resolve()}
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+# Files of exports written before manifests listed them: weights, configs and the tokenizer's files.
+_LEGACY_FILES = re.compile(r"(config|generation_config|topp_rl_export|special_tokens_map|added_tokens|vocab)\.json"
+                           r"|model\.safetensors|tokenizer.*|merges\.txt|vocab\.txt|chat_template\.jinja")
+
+
+def _export_files(manifest: Path) -> set[str] | None:
+    """The names a previous export wrote (its manifest's `files`), or None if `manifest` is not an export's."""
+    try:
+        info = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    if "files" not in info:  # an export written before manifests listed their files
+        return {n.name for n in manifest.parent.iterdir() if _LEGACY_FILES.fullmatch(n.name)}
+    return {str(n) for n in info["files"]} | {INFO_FILE}
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """What `path` (a dir) holds besides a previous export's own files; sub-dirs end in '/'."""
+    entries = sorted(path.iterdir())
+    allowed = _export_files(path / INFO_FILE) or set()
+    return [e.name + "/" if e.is_dir() else e.name for e in entries if e.is_dir() or e.name not in allowed]
+
+
+def check_target(target: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None,
+                 run_dir: str | os.PathLike | None = None, name: str = "export target") -> Path:
+    """The target, resolved, if an export may replace it; else a ValueError naming it, the rule and the fix.
+
+    The target must be absent, an empty dir, or a previous export (a dir whose manifest lists every file it holds).
+    It may not be or contain `checkpoint` or `run_dir`, nor lie inside `<run_dir>/checkpoints`.
+    """
+    given = Path(target)
+    path = given.resolve()
+    if checkpoint is not None and any(_within(c, p) for c in _forms(checkpoint) for p in _forms(given)):
+        raise ValueError(f"{name} {given} is or contains the checkpoint being exported ({checkpoint}); an export "
+                         f"replaces its target, which would delete the checkpoint: choose a new or empty dir outside "
+                         f"it, e.g. <run dir>/hf")
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if any(_within(r, p) for r in _forms(run_dir) for p in _forms(given)):
+            raise ValueError(f"{name} {given} is or contains the run dir {run_dir}; an export replaces its target, "
+                             f"which would delete the run's config, logs and checkpoints: use {run_dir / 'hf'} (the "
+                             f"default) or another dir that holds no run")
+        checkpoints = run_dir / "checkpoints"
+        if any(_within(p, c) for c in _forms(checkpoints) for p in _forms(given)):
+            raise ValueError(f"{name} {given} is inside the checkpoint dir {checkpoints}, which holds the run's "
+                             f"checkpoints and their temp files only: use {run_dir / 'hf'} (the default)")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "a file" if existing == path else f"below the file {existing}"
+        raise ValueError(f"{name} {given} is {where}; pass the path of a new or empty directory, or of a previous "
+                         f"export (a dir holding {INFO_FILE})")
+    if path.is_dir() and (foreign := _foreign_entries(path)):
+        listed = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ValueError(f"{name} {given} holds files that are not a topp_rl export ({listed}); an export replaces "
+                         f"its target, so it writes only to a new or empty dir or a previous export (marked by its "
+                         f"{INFO_FILE}): choose an empty or new dir, or delete {given} yourself")
+    return path
+
+
+def remove_stale_exports(target: Path) -> list[Path]:
+    """Remove the staged and replaced copies of `target` (`.<name>.<pid>.<hex>.tmp`) whose writer is gone."""
+    return remove_stale_temps(target.parent, target=target.name) if target.parent.is_dir() else []
+
+
 def _swap_in(staged: Path, target: Path) -> None:
-    """Replace `target` by `staged` (same parent): the old export is renamed away first, removed last."""
-    old = target.parent / f".{target.name}.{os.getpid()}.old"
-    if target.exists():
+    """Replace `target` by `staged` (same parent). The previous export is renamed to a temp name first and removed
+    last; a kill in between leaves it (and a kill between the renames, the new one too) under a temp name that
+    the next export of `target` removes, reporting it."""
+    old = temp_path(target) if target.exists() else None
+    if old is not None:
         os.replace(target, old)
-    os.replace(staged, target)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(staged, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)  # what a failure leaves, the next export removes
 
 
 def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike, *,
@@ -74,9 +178,11 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
                  info: Mapping[str, Any], write: bool = True) -> Path | None:
     """Write an HF checkpoint directory of `named_tensors` (HF names, full tensors); returns its path.
 
-    Every rank must call this when the tensors come from a collective; ranks with `write=False` only take part
-    in it and return None.
+    `out_dir` is checked again here (`check_target`): it may have changed since the run started. The manifest
+    gets `info` plus `files`, the names written. Every rank must call this when the tensors come from a
+    collective; ranks with `write=False` only take part in it and return None.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not write:
@@ -86,19 +192,34 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
     state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
     if not state:
         raise ValueError(f"no weights to export to {out_dir}; the policy yielded no (name, tensor) pairs")
-    target = Path(out_dir)
+    target = check_target(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staged = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    remove_stale_exports(target)
+    staged = temp_path(target)
     try:
         staged.mkdir()
         _model_config(hf_config, next(iter(state.values())).dtype).save_pretrained(staged)
         save_file(state, str(staged / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staged)
         generation.save_pretrained(staged)
-        (staged / INFO_FILE).write_text(json.dumps(dict(info), indent=2, default=str) + "\n")
-        _swap_in(staged, target)
-    finally:
+        files = sorted({p.name for p in staged.iterdir()} | {INFO_FILE})
+        (staged / INFO_FILE).write_text(json.dumps({**info, "files": files}, indent=2, default=str) + "\n")
+        mode = (staged / INFO_FILE).stat().st_mode & 0o777  # a plain new file's: the umask decides (0644 at 022)
+        for path in staged.iterdir():
+            path.chmod(mode)  # safetensors writes its file 0600
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as "I/O error: ... (os error 28)"
         shutil.rmtree(staged, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in state.values())
+        free = shutil.disk_usage(target.parent).free
+        raise ExportWriteError(
+            f"could not write the export {target}: {type(err).__name__}: {err}; its weights need {_mib(needed)} "
+            f"({needed} bytes), {_mib(free)} free in {target.parent}: free space there or export to a larger disk; "
+            f"the checkpoint and the previous {target.name}, if any, are kept"
+        ) from err
+    except BaseException:  # any other error, KeyboardInterrupt: no staged copy left behind
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    _swap_in(staged, target)
     return target
 
 
@@ -109,8 +230,9 @@ class HFExport(Callback):
     `hf/` holds the weights of `last.ckpt`. A train end at a step already exported writes nothing again.
     """
 
-    def __init__(self, *, dirpath: str | os.PathLike, rollout: Mapping[str, Any], on_checkpoint: bool = True) -> None:
-        self.dirpath = Path(dirpath)
+    def __init__(self, *, dirpath: str | os.PathLike, rollout: Mapping[str, Any], on_checkpoint: bool = True,
+                 run_dir: str | os.PathLike | None = None) -> None:
+        self.dirpath = check_target(dirpath, run_dir=run_dir, name="export.dir")  # at start, not at step 50
         self.rollout = {k: rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in rollout}
         self.on_checkpoint = on_checkpoint
         self.exported_step: int | None = None
@@ -126,6 +248,10 @@ class HFExport(Callback):
         )
         self.exported_step = trainer.global_step
         return path
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            remove_stale_exports(self.dirpath)  # copies left by a run killed mid-export
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if self.on_checkpoint:
@@ -175,14 +301,36 @@ def load_policy(checkpoint: Mapping[str, Any], path: Path):
     return model, tokenizer, cfg
 
 
-def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write the HF checkpoint directory of a training checkpoint's policy (HF or Megatron backend)."""
-    from topp_rl.checkpoint import read_checkpoint
+def read_checkpoint_safely(path: Path) -> dict[str, Any]:
+    """A checkpoint read with torch's safe loader (`weights_only=True`: tensors and plain values only), so a
+    crafted file cannot run code; mmap: the optimizer state is not read into memory."""
+    from topp_rl.checkpoint import CheckpointReadError, read_checkpoint
 
+    try:
+        return read_checkpoint(path, map_location="cpu", weights_only=True, mmap=True)
+    except CheckpointReadError as err:
+        cause = err.__cause__
+        if not (isinstance(cause, pickle.UnpicklingError) and "weights only load failed" in str(cause).lower()):
+            raise
+        lines = [line.strip() for line in str(cause).splitlines()]
+        reason = next((line for line in lines if "GLOBAL" in line), lines[0])  # the refused global, named
+        raise ValueError(
+            f"checkpoint {path} holds objects torch's safe loader refuses ({reason}); loading them could run code, "
+            "so export reads tensors and plain values only: pass a checkpoint written by topp_rl's train.py"
+        ) from None
+
+
+def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the HF checkpoint directory of a training checkpoint's policy (HF or Megatron backend).
+
+    The manifest records the checkpoint (`source`, resolved) and its global step (`step`)."""
     ckpt_path = Path(ckpt_path)
     if not ckpt_path.is_file():
         raise ValueError(f"checkpoint {ckpt_path} does not exist; pass a file such as <run dir>/checkpoints/last.ckpt")
-    checkpoint = read_checkpoint(ckpt_path, map_location="cpu", weights_only=False)
+    parent = Path(os.path.abspath(ckpt_path)).parent
+    run_dir = parent.parent if parent.name == "checkpoints" else None  # <run dir>/checkpoints/<file>
+    check_target(out_dir, checkpoint=ckpt_path, run_dir=run_dir)  # before the (long) load
+    checkpoint = read_checkpoint_safely(ckpt_path)
     model, tokenizer, cfg = load_policy(checkpoint, ckpt_path)
     rollout = {k: cfg.rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in cfg.rollout}
     named = ((n, p.detach()) for n, p in model.named_parameters())  # the tied head appears once, as HF saves it
@@ -196,13 +344,17 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m topp_rl.export", description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="a training checkpoint, e.g. <run dir>/checkpoints/last.ckpt")
-    parser.add_argument("out_dir", help="the HF checkpoint directory to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="the HF checkpoint directory to write: absent, empty, or a previous export "
+                                        "(which is replaced)")
     args = parser.parse_args(argv)
     try:
         path = export_checkpoint(args.ckpt, args.out_dir)
     except ValueError as err:
         parser.error(str(err))  # exit status 2 with the message, no traceback
-    print(path)
+    except ExportWriteError as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
+    info = json.loads((path / INFO_FILE).read_text())
+    print(f"[topp_rl] exported checkpoint {info['source']} (global step {info['step']}) to {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ starts later only resolve the checkpoint path.
 """
 
 import fcntl
+import glob
 import os
 import secrets
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,18 +97,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Remove checkpoint temp files whose writer is gone (SIGKILL mid-write); called with the run dir locked."""
-    from topp_rl.checkpoint import temp_writer_pid
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir())
+    return path.lstat().st_size
+
+
+def remove_stale_temps(directory: Path, *, target: str | None = None) -> list[Path]:
+    """Remove temp files and staged dirs whose writer is gone (SIGKILL mid-write), each one reported.
+
+    Without `target`: every `.*.tmp` in `directory` (a checkpoint dir, with the run dir locked). With `target`:
+    only the temps of `directory/target` named by `temp_path` (the dir may be anyone's, e.g. an export's parent).
+    """
+    from topp_rl.checkpoint import temp_writer
 
     removed = []
-    for tmp in sorted(directory.glob(".*.tmp")):
-        pid = temp_writer_pid(tmp.name)
+    for tmp in sorted(directory.glob(f".{glob.escape(target)}.*.tmp" if target else ".*.tmp")):
+        parsed = temp_writer(tmp.name)
+        if target is not None and (parsed is None or parsed[0] != target):
+            continue
+        pid = parsed[1] if parsed else None
         if pid is not None and pid != os.getpid() and _pid_alive(pid):
             continue
-        size = tmp.stat().st_size
-        tmp.unlink()
-        _say(f"removed stale temp file {tmp} ({size} bytes) left by a writer that is gone (pid {pid or 'unknown'})")
+        size, kind = _size(tmp), "dir" if tmp.is_dir() and not tmp.is_symlink() else "file"
+        if kind == "dir":
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+        _say(f"removed stale temp {kind} {tmp} ({size} bytes) left by a writer that is gone (pid {pid or 'unknown'})")
         removed.append(tmp)
     return removed
 
@@ -127,13 +145,32 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
     return path
 
 
-def read_recorded_config(path: Path) -> dict | None:
-    """The config `RunRecord` stored in a checkpoint (None for checkpoints written before it existed)."""
+def read_record(path: Path) -> tuple[dict | None, int | None]:
+    """(the config `RunRecord` stored in a checkpoint, or None for checkpoints written before it existed;
+    the checkpoint's global step)."""
     from topp_rl.checkpoint import RECORD_KEY, read_checkpoint
 
     # mmap: the weights are not read, only the small pickled record.
     checkpoint = read_checkpoint(path, map_location="cpu", mmap=True, weights_only=True)
-    return (checkpoint.get(RECORD_KEY) or {}).get("config")
+    return (checkpoint.get(RECORD_KEY) or {}).get("config"), checkpoint.get("global_step")
+
+
+def report_versioned_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Say so for every `last-v<N>.ckpt`: Lightning's version counter wrote those beside an existing `last.ckpt`
+    (topp_rl before `LastCheckpoint`); `ckpt_path=last` reads `last.ckpt` only, which may be the older state."""
+    found = sorted(checkpoint_dir.glob("last-v*.ckpt"))
+    if not found:
+        return found
+    last = checkpoint_dir / "last.ckpt"
+    last_step = read_record(last)[1] if last.is_file() else None
+    for path in found:
+        step = read_record(path)[1]
+        newer = step is not None and (last_step is None or step > last_step)
+        _say(f"found {path} (step {step}), a versioned copy an older topp_rl wrote beside last.ckpt (step "
+             f"{last_step}); ckpt_path=last reads last.ckpt only"
+             + (f"; this copy is NEWER: resume it with ckpt_path={path}" if newer else "; it is not newer")
+             + ", and delete the copies you no longer need")
+    return found
 
 
 def _leaves(tree: Any, prefix: str) -> dict[str, Any]:
@@ -165,10 +202,10 @@ def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
     return sorted(set(changes))
 
 
-def check_resume_config(cfg: DictConfig, checkpoint: Path) -> None:
-    """Refuse a resume that changes a guarded key, unless `resume.allow_config_change=true` (then say so)."""
+def check_resume_config(cfg: DictConfig, checkpoint: Path, old: dict | None) -> None:
+    """Refuse a resume that changes a guarded key from `old` (the config `checkpoint` records), unless
+    `resume.allow_config_change=true` (then say so)."""
     allow = bool(cfg.resume.allow_config_change)
-    old = read_recorded_config(checkpoint)
     if old is None:
         if not allow:
             raise ValueError(
@@ -247,6 +284,7 @@ class RunDir:
         self.owner = is_launching_rank()
         self.lock: RunDirLock | None = None
         self.resume_from: Path | None = None
+        self.resume_step: int | None = None
         self._open(cfg)
 
     def _open(self, cfg: DictConfig) -> None:
@@ -262,6 +300,7 @@ class RunDir:
         try:
             probe_writable(self.checkpoint_dir)
             remove_stale_temps(self.checkpoint_dir)
+            report_versioned_checkpoints(self.checkpoint_dir)
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
             if self.resume_from is None and (found := _existing_run(self.path)):
                 raise ValueError(
@@ -269,7 +308,9 @@ class RunDir:
                     f"this run in a new dir (another hydra.run.dir), or delete {self.path} to start over"
                 )
             if self.resume_from is not None:
-                check_resume_config(cfg, self.resume_from)
+                recorded, self.resume_step = read_record(self.resume_from)
+                check_resume_config(cfg, self.resume_from, recorded)
+                _say(f"resuming from {self.resume_from} (step {self.resume_step})")
             write_hydra_files(cfg)  # accepted: a new run, or a resume (.hydra/ holds the latest start, as in Hydra)
         except BaseException:
             self.close()

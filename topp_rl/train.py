@@ -26,9 +26,8 @@ from topp_rl import loggers as run_loggers
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import (
     AtomicCheckpointIO,
-    RolloutCheckpoint,
+    LastCheckpoint,
     RunRecord,
-    SignalCheckpoint,
     exit_status_on_signal,
 )
 from topp_rl.config import validate_config
@@ -110,18 +109,14 @@ def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> l
             best_metric=ev.best_metric, task=instantiate(ev.task) if ev.task is not None else None,
             checkpoint_dir=output_dir / "checkpoints",
         ))
-    ck = cfg.checkpoint
-    if ck.every_n_steps:
-        callbacks.append(
-            RolloutCheckpoint(dirpath=output_dir / "checkpoints", every_n_train_steps=ck.every_n_steps,
-                              save_last=True, save_top_k=0)
-        )
-    # Every checkpoint records the config (checked on resume); SIGTERM / Ctrl-C save last.ckpt and exit 143 / 130.
-    callbacks += [RunRecord(cfg), SignalCheckpoint(dirpath=output_dir / "checkpoints")]
+    # Every checkpoint records the config (checked on resume). last.ckpt has one writer: every N steps, at the
+    # end, and on SIGTERM / Ctrl-C (exit 143 / 130); Lightning runs it after every other callback.
+    callbacks += [RunRecord(cfg), LastCheckpoint(dirpath=output_dir / "checkpoints",
+                                                 every_n_steps=cfg.checkpoint.every_n_steps)]
     callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
     export = cfg.get("export") or {}
     if export.get("hf"):  # <run dir>/hf/: an HF checkpoint dir with every checkpoint and at the end
-        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint,
+        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint, run_dir=output_dir,
                                   rollout=OmegaConf.to_container(cfg.rollout, resolve=True)))
     callbacks.append(StepTimer())  # after the callbacks whose time a step includes (sync, eval, export)
     if cfg.trainer.get("enable_progress_bar", True):
@@ -169,12 +164,12 @@ def build_run(cfg: DictConfig) -> Run:
     strategy = instantiate(cfg.parallel.strategy) if cfg.parallel.get("strategy") else "auto"
     trainer = instantiate(cfg.trainer, _partial_=True)(
         callbacks=build_callbacks(cfg, output_dir, summary), logger=loggers or False,
-        plugins=[AtomicCheckpointIO()], strategy=strategy, enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
+        plugins=[AtomicCheckpointIO()], strategy=strategy, enable_checkpointing=True,
     )
     return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
 
 
-def print_summary(summary: dict[str, float], output_dir: str) -> None:
+def print_summary(summary: dict[str, float | str], output_dir: str) -> None:
     lines = [f"[topp_rl] run finished: {summary['steps']} steps in {summary['wall_s']:.0f} s; run dir: {output_dir} "
              "(summary.json, metrics in csv/)"]
     if "reward_first" in summary:
@@ -182,11 +177,17 @@ def print_summary(summary: dict[str, float], output_dir: str) -> None:
     for key in SUMMARY_KEYS[1:]:
         if key in summary:  # NaN / inf included: a summary must never hide them
             lines.append(f"  {key}: {summary[key]:.3g}")
+    if "resumed_from" in summary:
+        lines.append(f"  resumed from: {summary['resumed_from']} (step {summary['resumed_step']})")
+    if "checkpoint" in summary:
+        lines.append(f"  checkpoint: {summary['checkpoint']} (step {summary['checkpoint_step']}); resume with "
+                     f"hydra.run.dir={output_dir} ckpt_path=last")
     print("\n".join(lines), flush=True)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit one run from a composed config; returns the summary figures (also printed)."""
+def train(cfg: DictConfig) -> dict[str, float | str]:
+    """Fit one run from a composed config; returns the summary figures (also printed), with the checkpoint the
+    run resumed from and the one it leaves, each with its step."""
     route_lightning_logs()
     threads = torch.get_num_threads()
     if cfg.get("num_threads"):
@@ -199,16 +200,27 @@ def train(cfg: DictConfig) -> dict[str, float]:
             fit(run)
     finally:
         torch.set_num_threads(threads)  # tests run several trainings in one process
-    summary = run.summary.summary() | {"steps": run.trainer.global_step}
+    summary = run.summary.summary() | {"steps": run.trainer.global_step} | checkpoint_summary(run, run_dir)
     if run.trainer.is_global_zero:
         write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
     return summary
 
 
-def write_summary(summary: dict[str, float], path: Path) -> None:
+def checkpoint_summary(run: Run, run_dir: RunDir) -> dict[str, float | str]:
+    """Which checkpoint the run resumed from and which `last.ckpt` it leaves, with their steps."""
+    out: dict[str, float | str] = {}
+    if run_dir.resume_from is not None:
+        out |= {"resumed_from": str(run_dir.resume_from), "resumed_step": run_dir.resume_step}
+    saver = next((c for c in run.trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+    if saver is not None and saver.saved_step is not None:
+        out |= {"checkpoint": str(saver.path), "checkpoint_step": saver.saved_step}
+    return out
+
+
+def write_summary(summary: dict[str, float | str], path: Path) -> None:
     """The printed summary as JSON (NaN / inf written as strings: JSON has no such numbers)."""
-    values = {k: v if math.isfinite(v) else str(v) for k, v in summary.items()}
+    values = {k: v if isinstance(v, str) or math.isfinite(v) else str(v) for k, v in summary.items()}
     path.write_text(json.dumps(values, indent=2) + "\n")
 
 

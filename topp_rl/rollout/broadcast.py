@@ -58,6 +58,16 @@ def share_samples(samples: list[Sample] | None, peers: RolloutPeers) -> tuple[li
     return (samples if peers.is_source else _unpack(meta, tensors)), sent
 
 
+def samples_to_state(samples: list[Sample]) -> dict:
+    """`samples` as plain lists and tensors (the broadcast's header and tensors), which a checkpoint holds and
+    torch's safe loader (`weights_only=True`) reads back; `samples_from_state` inverts it exactly."""
+    return {"header": _header(samples), "tensors": _tensors(samples)}
+
+
+def samples_from_state(state: dict) -> list[Sample]:
+    return _unpack(state["header"], state["tensors"])
+
+
 def _device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -18,7 +18,9 @@ to the peers, so they hold byte-identical rollouts.
 
 Overlap (`overlap=True`, off by default): step k + 1's generation runs on a background thread while step k
 trains, one update behind (`topp_rl.rollout.overlap`); samples record their weight version and
-`rollout/weight_staleness` logs the gap (1 in the steady state).
+`rollout/weight_staleness` logs the gap (1 in the steady state). A checkpoint also holds the generation in
+flight (its samples and the engine's weight version), so a resumed run trains on exactly the rollouts of an
+uninterrupted one.
 
 State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
 (seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
-from topp_rl.rollout.broadcast import RolloutPeers, share_samples
+from topp_rl.rollout.broadcast import RolloutPeers, samples_from_state, samples_to_state, share_samples
 from topp_rl.rollout.embedded import EmbeddedEngine
 from topp_rl.rollout.engine import RolloutEngine
 from topp_rl.rollout.overlap import Prefetcher, VersionedEngine
@@ -243,11 +245,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.ensure_engine().generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
 
     def _prefetch_next(self, step: int) -> None:
-        """Start generating `step` on the background thread (not past the trainer's last step)."""
-        max_steps = self.trainer.max_steps if self._trainer_attached() else -1
-        if max_steps < 0 or step < max_steps:
-            ticket = self.ticket(step)
-            self._prefetch.submit(step, lambda: self._sample(ticket))
+        """Start generating `step` on the background thread. Also after the trainer's last step: the final
+        checkpoint holds it, so a run extended past its `max_steps` continues exactly as a longer run would."""
+        ticket = self.ticket(step)
+        self._prefetch.submit(step, lambda: self._sample(ticket))
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
@@ -295,10 +296,11 @@ class RolloutDataModule(L.LightningDataModule):
             "rollout/candidate_overflow_frac": (float(sum(bool(s.metadata.get("candidate_overflow")) for s in samples)),
                                                 float(len(samples))),
         }
-        if overlapped:
-            stats["perf/rollout_wait_s"] = (wait_seconds, 1.0)  # what the step waited for its rollout
+        if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
+            stats["perf/rollout_wait_s"] = (wait_seconds if overlapped else 0.0, float(overlapped))
             stats["rollout/weight_staleness"] = (
-                float(sum(self.engine.version - s.weight_version for s in own)), float(len(own)))
+                float(sum(self.engine.version - s.weight_version for s in own)) if overlapped else 0.0,
+                float(len(own)) if overlapped else 0.0)
         if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
             stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
                                              float(self.peers.is_source))
@@ -329,7 +331,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+        state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+        if self._prefetch is not None:
+            state["in_flight"] = self._in_flight_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("prompts_per_step", self.prompts_per_step) != self.prompts_per_step:
@@ -339,6 +344,33 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.step = int(state["step"])
         self.seed = int(state["seed"])
+        if self._prefetch is not None:
+            self._restore_in_flight(state.get("in_flight") or {})
+
+    def _in_flight_state(self) -> dict[int, dict]:
+        """Per DP rank, the generation in flight for `self.step` (its samples, the engine's version), gathered
+        from every rank: Lightning writes rank 0's datamodule state only. Waits for the generation to finish."""
+        mine = None
+        if self.peers.is_source and (ahead := self._prefetch.peek(self.step)) is not None:
+            samples, seconds = ahead
+            mine = {"step": self.step, "samples": samples_to_state(samples), "seconds": seconds,
+                    "engine_version": self.engine.version}
+        entries = [(self.dp_rank, mine)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, entries[0])  # every rank builds a checkpoint: a collective is safe
+            entries = gathered
+        return {dp: entry for dp, entry in entries if entry is not None}
+
+    def _restore_in_flight(self, in_flight: dict[int, dict]) -> None:
+        entry = in_flight.get(self.dp_rank)
+        if entry is None or not self.peers.is_source:
+            return
+        if entry["step"] != self.step:
+            raise ValueError(f"checkpoint holds the rollout in flight for step {entry['step']}, but its data "
+                             f"position is step {self.step}; the checkpoint is inconsistent: resume another one")
+        self._prefetch.put(self.step, samples_from_state(entry["samples"]), entry["seconds"])
+        self.engine.restore(entry["engine_version"])
 
 
 def _fail_without_samples(step: int, samples: list[Sample]) -> None:

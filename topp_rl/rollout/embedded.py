@@ -88,7 +88,7 @@ class EmbeddedEngine(RolloutEngine):
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         samples: list[Sample] = []
-        with _eval_mode(self.model):
+        with _sampling_mode(self.model):
             for start in range(0, len(expanded), self.max_batch_size):
                 chunk = expanded[start : start + self.max_batch_size]
                 samples += self._generate_batch([p for _, p in chunk], params, generator)
@@ -228,17 +228,25 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Every submodule in eval mode for the block, then each back to its own flag (a shared policy may be in
-    train mode, or have layers flagged `training` for gradient checkpointing: sampling must see no dropout)."""
+def _sampling_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode and every parameter without `requires_grad` for the block, then each back to
+    its own flag. A shared policy may be in train mode, or have layers flagged `training` for gradient
+    checkpointing: sampling must see no dropout. And torch picks other matmul kernels for weights that require
+    grad, even under no_grad (last-bit differences, measured here on an AVX-512 Xeon): without the flag a shared
+    engine samples bit for bit as a copied one."""
     training = [m for m in model.modules() if m.training]
+    trainable = [p for p in model.parameters() if p.requires_grad]
     for m in training:
         m.training = False
+    for p in trainable:
+        p.requires_grad_(False)
     try:
         yield
     finally:
         for m in training:
             m.training = True
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 class _StepRecords:

@@ -12,9 +12,10 @@ against rollout log-probs (the policy one update back), both over the recorded k
 or `algo.loss.icepop_low` / `icepop_high` corrects the gap. Where it pays: an engine on other cores or devices
 (an SGLang server beside the trainer); an embedded engine shares the trainer's cores.
 
-Resume: a checkpoint holds the data position of the steps trained, not the generation in flight, so the first
-step after a resume is generated in place with the restored weights (staleness 0, not the 1 an uninterrupted
-run had there): the same prompts and seed, other weights, so not the same samples.
+Resume: the generation in flight was sampled with weights one update older than the checkpoint's, which no
+checkpoint holds, so the checkpoint holds its samples instead (`RolloutDataModule.state_dict` waits for them)
+and the engine's version; a resumed run trains its first step on them and continues with exactly the rollouts
+of an uninterrupted run.
 """
 
 import threading
@@ -36,6 +37,7 @@ class VersionedEngine(RolloutEngine):
         self.inner = engine
         self.vocab_size = engine.vocab_size
         self.version = 0  # weight updates received
+        self._resend = False  # the next push re-sends the weights of `version` (a resumed run's start push)
         self._lock = threading.Lock()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
@@ -49,7 +51,18 @@ class VersionedEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         with self._lock:
             self.inner.update_weights(named_tensors)
-            self.version += 1
+            if self._resend:
+                self._resend = False
+            else:
+                self.version += 1
+
+    def restore(self, version: int) -> None:
+        """Continue a checkpointed run whose engine had received `version` updates. The next push (the start push
+        of the resumed run, `WeightSync.sync_on_start`) re-sends the checkpoint's weights, which are that
+        version's: it is not counted again."""
+        with self._lock:
+            self.version = version
+            self._resend = True
 
     def close(self) -> None:
         with self._lock:
@@ -76,6 +89,19 @@ class Prefetcher:
         _, future = self._pending
         self._pending = None
         return future.result()
+
+    def peek(self, step: int) -> tuple[list[Sample], float] | None:
+        """What `take(step)` would return, left in place (None if no generation for `step` is in flight)."""
+        if self._pending is None or self._pending[0] != step:
+            return None
+        return self._pending[1].result()
+
+    def put(self, step: int, samples: list[Sample], seconds: float) -> None:
+        """Hand `samples` over as the generation of `step` (restored from a checkpoint)."""
+        self.wait()
+        done: Future = Future()
+        done.set_result((samples, seconds))
+        self._pending = (step, done)
 
     def wait(self) -> None:
         """Let the generation in flight finish, dropping its result (and its error: nobody will train on it)."""
