@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from topp_rl.engines.embedded import EmbeddedEngine, _inverse_cdf
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine, _inverse_cdf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from oracles import sglang_keep_mask  # noqa: E402  (the tests' full-sort reference is this arm's sampler)
@@ -167,7 +167,7 @@ def main() -> None:
 def _sglang_rows(model, args) -> list[dict]:
     from sglang_bench import sglang_tokens_per_s  # benchmarks/, this script's own dir
 
-    from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, sglang_python
+    from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, sglang_python
 
     if sglang_python() is None:
         if args.sglang == "on":

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from topp_rl.engines.sglang import SGLangEngine
 from topp_rl.models import build_tiny, build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.sglang import SGLangEngine
 
 CAPS = (16, 64, 4096)
 TOP_PS = (0.9, 0.95)

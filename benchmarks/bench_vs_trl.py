@@ -76,7 +76,7 @@ def run_topp_child(scale: str, arm: str, steps: int) -> dict:
 
 
 def trl_spec(scale: str, steps: int, model_dir: str, workdir: str, *, checkpointing: bool) -> Path:
-    from topp_rl.rollout.tasks import ArithmeticTask
+    from topp_rl.tasks import ArithmeticTask
 
     task = ArithmeticTask(digits=1, ops="+", seed=0)
     examples = [task.example(i) for i in range(steps * COMMON["prompts_per_step"])]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sglang import SGLangEngine
+from topp_rl.data.params import SamplingParams
+from topp_rl.engines.sglang import SGLangEngine
 
 
 def sglang_tokens_per_s(

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from topp_rl.data.sample import SampleStatus
 from topp_rl.metrics import add_sums, reduce_sums
-from topp_rl.rollout.sample import SampleStatus
-from topp_rl.rollout.tasks import Task
+from topp_rl.tasks import Task
 
 HELD_OUT_OFFSET = 10**9  # example indices past every training step's
 METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs

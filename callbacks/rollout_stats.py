@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from callbacks._common import log_metrics
 from topp_rl.metrics import reduce_sums
-from topp_rl.rollout.tasks import Task
+from topp_rl.tasks import Task
 
 
 class RolloutStats(Callback):

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from callbacks._common import log_metrics
 from topp_rl.backbone import WeightSource
-from topp_rl.rollout.engine import RolloutEngine
+from topp_rl.engines.base import RolloutEngine
 
 
 @runtime_checkable

@@ -22,10 +22,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from sglang_bench import sglang_tokens_per_s  # noqa: E402
 
+from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
+from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, sglang_python  # noqa: E402
 from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save_model  # noqa: E402
 from topp_rl.rollout import SamplingParams  # noqa: E402
-from topp_rl.rollout.sglang import SGLangEngine  # noqa: E402
-from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, sglang_python  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "what is 9-5? "]
 

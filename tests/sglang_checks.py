@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from topp_rl.engines.sglang.server import sglang_python
 from topp_rl.models import build_tiny_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus
-from topp_rl.rollout.sglang_server import sglang_python
 
 VOCAB = 512
 TOL = 1e-4  # float32 forward in two engines (SGLang torch_native vs HF eager)

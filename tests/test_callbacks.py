@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
+from topp_rl.data import RolloutBatch
+from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.metrics import reduce_sums
 from topp_rl.records import OnPolicyRecord
-from topp_rl.rollout.packing import RolloutBatch
-from topp_rl.rollout.sample import Sample, SampleStatus
 
 STEPS = 3
 
@@ -225,10 +225,10 @@ class TaskDataModule(L.LightningDataModule):
 
 def test_metric_callbacks_log_exact_values(tmp_path):
     from topp_rl.models import build_char_tokenizer
-    from topp_rl.rollout.datasets import DatasetTask
+    from topp_rl.tasks.datasets import DatasetTask
 
     gsm8k = Path(__file__).resolve().parents[1] / "data" / "gsm8k_sample.jsonl"
-    task = DatasetTask(path=gsm8k, prompt_key="question", reward_fn="topp_rl.rollout.rewards:math_answer",
+    task = DatasetTask(path=gsm8k, prompt_key="question", reward_fn="topp_rl.tasks.rewards:math_answer",
                        max_prompt_tokens=100, cache_dir=str(tmp_path / "cache"))
     tok = build_char_tokenizer()
     task.prompt(0, tok)  # the datamodule's first ticket: prompts are measured with the tokenizer
@@ -344,8 +344,8 @@ class TinyPolicy(L.LightningModule):
 
 
 def test_weight_sync_makes_the_engine_equal_to_the_policy(tmp_path):
+    from topp_rl.engines.embedded import EmbeddedEngine
     from topp_rl.models import build_tiny_model
-    from topp_rl.rollout.embedded import EmbeddedEngine
 
     policy = build_tiny_model()
     engine = EmbeddedEngine(policy, progress=False)

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
 from callbacks.completions import CompletionsLog, choose
-from topp_rl.rollout.sample import Sample
+from topp_rl.data.sample import Sample
 from topp_rl.train import build_run, fit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,14 +4,15 @@ import lightning as L
 import pytest
 import torch
 
+from topp_rl.data import RolloutBatch
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.ops import Candidates
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, Sample, SampleStatus, SamplingParams
 from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.packing import RolloutBatch, pack_samples, plan_micro_batches
-from topp_rl.rollout.tasks import CopyDigitTask
+from topp_rl.rollout.packing import pack_samples, plan_micro_batches
+from topp_rl.tasks import CopyDigitTask
 
 TOK = build_char_tokenizer()
 

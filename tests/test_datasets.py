@@ -11,11 +11,11 @@ import pytest
 
 from topp_rl.models import build_char_tokenizer
 from topp_rl.rollout import Sample
-from topp_rl.rollout.datasets import DatasetTask, JsonlTask
+from topp_rl.tasks.datasets import DatasetTask, JsonlTask
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "data" / "gsm8k_sample.jsonl"
-MATH = [{"fn": "topp_rl.rollout.rewards:math_answer", "name": "correct"}]
+MATH = [{"fn": "topp_rl.tasks.rewards:math_answer", "name": "correct"}]
 TOK = build_char_tokenizer()
 # Renders <role-initial:content> per message, then "<a:" to prompt the assistant.
 TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}:{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}<a:{% endif %}"
@@ -213,7 +213,7 @@ def test_task_configs_instantiate(option, tmp_path, monkeypatch):
     if option != "countdown":
         overrides.append(f"task.cache_dir={tmp_path / 'cache'}")
     if option in ("dataset", "jsonl"):
-        overrides += [f"task.path={GSM8K}", "task.prompt_key=question", "task.reward_fn=topp_rl.rollout.rewards:math_answer"]
+        overrides += [f"task.path={GSM8K}", "task.prompt_key=question", "task.reward_fn=topp_rl.tasks.rewards:math_answer"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     task = instantiate(cfg.task)

@@ -4,10 +4,10 @@ import pytest
 import torch
 from oracles import sglang_keep_mask
 
+from topp_rl.engines.embedded import EmbeddedEngine, _draw_from_sets
 from topp_rl.models import build_tiny_model
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine, _draw_from_sets
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20], [1, 30, 31, 32]]
 

@@ -7,10 +7,10 @@ import pytest
 from test_train import column, compose_cfg, read_metrics
 
 from callbacks.evaluation import HELD_OUT_OFFSET, Evaluation
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.rollout import RolloutDataModule, SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.tasks import CopyDigitTask
+from topp_rl.tasks import CopyDigitTask
 from topp_rl.train import build_run, fit, train
 
 

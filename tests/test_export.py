@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topp_rl import export
+from topp_rl.data.sample import Sample
 from topp_rl.models import build_char_tokenizer, load_hf
 from topp_rl.rollout.packing import pack_samples
-from topp_rl.rollout.sample import Sample
 from topp_rl.train import RunSummary, build_callbacks, build_run, fit
 
 ROOT = Path(__file__).resolve().parents[1]

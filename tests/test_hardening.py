@@ -12,11 +12,11 @@ from test_train import read_metrics
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
 
 from topp_rl.backbone import HFBackbone
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.rewards import RewardError
+from topp_rl.tasks.rewards import RewardError
 from topp_rl.train import build_run, print_summary, train
 
 TOK = build_char_tokenizer()

@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from topp_rl.data import PackedBatch
 from topp_rl.hook import ToppLogProb
 from topp_rl.module import gather_tokens
 from topp_rl.ops import Candidates
 from topp_rl.parallel import ParallelLayout, cp_local_positions
-from topp_rl.rollout.packing import PackedBatch
 
 V, H, TEMP = 40, 12, 0.7
 R = 10  # response tokens in make_batch()

@@ -71,7 +71,7 @@ def _digests():
 def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_dir
 
-    from topp_rl.rollout.embedded import EmbeddedEngine
+    from topp_rl.engines.embedded import EmbeddedEngine
     from topp_rl.train import build_run
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -1,6 +1,7 @@
 """rollout.overlap: step k + 1 generated while step k trains, exactly one weight update behind, and recorded."""
 
 import copy
+import itertools
 import threading
 
 import lightning as L
@@ -8,10 +9,11 @@ import pytest
 import torch
 from test_train import compose_cfg, read_metrics
 
+from topp_rl.engines import VersionedEngine
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.overlap import Prefetcher, VersionedEngine
+from topp_rl.rollout.overlap import Prefetcher
 from topp_rl.train import build_run, fit
 
 OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0",
@@ -51,7 +53,7 @@ def test_overlap_trains_each_step_on_the_rollout_of_the_weights_one_update_back(
         assert [s.response_ids for s in samples] == [s.response_ids for s in expected], step
         assert [s.rollout_log_probs for s in samples] == [s.rollout_log_probs for s in expected], step
         assert {s.weight_version for s in samples} == {max(step, 1)}, step
-    for before, after in zip(capture.weights, capture.weights[1:]):  # every step did move the weights
+    for before, after in itertools.pairwise(capture.weights):  # every step did move the weights
         assert any(not torch.equal(before[k], after[k]) for k in before)
     rows = [r for r in read_metrics(tmp_path) if r.get("rollout/weight_staleness")]
     assert [float(r["rollout/weight_staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]

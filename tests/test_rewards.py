@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from topp_rl.rollout.rewards import (
+from topp_rl.data import PromptRecord
+from topp_rl.tasks.rewards import (
     RewardError,
     RewardSet,
     countdown_expression,
@@ -14,7 +15,6 @@ from topp_rl.rollout.rewards import (
     math_answer,
     resolve_reward_fn,
 )
-from topp_rl.rollout.tasks import PromptRecord
 
 GSM8K_ANSWER = "Sam has 12 - 5 = <<12-5=7>>7 apples, then 7 + 8 = <<7+8=15>>15.\n#### 15"
 
@@ -95,7 +95,7 @@ def test_reward_set_weights_names_dicts_and_batches(tmp_path):
     reward_file.write_text(
         textwrap.dedent(
             """
-            from topp_rl.rollout.rewards import batched
+            from topp_rl.tasks.rewards import batched
 
             def length(response, record):
                 return {"chars": len(response) / 10, "has_digit": any(c.isdigit() for c in response)}
@@ -116,7 +116,7 @@ def test_reward_set_weights_names_dicts_and_batches(tmp_path):
     )
     rewards = RewardSet.from_config(
         [
-            {"fn": "topp_rl.rollout.rewards:math_answer", "weight": 2.0, "name": "correct"},
+            {"fn": "topp_rl.tasks.rewards:math_answer", "weight": 2.0, "name": "correct"},
             {"fn": f"{reward_file}:length", "weight": 0.5},
             {"fn": f"{reward_file}:longest", "weight": -1.0},
             {"fn": f"{reward_file}:scaled", "kwargs": {"scale": 0.01}, "batched": False},
@@ -209,7 +209,7 @@ def test_math_answer_without_a_reference_raises():
     """answer_key=null (no answer column): the record's answer is None, and math_answer says so (issue 18 part
     5d; a null in an answer column is refused when the dataset loads, tests/test_datasets.py)."""
     with pytest.raises(RewardError) as info:
-        RewardSet.from_config(["topp_rl.rollout.rewards:math_answer"])(["15"], [_record(None)], [3])
+        RewardSet.from_config(["topp_rl.tasks.rewards:math_answer"])(["15"], [_record(None)], [3])
     assert str(info.value) == (
         "reward function math_answer raised on sample 3 (prompt 'q', response '15'): ValueError: the record has no "
         "reference answer; set the task's answer_key to the answer column"

@@ -136,10 +136,10 @@ def test_samples_survive_a_checkpoint_read_with_the_safe_loader(tmp_path):
     `weights_only=True` loader reads it back, every field equal (log-probs bit for bit)."""
     import io
 
+    from topp_rl.engines.embedded import EmbeddedEngine
     from topp_rl.models import build_tiny_model
     from topp_rl.rollout import SamplingParams
     from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
-    from topp_rl.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(build_tiny_model(vocab_size=96, seed=0), progress=False)
     samples = engine.generate([[1, 5, 6], [1, 7]], SamplingParams(top_p=0.9, max_new_tokens=5, n=2), seed=3)

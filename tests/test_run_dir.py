@@ -201,3 +201,15 @@ def test_a_versioned_last_checkpoint_is_reported_at_start_with_both_steps(tmp_pa
             f"last.ckpt (step 18); ckpt_path=last reads last.ckpt only; this copy is NEWER: resume it with "
             f"ckpt_path={checkpoints}/last-v1.ckpt, and delete the copies you no longer need") in err
     assert f"{checkpoints}/last-v2.ckpt (step 10)" in err and "(step 18); ckpt_path=last reads last.ckpt only; it is not newer" in err
+
+
+def test_a_task_recorded_under_its_old_module_path_is_the_same_task():
+    """topp_rl.rollout.tasks moved to topp_rl.tasks.generated: a checkpoint written before names the same class."""
+    from topp_rl.rundir import config_changes
+
+    old = {"task": {"_target_": "topp_rl.rollout.tasks.CopyDigitTask", "seed": 0}}
+    new = {"task": {"_target_": "topp_rl.tasks.generated.CopyDigitTask", "seed": 0}}
+    assert config_changes(old, new, ["task"]) == []
+    other = {"task": {"_target_": "topp_rl.tasks.generated.ArithmeticTask", "seed": 0}}
+    assert config_changes(old, other, ["task"]) == [
+        "task._target_: 'topp_rl.rollout.tasks.CopyDigitTask' -> 'topp_rl.tasks.generated.ArithmeticTask'"]

@@ -32,17 +32,17 @@ from sglang_checks import (
     wait_for_prefills,
 )  # fmt: skip
 
+from topp_rl.engines.sglang.server import _group_alive, free_port
+from topp_rl.engines.sglang.wire import decode_candidates
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.rollout import SampleStatus, SamplingParams
 from topp_rl.rollout.datamodule import RolloutDataModule
-from topp_rl.rollout.sglang_server import _group_alive, free_port
-from topp_rl.rollout.tasks import CopyDigitTask
-from topp_rl.rollout.wire import decode_candidates
+from topp_rl.tasks import CopyDigitTask
 
 pytestmark = pytest.mark.sglang
 require_sglang(module=True)
 
-from topp_rl.rollout.sglang import SGLangEngine, SGLangRequestError  # noqa: E402
+from topp_rl.engines.sglang import SGLangEngine, SGLangRequestError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.rollout.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
-from topp_rl.rollout.sglang_server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
+from topp_rl.engines.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
+from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
 
 
 class _HungServer:
@@ -96,7 +96,7 @@ def test_sglang_python_is_an_explicit_setting(tmp_path, monkeypatch):
 def test_work_dir_of_a_dead_process_is_cleaned_at_next_start(tmp_path):
     """A killed trainer leaves its disk-sync copy behind; the next engine start removes it, keeps the log."""
     code = (
-        "import sys; from topp_rl.rollout.sglang_server import make_workdir; p = make_workdir(sys.argv[1]); "
+        "import sys; from topp_rl.engines.sglang.server import make_workdir; p = make_workdir(sys.argv[1]); "
         "(p / 'weights-x').mkdir(); (p / 'weights-x' / 'model.safetensors').write_bytes(b'w' * 1000); "
         "(p / 'server.log').write_text('why it died'); print(p)"
     )

@@ -15,22 +15,22 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
+from topp_rl.engines.sglang.server import _group_alive, make_workdir
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.sglang_server import _group_alive, make_workdir
 
 pytestmark = pytest.mark.sglang
 require_sglang(module=True)
 
-from topp_rl.rollout.sglang import SGLangEngine, SGLangTimeoutError  # noqa: E402
+from topp_rl.engines.sglang import SGLangEngine, SGLangTimeoutError  # noqa: E402
 
 # The trainer: launches a server, reports it, and on "go" dies (SIGKILL from the test) inside a disk weight sync.
 TRAINER = """
 import json, sys, time
 from pathlib import Path
 import torch
-from topp_rl.rollout.sglang import SGLangEngine
-from topp_rl.rollout.sglang_weights import write_checkpoint
+from topp_rl.engines.sglang import SGLangEngine
+from topp_rl.engines.sglang.weights import write_checkpoint
 engine = SGLangEngine(model_path=sys.argv[1], workdir=sys.argv[2], progress=False)
 print(json.dumps({"url": engine.urls[0], "pgid": engine.server.pid, "workdir": str(engine.workdir)}), flush=True)
 sys.stdin.readline()

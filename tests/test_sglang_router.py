@@ -33,16 +33,16 @@ from sglang_checks import (
     wait_for_prefills,
 )
 
+from topp_rl.engines.sglang.server import _group_alive
+from topp_rl.engines.sglang.weights import iter_buckets
 from topp_rl.models import save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
-from topp_rl.rollout.sglang_server import _group_alive
-from topp_rl.rollout.sglang_weights import iter_buckets
 
 pytestmark = pytest.mark.sglang
 require_sglang(module=True)
 
-from topp_rl.rollout.sglang import SGLangEngine  # noqa: E402
+from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 
 MAX_CANDIDATES = 64  # the launched servers get --sampling-mask-max-tokens 65
 BUCKET_BYTES = 64 * 1024  # the 0.56 MB test model goes out in several buckets

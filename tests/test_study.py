@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from topp_rl.backbone import HFBackbone
+from topp_rl.data.sample import Sample
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny
 from topp_rl.ops import Candidates
 from topp_rl.rollout import pack_samples
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.sample import Sample
-from topp_rl.rollout.tasks import CountdownTask
 from topp_rl.study.grid import Setting, grid, parse_truncation
 from topp_rl.study.ratios import kept_log_mass, run_engine
 from topp_rl.study.stats import table_rows
+from topp_rl.tasks import CountdownTask
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [Setting(truncation="top_p=0.9", temperature=1.0), Setting(truncation="top_k=20", temperature=0.7)]

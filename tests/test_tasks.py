@@ -8,7 +8,7 @@ import pytest
 
 from topp_rl.models import build_char_tokenizer
 from topp_rl.rollout import Sample
-from topp_rl.rollout.tasks import ArithmeticTask, CopyDigitTask, CountdownTask, JsonlTask, RewardError, Task
+from topp_rl.tasks import ArithmeticTask, CopyDigitTask, CountdownTask, JsonlTask, RewardError, Task
 
 TOK = build_char_tokenizer()
 

@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topp_rl.ops import Candidates
-from topp_rl.rollout.wire import (
+from topp_rl.engines.sglang.wire import (
     IDS_KEY,
     OFFSETS_KEY,
     decode_candidates,
     encode_candidates,
     merge_encoded,
 )
+from topp_rl.ops import Candidates
 
 ROWS = [[5, 3], [7], [1, 2, 9]]
 TOKENS = [3, 7, 9]

@@ -148,8 +148,8 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
     """SGLangEngine aborts every sample whose kept set outgrows max_candidates; at max_candidates=1 that is every
     sample a truncating sampler keeps two ids for, so the first step stopped (all samples aborted) after the
     ~60 s server start. Checked here, before it. Greedy (top_k=1) and untruncated sampling (no mask asked) work."""
-    from topp_rl.rollout.params import SamplingParams
-    from topp_rl.rollout.sglang import SGLangEngine
+    from topp_rl.data.params import SamplingParams
+    from topp_rl.engines.sglang import SGLangEngine
 
     engine, r = cfg.rollout.get("engine"), cfg.rollout
     if not isinstance(engine, DictConfig) or "_target_" not in engine:

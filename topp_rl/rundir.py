@@ -190,6 +190,26 @@ def _select(tree: dict, key: str) -> Any:
     return tree
 
 
+# Modules that moved (topp_rl.rollout split into data / engines / tasks): a checkpoint recorded with the old
+# import path names the same class, so a resume is not refused for it.
+MOVED_MODULES = {
+    "topp_rl.rollout.tasks.": "topp_rl.tasks.generated.",
+    "topp_rl.rollout.datasets.": "topp_rl.tasks.datasets.",
+    "topp_rl.rollout.rewards.": "topp_rl.tasks.rewards.",
+    "topp_rl.rollout.embedded.": "topp_rl.engines.embedded.",
+    "topp_rl.rollout.sglang.": "topp_rl.engines.sglang.",
+}
+
+
+def current_path(value: Any) -> Any:
+    """A `_target_` (or reward `fn`) string under its current module path; anything else as it is."""
+    if isinstance(value, str):
+        for old, new in MOVED_MODULES.items():
+            if value.startswith(old):
+                return new + value[len(old):]
+    return value
+
+
 def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
     """`key: old -> new` for every leaf under `keys` that differs, sorted (absent on one side: `<absent>`)."""
     changes = []
@@ -197,7 +217,7 @@ def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
         before, after = _leaves(_select(old, key), key), _leaves(_select(new, key), key)
         for leaf in sorted(set(before) | set(after)):
             a, b = before.get(leaf, _MISSING), after.get(leaf, _MISSING)
-            if a != b:
+            if current_path(a) != current_path(b):
                 changes.append(f"{leaf}: {a!r} -> {b!r}")
     return sorted(set(changes))
 

@@ -37,7 +37,7 @@ from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
 from topp_rl.megatron.grads import GradSync
 from topp_rl.parallel import ParallelLayout
-from topp_rl.rollout.broadcast import RolloutPeers
+from topp_rl.parallel.peers import RolloutPeers
 
 _MODEL_SLOTS = ("policy", "reference")
 

@@ -4,7 +4,7 @@ Pure numerics (torch only, optional torch.distributed for the TP reductions); no
 """
 
 from topp_rl.ops._checks import SAMPLING_RULES, SamplingRule, check_sampling_value
-from topp_rl.ops.candidates import Candidates
+from topp_rl.ops.candidates import Candidates, rows_missing_token
 from topp_rl.ops.head import candidate_head_logprobs
 from topp_rl.ops.logprob import token_logprobs
 from topp_rl.ops.mask import keep_mask
@@ -17,6 +17,7 @@ __all__ = [
     "candidate_head_logprobs",
     "check_sampling_value",
     "keep_mask",
+    "rows_missing_token",
     "sampling_candidates",
     "token_logprobs",
 ]

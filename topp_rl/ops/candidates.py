@@ -164,3 +164,13 @@ class Candidates:
 
     def to(self, device: torch.device | str) -> Candidates:
         return Candidates(ids=self.ids.to(device), offsets=self.offsets.to(device))
+
+
+def rows_missing_token(cands: Candidates, tokens: torch.Tensor) -> torch.Tensor:
+    """Indices of rows i whose ids do not contain `tokens[i]` (vectorised; empty rows count as missing)."""
+    offsets = cands.offsets.long()
+    counts = offsets[1:] - offsets[:-1]
+    row_of = torch.repeat_interleave(torch.arange(cands.num_rows), counts)
+    hits = (cands.ids.long() == tokens.long()[row_of]).long()
+    found = torch.zeros(cands.num_rows, dtype=torch.long).index_add_(0, row_of, hits)
+    return torch.nonzero(found == 0).flatten()

@@ -1,4 +1,6 @@
-"""Rollout side: samples, wire format, engines, tasks and the datamodule.
+"""The rollout pipeline (datamodule: generate -> score -> number -> filter -> pack, advantages, broadcast,
+prefetch), and the names users import from here: the contracts (`topp_rl.data`), the engines
+(`topp_rl.engines`) and the tasks (`topp_rl.tasks`) re-exported.
 
 Heavy pieces (transformers, lightning, the SGLang client) load lazily on first attribute access, so
 `import topp_rl.rollout` stays cheap for the numerics code.
@@ -7,27 +9,27 @@ Heavy pieces (transformers, lightning, the SGLang client) load lazily on first a
 from importlib import import_module
 from typing import Any
 
-from topp_rl.rollout.engine import RolloutEngine
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample, SampleStatus
+from topp_rl.data import PackedBatch, PromptRecord, RolloutBatch, Sample, SampleStatus, SamplingParams
+from topp_rl.engines.base import RolloutEngine
 
 _LAZY = {
-    "EmbeddedEngine": "topp_rl.rollout.embedded",
-    "SGLangEngine": "topp_rl.rollout.sglang",
-    "PackedBatch": "topp_rl.rollout.packing",
-    "RolloutBatch": "topp_rl.rollout.packing",
+    "EmbeddedEngine": "topp_rl.engines.embedded",
+    "SGLangEngine": "topp_rl.engines.sglang",
+    "encode_candidates": "topp_rl.engines.sglang.wire",
+    "decode_candidates": "topp_rl.engines.sglang.wire",
     "pack_samples": "topp_rl.rollout.packing",
     "RolloutDataModule": "topp_rl.rollout.datamodule",
     "RolloutTicket": "topp_rl.rollout.datamodule",
-    "Task": "topp_rl.rollout.tasks",
-    "ArithmeticTask": "topp_rl.rollout.tasks",
-    "CopyDigitTask": "topp_rl.rollout.tasks",
-    "CountdownTask": "topp_rl.rollout.tasks",
-    "DatasetTask": "topp_rl.rollout.datasets",
-    "JsonlTask": "topp_rl.rollout.datasets",
+    "Task": "topp_rl.tasks",
+    "ArithmeticTask": "topp_rl.tasks",
+    "CopyDigitTask": "topp_rl.tasks",
+    "CountdownTask": "topp_rl.tasks",
+    "DatasetTask": "topp_rl.tasks",
+    "JsonlTask": "topp_rl.tasks",
 }
 
-__all__ = ["RolloutEngine", "Sample", "SampleStatus", "SamplingParams", *_LAZY]
+__all__ = ["PackedBatch", "PromptRecord", "RolloutBatch", "RolloutEngine", "Sample", "SampleStatus", "SamplingParams",
+           *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,29 +15,12 @@ same data, and one collective over their group delivers it. NCCL groups carry th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from topp_rl.data.sample import Sample
 from topp_rl.ops import Candidates
-from topp_rl.rollout.sample import Sample
-
-
-@dataclass(frozen=True)
-class RolloutPeers:
-    """The ranks that share this rank's rollouts: `group` (None when alone) and the global rank of its source."""
-
-    group: dist.ProcessGroup | None = None
-    source: int = 0
-
-    @property
-    def size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
-
-    @property
-    def is_source(self) -> bool:
-        return self.group is None or dist.get_rank() == self.source
+from topp_rl.parallel.peers import RolloutPeers
 
 
 def share_samples(samples: list[Sample] | None, peers: RolloutPeers) -> tuple[list[Sample], int]:

@@ -38,15 +38,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from topp_rl.data import PromptRecord, RolloutBatch
+from topp_rl.data.params import SamplingParams
+from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines import VersionedEngine
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.embedded import EmbeddedEngine
+from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
-from topp_rl.rollout.broadcast import RolloutPeers, samples_from_state, samples_to_state, share_samples
-from topp_rl.rollout.embedded import EmbeddedEngine
-from topp_rl.rollout.engine import RolloutEngine
-from topp_rl.rollout.overlap import Prefetcher, VersionedEngine
-from topp_rl.rollout.packing import RolloutBatch, pack_samples
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample, SampleStatus
-from topp_rl.rollout.tasks import PromptRecord, Task
+from topp_rl.rollout.broadcast import samples_from_state, samples_to_state, share_samples
+from topp_rl.rollout.overlap import Prefetcher
+from topp_rl.rollout.packing import pack_samples
+from topp_rl.tasks import Task
 
 
 @dataclass(frozen=True, kw_only=True)

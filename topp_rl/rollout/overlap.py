@@ -1,9 +1,8 @@
 """One-step off-policy rollouts (`rollout.overlap=true`): step k + 1 is generated while step k trains.
 
-`VersionedEngine` wraps the engine: `generate` and `update_weights` take one lock, so a weight push waits for
-the generation in flight (which keeps sampling with the weights it started with), and every sample records the
-number of weight updates its engine had received (`Sample.weight_version`). `Prefetcher` runs `generate` for the
-next ticket on one background thread; everything else of a rollout step (rewards, which may use signals,
+`topp_rl.engines.VersionedEngine` wraps the engine: `generate` and `update_weights` take one lock, so a weight
+push waits for the generation in flight, and every sample records its weight version. `Prefetcher` runs
+`generate` for the next ticket on one background thread; everything else of a rollout step (rewards, which may use signals,
 advantages, collectives, packing) stays on the trainer's thread.
 
 Staleness is bounded by 1: step k + 1's generation starts once step k's batch is taken, with the weights of
@@ -18,55 +17,11 @@ and the engine's version; a resumed run trains its first step on them and contin
 of an uninterrupted run.
 """
 
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
-from topp_rl.rollout.engine import RolloutEngine
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample
-
-
-class VersionedEngine(RolloutEngine):
-    """A `RolloutEngine` made safe to generate on one thread while another pushes weights."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.inner = engine
-        self.vocab_size = engine.vocab_size
-        self.version = 0  # weight updates received
-        self._resend = False  # the next push re-sends the weights of `version` (a resumed run's start push)
-        self._lock = threading.Lock()
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
-        with self._lock:
-            version = self.version
-            samples = self.inner.generate(prompts, params, seed=seed)
-        for s in samples:
-            s.weight_version = version
-        return samples
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with self._lock:
-            self.inner.update_weights(named_tensors)
-            if self._resend:
-                self._resend = False
-            else:
-                self.version += 1
-
-    def restore(self, version: int) -> None:
-        """Continue a checkpointed run whose engine had received `version` updates. The next push (the start push
-        of the resumed run, `WeightSync.sync_on_start`) re-sends the checkpoint's weights, which are that
-        version's: it is not counted again."""
-        with self._lock:
-            self.version = version
-            self._resend = True
-
-    def close(self) -> None:
-        with self._lock:
-            self.inner.close()
+from topp_rl.data.sample import Sample
 
 
 class Prefetcher:

@@ -1,4 +1,5 @@
-"""THD packing of samples into micro-batches (`PackedBatch`) and the rollout step they form (`RolloutBatch`).
+"""THD packing of samples into micro-batches (`topp_rl.data.PackedBatch`) and the rollout step they form
+(`RolloutBatch`).
 
 Layout (docs/ARCHITECTURE.md): sequences (prompt + response) back to back with no padding; per response token
 fields in sample order; candidates concatenated in sample order with EMPTY (= unrestricted) rows for samples
@@ -6,63 +7,10 @@ that recorded none and for non-trainable tokens. Packing is greedy in sample ord
 (deterministic, sequences never split), like slime's, but without reordering samples by length.
 """
 
-from dataclasses import dataclass, field, fields
-
 import torch
 
+from topp_rl.data import PackedBatch, Sample
 from topp_rl.ops import Candidates
-from topp_rl.rollout.sample import Sample
-
-
-@dataclass(kw_only=True)
-class PackedBatch:
-    """One packed micro-batch. T tokens, B samples, R response tokens (shapes in brackets)."""
-
-    tokens: torch.Tensor  # int64 [T]
-    cu_seqlens: torch.Tensor  # int32 [B + 1]
-    seq_lengths: torch.Tensor  # int64 [B]
-    response_lengths: torch.Tensor  # int64 [B]
-    position_ids: torch.Tensor  # int64 [T], restarting at 0 for every sequence
-    loss_mask: torch.Tensor  # float32 [R]
-    advantages: torch.Tensor  # float32 [R]
-    rollout_log_probs: torch.Tensor  # float32 [R]
-    response_tokens: torch.Tensor  # int64 [R]
-    candidates: Candidates | None  # R rows, or None when no sample here recorded candidates
-    rewards: torch.Tensor  # float32 [B]
-    group_index: torch.Tensor  # int64 [B]
-    sample_index: torch.Tensor  # int64 [B], position in the rollout step
-    num_loss_tokens_global: float  # sum of loss_mask over the whole step, all micro-batches and DP ranks
-    num_sequences_global: int
-
-    @property
-    def num_samples(self) -> int:
-        return self.seq_lengths.numel()
-
-    def to(self, device: torch.device | str) -> "PackedBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor | Candidates):
-                moved[name] = value.to(device)
-        return PackedBatch(**moved)
-
-
-@dataclass(kw_only=True)
-class RolloutBatch:
-    """One rollout step: its micro-batches, the samples (this DP rank's), step index and rollout stats."""
-
-    micro_batches: list[PackedBatch]
-    samples: list[Sample]
-    step: int
-    stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # (sum, count) pairs
-
-    def to(self, device: torch.device | str) -> "RolloutBatch":
-        # Lightning moves any object with `.to`; samples stay on the host.
-        return RolloutBatch(
-            micro_batches=[mb.to(device) for mb in self.micro_batches],
-            samples=self.samples,
-            step=self.step,
-            stats=self.stats,
-        )
 
 
 def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int) -> list[list[int]]:

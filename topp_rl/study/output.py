@@ -4,14 +4,10 @@ import csv
 import json
 from pathlib import Path
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from topp_rl.study.ratios import EngineRun  # noqa: E402
-from topp_rl.study.stats import table_rows  # noqa: E402
+from topp_rl.study.ratios import EngineRun
+from topp_rl.study.stats import table_rows
 
 COLUMNS = ("engine", "temperature", "truncation", "scoring", "tokens", "ratio_mean", "ratio_median", "ratio_p5",
            "ratio_p95", "outside_0.9_1.1", "kl_k3", "max_abs_log_ratio", "kept_size_mean", "kept_mass_mean",
@@ -71,6 +67,10 @@ def write_tables(rows: list[dict], facts: dict, out: Path) -> list[Path]:
 def plot(runs: list[EngineRun], path: Path) -> Path:
     """Box plots of exp(train - rollout) per setting (whiskers p5-p95), masked vs unmasked; one panel per
     engine x temperature."""
+    import matplotlib  # here, not at import: the tables need no plotting library
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     temps = sorted({s.temperature for run in runs for s in run.figures}, reverse=True)
     fig, axes = plt.subplots(len(runs), len(temps), figsize=(6.5 * len(temps), 3.6 * len(runs)), squeeze=False)
     for r, run in enumerate(runs):

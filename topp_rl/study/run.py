@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.config import validate_config
-from topp_rl.rollout.sglang_server import sglang_python
+from topp_rl.engines.sglang.server import sglang_python
 from topp_rl.study.grid import Setting, grid
 from topp_rl.study.output import plot, rows_of, write_tables
 from topp_rl.study.ratios import EngineRun, run_engine

@@ -3,7 +3,7 @@
 One `/generate` request per sample (`input_ids`, `sampling_params`, `return_logprob`, `return_sampling_mask`),
 sent concurrently from a thread pool: through the router (smg) when there is one, else round-robin over the
 server URLs. Per response token the Sample gets:
-- the candidate set: SGLang's sampling mask (the ids its sampler kept), decoded by `topp_rl.rollout.wire`,
+- the candidate set: SGLang's sampling mask (the ids its sampler kept), decoded by `topp_rl.engines.sglang.wire`,
   from our compact base64 arrays when the server carries `patches/sglang` (detected by a probe request),
   else from SGLang's nested JSON lists;
 - `rollout_log_probs`: SGLang's `output_token_sampling_logprobs`, the sampled token's log-prob renormalised
@@ -50,13 +50,13 @@ import torch
 import urllib3
 from tqdm.auto import tqdm
 
-from topp_rl.rollout.engine import RolloutEngine, check_prompts
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample, SampleStatus
-from topp_rl.rollout.sglang_router import SGLangRouter, check_policy, router_workers
-from topp_rl.rollout.sglang_server import SGLangServer, make_workdir, remove_workdir
-from topp_rl.rollout.sglang_weights import DistributedWeightSender, write_checkpoint
-from topp_rl.rollout.wire import IDS_KEY, decode_candidates
+from topp_rl.data.params import SamplingParams
+from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.engines.sglang.router import SGLangRouter, check_policy, router_workers
+from topp_rl.engines.sglang.server import SGLangServer, make_workdir, remove_workdir
+from topp_rl.engines.sglang.weights import DistributedWeightSender, write_checkpoint
+from topp_rl.engines.sglang.wire import IDS_KEY, decode_candidates
 
 WireMode = Literal["auto", "b64", "nested"]
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}

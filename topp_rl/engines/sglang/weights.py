@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from topp_rl.rollout.sglang_server import LOOPBACK_IFNAME, is_loopback
+from topp_rl.engines.sglang.server import LOOPBACK_IFNAME, is_loopback
 
 PostFn = Callable[[str, str, dict[str, Any], int], dict[str, Any]]  # (url, path, body, weight bytes) -> JSON
 _CONFIG_FILES = ("config.json", "generation_config.json")

@@ -23,7 +23,7 @@ from typing import Any
 
 import requests
 
-from topp_rl.rollout.sglang_server import LoggedProcessGroup, free_port, require_sglang_python, spawn_group
+from topp_rl.engines.sglang.server import LoggedProcessGroup, free_port, require_sglang_python, spawn_group
 
 # smg 1.13's policies for a regular (not prefill/decode-disaggregated) fleet; "manual" and "passthrough" need
 # routing headers this client does not send.

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from topp_rl.rollout.tasks import PromptRecord
+    from topp_rl.data import PromptRecord
 
 RewardValue = float | Mapping[str, float]
 ENTRY_KEYS = {"fn", "weight", "name", "batched", "kwargs"}
@@ -185,7 +185,7 @@ def _term(i: int, entry: Mapping[str, Any]) -> RewardTerm:
         problem = f"unknown keys {sorted(unknown)}" if unknown else "no fn"
         raise ValueError(
             f"task.rewards[{i}] ({dict(entry)}) has {problem}; an entry takes {sorted(ENTRY_KEYS)}, "
-            "e.g. {fn: 'topp_rl.rollout.rewards:math_answer', weight: 1.0}"
+            "e.g. {fn: 'topp_rl.tasks.rewards:math_answer', weight: 1.0}"
         )
     fn = resolve_reward_fn(entry["fn"])
     is_batched = entry.get("batched")

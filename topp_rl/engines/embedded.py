@@ -20,11 +20,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from topp_rl.data.params import SamplingParams
+from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.ops.sampling import nonfinite_row_error
-from topp_rl.rollout.engine import RolloutEngine, check_prompts
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample, SampleStatus
 
 
 class EmbeddedEngine(RolloutEngine):

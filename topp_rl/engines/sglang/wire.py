@@ -20,22 +20,13 @@ import pybase64
 import torch
 
 from topp_rl.ops import Candidates
+from topp_rl.ops.candidates import rows_missing_token
 
 IDS_KEY = "candidate_ids_b64"
 OFFSETS_KEY = "candidate_offsets_b64"
 SGLANG_MASK_KEY = "output_token_sampling_mask"
 _ALT_KEYS = {IDS_KEY: "candidate_ids", OFFSETS_KEY: "candidate_offsets"}
 _LE_INT32 = np.dtype("<i4")
-
-
-def rows_missing_token(cands: Candidates, tokens: torch.Tensor) -> torch.Tensor:
-    """Indices of rows i whose ids do not contain `tokens[i]` (vectorised; empty rows count as missing)."""
-    offsets = cands.offsets.long()
-    counts = offsets[1:] - offsets[:-1]
-    row_of = torch.repeat_interleave(torch.arange(cands.num_rows), counts)
-    hits = (cands.ids.long() == tokens.long()[row_of]).long()
-    found = torch.zeros(cands.num_rows, dtype=torch.long).index_add_(0, row_of, hits)
-    return torch.nonzero(found == 0).flatten()
 
 
 def encode_candidates(cands: Candidates) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from topp_rl.ops import Candidates
-from topp_rl.rollout.wire import rows_missing_token
+from topp_rl.ops.candidates import rows_missing_token
 
 
 class SampleStatus(StrEnum):

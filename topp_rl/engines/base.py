@@ -10,8 +10,8 @@ from typing import Protocol, Self, runtime_checkable
 
 import torch
 
-from topp_rl.rollout.params import SamplingParams
-from topp_rl.rollout.sample import Sample
+from topp_rl.data.params import SamplingParams
+from topp_rl.data.sample import Sample
 
 
 @runtime_checkable

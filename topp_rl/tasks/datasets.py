@@ -7,7 +7,7 @@
   by the tokenizer's chat template: needs `chat_template=true`). `system_prompt` goes first in each
   conversation that has none. `answer_key` (or null) names the reference answer, `record.answer` for the reward.
 - Rewards: `reward_fn` ("pkg.mod:fn" or "path/to/file.py:fn") or `rewards` (weighted named functions,
-  `topp_rl.rollout.rewards.RewardSet`); each function's value is logged as `rollout/reward/<name>_mean`.
+  `topp_rl.tasks.rewards.RewardSet`); each function's value is logged as `rollout/reward/<name>_mean`.
 - `max_prompt_tokens`: prompts whose token count exceeds it are dropped once, with the first tokenizer
   seen (the count is printed and logged as `rollout/filtered_prompts`).
 - Order: a fresh permutation per pass over the kept rows, fixed by (seed, epoch), so the data position stays
@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from topp_rl.rollout.rewards import RewardSet
-from topp_rl.rollout.tasks import Messages, PromptRecord, Task, prompt_text
+from topp_rl.data import Messages, PromptRecord, prompt_text
+from topp_rl.tasks.base import Task
+from topp_rl.tasks.rewards import RewardSet
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
