@@ -384,3 +384,12 @@ def test_any_split_at_sample_boundaries_equals_the_full_batch(lengths, cuts, whi
     (grad_parts,) = torch.autograd.grad(sum(parts), lp)
     torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_parts, grad_full, rtol=1e-12, atol=1e-12)
+
+
+def test_a_loss_says_whether_it_corrects_staleness():
+    """What `rollout.overlap=true` asks of the loss (config validation reads this, not the config's key names)."""
+    from topp_rl.losses import CISPOLoss, GRPOLoss
+
+    assert not GRPOLoss().corrects_staleness and not CISPOLoss().corrects_staleness
+    assert GRPOLoss(tis_cap=2.0).corrects_staleness
+    assert CISPOLoss(icepop_low=0.5, icepop_high=2.0).corrects_staleness

@@ -220,8 +220,10 @@ def validate_overlap(cfg: DictConfig) -> None:
         _fail("rollout.engine.share_weights", True, "false with rollout.overlap=true (the next step is generated "
               "while this one updates the weights)", "set rollout.engine.share_weights=false (the embedded engine "
               "keeps its own copy), or use rollout=sglang")
-    loss = cfg.algo.get("loss") or {}
-    if loss.get("tis_cap") is None and loss.get("icepop_low") is None:
+    from hydra.utils import instantiate
+
+    loss = instantiate(cfg.algo.loss)  # the loss says what it corrects; cheap, and its own checks run now
+    if not loss.corrects_staleness:
         _fail("algo.loss.tis_cap", None, "set with rollout.overlap=true (samples come from the policy one update "
               "back; the importance ratio to it needs a correction)",
               "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")

@@ -75,6 +75,12 @@ class PolicyLoss(ABC):
     def needs_ref_logprobs(self) -> bool:
         return self.kl.enabled
 
+    @property
+    def corrects_staleness(self) -> bool:
+        """Whether the loss reweights or masks tokens by the ratio to the rollout policy (TIS / ICEPOP): what
+        training on samples of an older policy (`rollout.overlap`) needs."""
+        return bool(self.corrections)
+
     @abstractmethod
     def policy_term(self, inputs: LossInputs, *, advantages: Tensor) -> tuple[Tensor, Pairs]:
         """Per-token policy loss [R] (before mask and aggregation) and its metrics."""
