@@ -48,14 +48,6 @@ SUMMARY_KEYS = (
 )
 
 
-def sampling_params(rollout: DictConfig) -> SamplingParams:
-    return SamplingParams(
-        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p,
-        max_new_tokens=rollout.max_new_tokens, n=rollout.n_samples,
-        stop_token_ids=tuple(rollout.get("stop_token_ids") or ()),
-    )
-
-
 class RunSummary(Callback):
     """Keeps the per-step history of a few logged metrics for the end-of-run summary (reads, never logs)."""
 
@@ -145,14 +137,12 @@ def build_run(cfg: DictConfig) -> Run:
     policy.float()
     engine_factory = engine_for(cfg, policy, tokenizer, output_dir)
     task = instantiate(cfg.task)
+    params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
-    datamodule = instantiate(cfg.data, _partial_=True)(
-        engine=engine_factory, task=task, tokenizer=tokenizer, params=sampling_params(cfg.rollout),
-        prompts_per_step=cfg.rollout.prompts_per_step, advantage=instantiate(cfg.algo.advantage), seed=cfg.seed,
-        overlap=cfg.rollout.overlap,
-    )
+    datamodule = instantiate(cfg.data, _partial_=True)(engine=engine_factory, task=task, tokenizer=tokenizer,
+                                                       params=params)
     loss = instantiate(cfg.algo.loss)
-    hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=cfg.rollout.temperature)
+    hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=params.temperature)
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
         policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
