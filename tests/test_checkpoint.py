@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, train_env
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.checkpoint import AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, temp_writer_pid
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
@@ -132,7 +131,7 @@ def _cmd(out: Path, dump: Path, *extra: str, logger: str = "none") -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT / "tests"), WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    return train_env(PYTHONPATH=str(ROOT / "tests"))  # the run loads this module's RolloutDump
 
 
 def _lines(path: Path) -> list[dict]:

@@ -6,7 +6,7 @@ import threading
 import lightning as L
 import pytest
 import torch
-from test_train import compose_cfg, read_metrics
+from helpers import compose_cfg, read_metrics
 
 from topp_rl.models import build_tiny_model
 from topp_rl.rollout import SamplingParams
