@@ -178,6 +178,7 @@ def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: in
     return proc, stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
     dump = tmp_path / "run.jsonl"
@@ -203,6 +204,7 @@ def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(t
     _assert_same_rollouts(_lines(dump)[killed_lines:], reference, saved_step + 1)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, reference):
     """Lightning alone exits 0 on SIGTERM without saving: preemption looked like success."""
@@ -223,6 +225,7 @@ def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, re
     _assert_same_rollouts(_lines(dump)[done:], reference, done + 1)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_path):
     out, dump = tmp_path / "run", tmp_path / "run.jsonl"
@@ -259,6 +262,7 @@ def _csv_steps(out: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), OVERLAP], ids=["on_policy", "overlap"])
 def test_interrupted_before_the_first_checkpoint_then_resumed_twice_continues_from_the_newest_state(tmp_path, extra):

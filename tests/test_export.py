@@ -321,6 +321,7 @@ export.main(sys.argv[1:])
 """
 
 
+@pytest.mark.subprocess
 def test_a_sigkill_mid_export_leaves_a_staged_copy_the_next_export_removes(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -73,6 +73,7 @@ def test_swept_keys_and_job_label():
         "rollout.top_p=0.8,algo=gspo,optimizer.lr=2"
 
 
+@pytest.mark.subprocess
 def test_multirun_job_name_holds_its_swept_keys(tmp_path):
     """A real Hydra multirun (basic sweeper) of an app that prints what the W&B logger would be named."""
     app = tmp_path / "app.py"

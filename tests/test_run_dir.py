@@ -162,6 +162,7 @@ def test_resume_checks_the_config_keeps_its_history_and_the_wandb_run(tmp_path, 
     assert len(runs) == 2 and all(pattern.fullmatch(r) for r in runs), (runs, run_id)
 
 
+@pytest.mark.subprocess
 def test_a_refused_second_run_leaves_the_first_runs_hydra_files_alone(tmp_path):
     """Hydra wrote `<run dir>/.hydra/` before `train()` ran, so a second start refused for the dir's run had
     already replaced the first run's config.yaml / overrides.yaml with its own (issue 18 part 6i)."""

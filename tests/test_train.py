@@ -56,6 +56,7 @@ def test_module_logs_its_own_training_metrics_without_metric_callbacks(tmp_path,
     assert capsys.readouterr().out.count("[topp_rl] layout: world=1 dp=1 tp=1 cp=1\n") == 1
 
 
+@pytest.mark.subprocess
 def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):
     env = train_env(WANDB_SILENT="true")
     cmd = [sys.executable, "train.py", "-m", "rollout.top_p=0.8,1.0", "logger=wandb", *TINY[:-1],
@@ -90,6 +91,7 @@ def test_bf16_and_gradient_checkpointing_options_train(tmp_path):
     assert len(bf16) == 3 and all(1e-5 < v < 1e-2 for v in bf16)  # bf16 rounding, far from float32's 1e-7
 
 
+@pytest.mark.subprocess
 def test_console_shows_one_bar_and_each_line_once_and_writes_summary_json(tmp_path):
     env = train_env()
     env.pop("WANDB_SILENT", None)
