@@ -1,4 +1,5 @@
-"""Shared pytest setup: offline W&B, no network, `gpu` tests skipped without CUDA."""
+"""Shared pytest setup: offline W&B, no network, `gpu` tests skipped without CUDA, and the session's shared
+SGLang server for tiny training runs. Plain helpers (the tiny config, metrics.csv) are in helpers.py."""
 
 import os
 
@@ -19,3 +20,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_sglang_url(tmp_path_factory) -> str:
+    """The URL of one SGLang server for `model=tiny` runs that need no fresh server: they connect with
+    `rollout.engine.urls=[url]` instead of launching their own (~20 s each on CPU). It is launched the way a
+    `rollout=sglang` run launches one (same factory and server settings, on the tiny policy's initial weights).
+    What an earlier run left on it does not matter: a run pushes its policy's weights at train start (WeightSync,
+    with an explicit weight version) and every push flushes the server's prefix cache."""
+    from helpers import compose_cfg
+    from hydra.utils import instantiate
+    from sglang_checks import require_sglang
+
+    from topp_rl.train import engine_for
+
+    require_sglang()
+    tmp = tmp_path_factory.mktemp("tiny-sglang")
+    cfg = compose_cfg(tmp, "rollout=sglang")
+    model, tokenizer = instantiate(cfg.model)
+    engine = engine_for(cfg, model.float(), tokenizer, tmp)(0)
+    try:
+        yield engine.urls[0]
+    finally:
+        engine.close()

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, train_env
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.checkpoint import AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, temp_writer_pid
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
@@ -132,7 +131,7 @@ def _cmd(out: Path, dump: Path, *extra: str, logger: str = "none") -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT / "tests"), WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    return train_env(PYTHONPATH=str(ROOT / "tests"))  # the run loads this module's RolloutDump
 
 
 def _lines(path: Path) -> list[dict]:
@@ -179,6 +178,7 @@ def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: in
     return proc, stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
     dump = tmp_path / "run.jsonl"
@@ -204,6 +204,7 @@ def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(t
     _assert_same_rollouts(_lines(dump)[killed_lines:], reference, saved_step + 1)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, reference):
     """Lightning alone exits 0 on SIGTERM without saving: preemption looked like success."""
@@ -224,6 +225,7 @@ def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, re
     _assert_same_rollouts(_lines(dump)[done:], reference, done + 1)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_path):
     out, dump = tmp_path / "run", tmp_path / "run.jsonl"
@@ -260,6 +262,7 @@ def _csv_steps(out: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), OVERLAP], ids=["on_policy", "overlap"])
 def test_interrupted_before_the_first_checkpoint_then_resumed_twice_continues_from_the_newest_state(tmp_path, extra):

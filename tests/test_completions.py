@@ -3,17 +3,15 @@ per-sample masked mismatch (checked against a token-by-token reference), and the
 
 import json
 import math
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 from lightning.pytorch.callbacks import Callback
 
 from callbacks.completions import CompletionsLog, choose
 from topp_rl.data.sample import Sample
 from topp_rl.train import build_run, fit
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     "trainer.max_steps=2", "rollout.prompts_per_step=3", "rollout.n_samples=2", "rollout.max_new_tokens=4",
     "trainer.enable_progress_bar=false", "logger=none", "checkpoint.every_n_steps=0", "export.hf=false",
@@ -44,8 +42,7 @@ def reference_mismatch(rollout, record) -> dict[int, float]:
 
 
 def test_completions_jsonl_and_console(tmp_path, capsys):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={tmp_path}", *RUN])
+    cfg = compose_config(tmp_path, *RUN)
     run = build_run(cfg)
     keep = Keep()
     run.trainer.callbacks.append(keep)

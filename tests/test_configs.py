@@ -5,19 +5,18 @@ import re
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import ROOT, compose_config
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from topp_rl.config import validate_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 GROUPS = ("algo", "rollout", "model", "task", "trainer", "logger", "callbacks", "parallel", "experiment")
 
 
 def _compose(overrides: list[str], tmp_path: Path) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+    return compose_config(tmp_path, *overrides)
 
 
 def _targets(node) -> list[str]:

@@ -205,17 +205,16 @@ def test_reward_fn_file_path_and_jsonl_alias(tmp_path):
 
 @pytest.mark.parametrize("option", ["gsm8k", "countdown", "dataset", "jsonl"])
 def test_task_configs_instantiate(option, tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_config
     from hydra.utils import instantiate
 
     monkeypatch.chdir(ROOT)  # the shipped configs name data/ relative to the working directory
-    overrides = [f"task={option}", f"paths.output_dir={tmp_path}"]
+    overrides = [f"task={option}"]
     if option != "countdown":
         overrides.append(f"task.cache_dir={tmp_path / 'cache'}")
     if option in ("dataset", "jsonl"):
         overrides += [f"task.path={GSM8K}", "task.prompt_key=question", "task.reward_fn=topp_rl.tasks.rewards:math_answer"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(tmp_path, *overrides)
     task = instantiate(cfg.task)
     record = task.prompt(0, TOK)
     if option == "countdown":

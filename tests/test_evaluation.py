@@ -4,7 +4,7 @@ calls; a run logs val/* before training and every N steps and keeps the best che
 import dataclasses
 
 import pytest
-from test_train import column, compose_cfg, read_metrics
+from helpers import column, compose_cfg, read_metrics
 
 from callbacks.evaluation import HELD_OUT_OFFSET, Evaluation
 from topp_rl.engines.embedded import EmbeddedEngine

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import ROOT, compose_config
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -28,7 +28,6 @@ from topp_rl.models import build_char_tokenizer, load_hf
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.train import RunSummary, build_callbacks, build_run, fit
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
     "trainer.enable_progress_bar=false", "logger=none", "checkpoint.every_n_steps=1",
@@ -38,8 +37,7 @@ SEQUENCES = [([5, 6, 7], [8, 9, 10, 2]), ([12, 3], [40, 41]), ([1, 20, 21, 22, 2
 
 
 def _run(output_dir: Path):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={output_dir}", *RUN])
+    cfg = compose_config(output_dir, *RUN)
     run = build_run(cfg)
     fit(run)
     return run
@@ -124,8 +122,7 @@ def _megatron_worker(rank: int, tmp: str) -> dict | None:
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={tmp}", *RUN, "trainer.max_steps=1", "parallel=tp2"])
+    cfg = compose_config(tmp, *RUN, "trainer.max_steps=1", "parallel=tp2")
     run = build_run(cfg)
     fit(run)
     gathered = {n: t.clone() for n, t in run.module.hf_named_tensors()}  # a TP collective: both ranks
@@ -153,8 +150,7 @@ def test_megatron_tp2_run_exports_the_gathered_weights_and_the_cli_reads_its_che
 def ckpt(tmp_path_factory) -> Path:
     """A training checkpoint of the tiny model at global step 7 (the keys the command reads), without training."""
     run_dir = tmp_path_factory.mktemp("run")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={run_dir}", *RUN])
+    cfg = compose_config(run_dir, *RUN)
     model, _ = instantiate(cfg.model)
     path = run_dir / "checkpoints" / "last.ckpt"
     path.parent.mkdir()
@@ -245,8 +241,7 @@ def test_export_dir_may_not_be_the_run_dir_an_ancestor_or_the_checkpoint_dir(tmp
     for name in ("config.yaml", "train.log", ".hydra/config.yaml", "csv/metrics.csv"):
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_text(name)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={run_dir}", *RUN, "export.dir=${paths.output_dir}"])
+    cfg = compose_config(run_dir, *RUN, "export.dir=${paths.output_dir}")
     with pytest.raises(ValueError) as info:
         build_callbacks(cfg, run_dir, RunSummary())
     assert str(info.value) == (
@@ -326,6 +321,7 @@ export.main(sys.argv[1:])
 """
 
 
+@pytest.mark.subprocess
 def test_a_sigkill_mid_export_leaves_a_staged_copy_the_next_export_removes(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

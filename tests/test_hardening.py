@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import compose_cfg as train_cfg
-from test_train import read_metrics
+from helpers import compose_cfg as train_cfg
+from helpers import read_metrics
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
 
 from topp_rl.backbone import HFBackbone
@@ -31,7 +31,7 @@ TRANSFORMS = {  # architecture -> (config class, the field that transforms the l
 
 
 def compose_cfg(output_dir: Path, *overrides: str):
-    """test_train's tiny config, with the CSV logger and 2 new tokens (every check here reads metrics.csv)."""
+    """The tiny config (helpers.TINY), with the CSV logger and 2 new tokens (every check here reads metrics.csv)."""
     return train_cfg(output_dir, "logger=csv", "rollout.max_new_tokens=2", *overrides)
 
 

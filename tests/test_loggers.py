@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
+from helpers import ROOT
+from helpers import compose_cfg as tiny_cfg
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from callbacks.completions import COLUMNS
@@ -18,17 +19,12 @@ from topp_rl import report
 from topp_rl.loggers import LogConfig, build_loggers, job_label, swept_keys, wandb_mode
 from topp_rl.train import build_run, fit
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-    "trainer.enable_progress_bar=false", "checkpoint.every_n_steps=0", "export.hf=false", "rollout.top_p=0.9",
-]
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def compose_cfg(output_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, *overrides])
+    """The tiny config (helpers.TINY) without the HF export."""
+    return tiny_cfg(output_dir, "export.hf=false", *overrides)
 
 
 def test_wandb_run_has_config_tags_completions_and_a_csv_log(tmp_path):
@@ -77,6 +73,7 @@ def test_swept_keys_and_job_label():
         "rollout.top_p=0.8,algo=gspo,optimizer.lr=2"
 
 
+@pytest.mark.subprocess
 def test_multirun_job_name_holds_its_swept_keys(tmp_path):
     """A real Hydra multirun (basic sweeper) of an app that prints what the W&B logger would be named."""
     app = tmp_path / "app.py"

@@ -25,7 +25,6 @@ from dist_utils import run_distributed
 NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                  reason="megatron-core (the `megatron` extra) is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "trainer.max_steps=3", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=6",
     "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false", "rollout.top_p=0.9", "logger=csv",
@@ -69,13 +68,12 @@ def _digests():
 
 
 def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, dict]:
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_config
 
     from topp_rl.engines.embedded import EmbeddedEngine
     from topp_rl.train import build_run
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, f"parallel={parallel}", *extra])
+    cfg = compose_config(output_dir, *TINY, f"parallel={parallel}", *extra)
     run = build_run(cfg)
     digests = _digests()
     run.trainer.callbacks.insert(0, digests)
@@ -136,21 +134,19 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
         assert resumed[key] == pytest.approx(full[key][-1:], rel=1e-5, abs=1e-7), key
 
 
-def _sglang_worker(rank: int, tmp: str) -> dict:
+def _sglang_worker(rank: int, tmp: str, url: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    return {p: _run(Path(tmp) / p, p, "rollout=sglang") for p in ("tp2", "cp2")}  # one server at a time
+    # Both runs connect to the session's server (each pushes its weights at train start) instead of launching.
+    return {p: _run(Path(tmp) / p, p, "rollout=sglang", f"rollout.engine.urls=['{url}']") for p in ("tp2", "cp2")}
 
 
 @NO_MEGATRON
 @pytest.mark.distributed
 @pytest.mark.sglang
 @pytest.mark.slow
-def test_sglang_rollouts_under_tp2_and_cp2(tmp_path):
-    from sglang_checks import require_sglang
-
-    require_sglang()
-    results = run_distributed(_sglang_worker, 2, str(tmp_path), timeout=600, preload=PRELOAD)
+def test_sglang_rollouts_under_tp2_and_cp2(tmp_path, tiny_sglang_url):
+    results = run_distributed(_sglang_worker, 2, str(tmp_path), tiny_sglang_url, timeout=600, preload=PRELOAD)
     for parallel in ("tp2", "cp2"):
         infos = [results[rank][parallel][1] for rank in range(2)]
         assert [i["has_engine"] for i in infos] == [True, False], parallel  # one server, on the source rank

@@ -25,7 +25,7 @@ KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_l
         "train/rollout_logprob_abs_diff_max", "train/rollout_logprob_abs_diff_unmasked")
 
 pytestmark = [
-    pytest.mark.distributed, pytest.mark.slow,
+    pytest.mark.distributed, pytest.mark.slow, pytest.mark.subprocess,  # torchrun
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                        reason="megatron-core (the `megatron` extra) is not installed"),
 ]

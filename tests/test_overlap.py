@@ -7,7 +7,7 @@ import threading
 import lightning as L
 import pytest
 import torch
-from test_train import compose_cfg, read_metrics
+from helpers import compose_cfg, read_metrics
 
 from topp_rl.engines import VersionedEngine
 from topp_rl.engines.embedded import EmbeddedEngine

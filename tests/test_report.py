@@ -64,6 +64,7 @@ def test_render_from_csv(tmp_path):
         assert_real_png(p)
 
 
+@pytest.mark.subprocess
 def test_cli_writes_pngs(tmp_path):
     write_run(tmp_path / "run")
     out = tmp_path / "plots"

@@ -12,22 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import ROOT, compose_config, train_env
+from helpers import TINY as BASE
 from omegaconf import OmegaConf
 
 from topp_rl.rundir import report_versioned_checkpoints
 from topp_rl.train import train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-    "checkpoint.every_n_steps=1", "trainer.enable_progress_bar=false", "rollout.top_p=0.9", "logger=none",
-]
+TINY = [*BASE, "checkpoint.every_n_steps=1", "logger=none"]  # the tiny run, checkpointing every step
 
 
 def compose_cfg(output_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, *overrides])
+    return compose_config(output_dir, *TINY, *overrides)
 
 
 def test_ckpt_path_last_without_a_checkpoint_fails_naming_the_path(tmp_path):
@@ -166,10 +162,11 @@ def test_resume_checks_the_config_keeps_its_history_and_the_wandb_run(tmp_path, 
     assert len(runs) == 2 and all(pattern.fullmatch(r) for r in runs), (runs, run_id)
 
 
+@pytest.mark.subprocess
 def test_a_refused_second_run_leaves_the_first_runs_hydra_files_alone(tmp_path):
     """Hydra wrote `<run dir>/.hydra/` before `train()` ran, so a second start refused for the dir's run had
     already replaced the first run's config.yaml / overrides.yaml with its own (issue 18 part 6i)."""
-    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    env = train_env()
     env.pop("PYTHONPATH", None)
     base = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "trainer.max_steps=1"]
     first = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from test_train import column, compose_cfg, read_metrics
+from helpers import column, compose_cfg, read_metrics
 
 from topp_rl.schedule import LRSchedule
 from topp_rl.train import train

@@ -93,6 +93,7 @@ def test_sglang_python_is_an_explicit_setting(tmp_path, monkeypatch):
         SGLangServer(tmp_path, python="/no/such/python")
 
 
+@pytest.mark.subprocess
 def test_work_dir_of_a_dead_process_is_cleaned_at_next_start(tmp_path):
     """A killed trainer leaves its disk-sync copy behind; the next engine start removes it, keeps the log."""
     code = (

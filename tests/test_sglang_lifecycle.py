@@ -19,7 +19,7 @@ from topp_rl.engines.sglang.server import _group_alive, make_workdir
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.subprocess]  # the trainer is a process of its own
 require_sglang(module=True)
 
 from topp_rl.engines.sglang import SGLangEngine, SGLangTimeoutError  # noqa: E402

@@ -88,6 +88,7 @@ def test_settings_parse_and_reject_unknown_rules():
         parse_truncation("top_q=0.9")
 
 
+@pytest.mark.subprocess
 def test_the_command_runs_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "topp_rl.study", "ratios", "model=tiny", "--prompts", "3", "--samples", "2",
@@ -108,6 +109,7 @@ def test_the_command_runs_end_to_end(tmp_path):
     assert "CountdownTask" in (tmp_path / "ratios.md").read_text()
 
 
+@pytest.mark.subprocess
 def test_the_command_names_a_bad_engine():
     done = subprocess.run([sys.executable, "-m", "topp_rl.study", "ratios", "--engines", "vllm"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)

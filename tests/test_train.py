@@ -1,24 +1,16 @@
 """End-to-end training runs, as short as possible: every algorithm in one process (one with the CSV logger),
 a Hydra `-m` sweep in one subprocess (two W&B offline runs in one group)."""
 
-import csv
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import ROOT, TINY, column, compose_cfg, read_metrics, train_env
 
 from topp_rl.train import train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-    "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false", "rollout.top_p=0.9",
-]
 GROUP = "sweep_grp7"
 ALGOS = ("grpo", "dr_grpo", "gspo", "cispo", "reinforce_pp")
 STABLE = (
@@ -27,21 +19,6 @@ STABLE = (
     "train/rollout_logprob_abs_diff_max", "train/is_ratio_mean", "train/kl_k3_rollout", "train/entropy",
     "train/grad_norm",
 )
-
-
-def compose_cfg(output_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={output_dir}", *TINY, *overrides])
-
-
-def read_metrics(output_dir: Path) -> list[dict[str, str]]:
-    (path,) = output_dir.glob("csv/*/metrics.csv")
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def column(rows: list[dict[str, str]], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if r.get(key)]
 
 
 def test_every_algorithm_trains_end_to_end(tmp_path):
@@ -79,8 +56,9 @@ def test_module_logs_its_own_training_metrics_without_metric_callbacks(tmp_path,
     assert capsys.readouterr().out.count("[topp_rl] layout: world=1 dp=1 tp=1 cp=1\n") == 1
 
 
+@pytest.mark.subprocess
 def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    env = train_env(WANDB_SILENT="true")
     cmd = [sys.executable, "train.py", "-m", "rollout.top_p=0.8,1.0", "logger=wandb", *TINY[:-1],
            f"hydra.sweep.dir={tmp_path}/{GROUP}", "group=null", "num_threads=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -113,8 +91,9 @@ def test_bf16_and_gradient_checkpointing_options_train(tmp_path):
     assert len(bf16) == 3 and all(1e-5 < v < 1e-2 for v in bf16)  # bf16 rounding, far from float32's 1e-7
 
 
+@pytest.mark.subprocess
 def test_console_shows_one_bar_and_each_line_once_and_writes_summary_json(tmp_path):
-    env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    env = train_env()
     env.pop("WANDB_SILENT", None)
     cmd = [sys.executable, "train.py", *[o for o in TINY if "progress_bar" not in o], "trainer.max_steps=3",
            f"hydra.run.dir={tmp_path}", "num_threads=1"]

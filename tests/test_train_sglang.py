@@ -1,13 +1,12 @@
 """End to end with `rollout=sglang`: a real SGLang server on CPU samples, the trainer scores over its candidate
-sets, and weights are synced to the server through `/update_weights_from_disk` after each step."""
+sets, and weights are synced to the server through `/update_weights_from_disk` after each step. The first run
+launches its server; the overlap run connects to the session's shared one (conftest's tiny_sglang_url)."""
 
-import csv
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import column, compose_cfg, read_metrics
 from sglang_checks import require_sglang
-from test_train import ROOT, TINY
 
 from topp_rl.train import train
 
@@ -16,9 +15,7 @@ require_sglang(module=True)
 
 
 def test_sglang_rollouts_train_with_exact_logprobs(tmp_path, capsys):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.output_dir={tmp_path}", *TINY, "rollout=sglang", "logger=csv"])
-    summary = train(cfg)
+    summary = train(compose_cfg(tmp_path, "rollout=sglang", "logger=csv"))
     # The server's recorded sets and renormalised log-probs match the trainer's float32 pass (two engines).
     assert summary["train/rollout_logprob_abs_diff_max"] <= 1e-4
     assert summary["train/rollout_logprob_abs_diff"] <= 1e-5
@@ -30,16 +27,11 @@ def test_sglang_rollouts_train_with_exact_logprobs(tmp_path, capsys):
     assert re.search(r"\[topp_rl\] SGLang server http://127\.0\.0\.1:\d+: ready in \d+\.\d s", out), out
 
 
-def test_sglang_overlap_generates_beside_training_one_update_behind(tmp_path):
+def test_sglang_overlap_generates_beside_training_one_update_behind(tmp_path, tiny_sglang_url):
     """rollout.overlap=true with a real server: step k + 1's requests run on a background thread while step k
     trains; each step's weight push waits for them, so every step after the first trains one update behind."""
-    overrides = [f"paths.output_dir={tmp_path}", *TINY, "rollout=sglang", "logger=csv", "trainer.max_steps=3",
-                 "rollout.overlap=true", "algo.loss.tis_cap=2.0"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    train(cfg)
-    (path,) = tmp_path.glob("csv/*/metrics.csv")
-    with path.open() as f:
-        rows = [r for r in csv.DictReader(f) if r.get("rollout/weight_staleness")]
-    assert [float(r["rollout/weight_staleness"]) for r in rows] == [0.0, 1.0, 1.0]
+    train(compose_cfg(tmp_path, "rollout=sglang", f"rollout.engine.urls=['{tiny_sglang_url}']", "logger=csv",
+                      "trainer.max_steps=3", "rollout.overlap=true", "algo.loss.tis_cap=2.0"))
+    rows = [r for r in read_metrics(tmp_path) if r.get("rollout/weight_staleness")]
+    assert column(rows, "rollout/weight_staleness") == [0.0, 1.0, 1.0]
     assert float(rows[0]["train/rollout_logprob_abs_diff_max"]) <= 1e-4  # step 0: on-policy, exact
