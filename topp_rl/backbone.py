@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from topp_rl.data import PackedBatch
 from topp_rl.parallel import ParallelLayout
 
 
@@ -42,7 +43,7 @@ class Backbone(WeightSource, Protocol):
         """The HF `PretrainedConfig` the body was built from (architecture, vocabulary, export)."""
         ...
 
-    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+    def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         """(final normed hidden states [T_local, H] in `layout`'s CP order, output weight [V_local, H])."""
         ...
 
@@ -146,7 +147,7 @@ class HFBackbone(nn.Module):
     def output_weight(self) -> Tensor:
         return self.model.get_output_embeddings().weight
 
-    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+    def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         lengths = batch.seq_lengths.to(batch.tokens.device)
         width = int(lengths.max())
         valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [B, L]

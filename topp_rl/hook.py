@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from topp_rl.data import PackedBatch
 from topp_rl.ops import candidate_head_logprobs, token_logprobs
 from topp_rl.parallel import ParallelLayout, cp_local_positions, response_rows
 from topp_rl.records import OnPolicyRecord
@@ -46,7 +47,7 @@ class ToppLogProb:
         self.use_mask = use_mask
         self.temperature = float(temperature)
 
-    def _locate(self, batch, layout: ParallelLayout):
+    def _locate(self, batch: PackedBatch, layout: ParallelLayout):
         """Local rows predicting response tokens, their token index in [0, R), the tokens and candidate rows."""
         positions = cp_local_positions(
             batch.seq_lengths, cp_size=layout.cp_size, cp_rank=layout.cp_rank, mode=layout.cp_mode
@@ -63,7 +64,7 @@ class ToppLogProb:
 
     def __call__(
         self,
-        batch,
+        batch: PackedBatch,
         *,
         layout: ParallelLayout,
         hidden: torch.Tensor | None = None,
@@ -95,7 +96,7 @@ class ToppLogProb:
     @torch.no_grad()
     def onpolicy(
         self,
-        batch,
+        batch: PackedBatch,
         *,
         layout: ParallelLayout,
         hidden: torch.Tensor,

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from topp_rl.backbone import Backbone, HFBackbone, nonfinite_parameters
+from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
-from topp_rl.losses import LossInputs
+from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout
 from topp_rl.records import OnPolicyRecord
@@ -77,7 +78,7 @@ class PolicyModule(L.LightningModule):
         self,
         *,
         policy: Backbone,
-        loss: Callable[[LossInputs], tuple[torch.Tensor, dict[str, SumCount]]],
+        loss: PolicyLoss,
         optimizer: OptimizerFactory,
         hook: ToppLogProb,
         reference: Backbone | None = None,
@@ -138,30 +139,30 @@ class PolicyModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def _gather(self, values: torch.Tensor, token_index: torch.Tensor, batch) -> torch.Tensor:
+    def _gather(self, values: torch.Tensor, token_index: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return gather_tokens(values, token_index, num_tokens=batch.response_tokens.numel(),
                              group=self.layout.cp_group)
 
-    def score(self, model: Backbone, batch, *, use_mask: bool) -> torch.Tensor:
+    def score(self, model: Backbone, batch: PackedBatch, *, use_mask: bool) -> torch.Tensor:
         """Log-probs [R] of the batch's response tokens in sample order (grad when grad mode is on)."""
         hidden, weight = model.forward_hidden(batch)
         return self.score_hidden(batch, hidden, weight, use_mask=use_mask)
 
-    def score_hidden(self, batch, hidden: Tensor, weight: Tensor, *, use_mask: bool) -> Tensor:
+    def score_hidden(self, batch: PackedBatch, hidden: Tensor, weight: Tensor, *, use_mask: bool) -> Tensor:
         hook = self.hook if use_mask == self.hook.use_mask else ToppLogProb(
             use_mask=use_mask, temperature=self.hook.temperature
         )
         out = hook(batch, layout=self.layout, hidden=hidden, weight=weight)
         return self._gather(out.logprobs, out.token_index, batch)
 
-    def onpolicy_pass(self, batch) -> tuple[torch.Tensor, OnPolicyRecord]:
+    def onpolicy_pass(self, batch: PackedBatch) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(old log-probs [R] for the loss, the on-policy record over this rank's tokens)."""
         with torch.no_grad():
             hidden, weight = self.policy.forward_hidden(batch)
         return self.onpolicy_from_hidden(batch, hidden, weight)
 
     @torch.no_grad()
-    def onpolicy_from_hidden(self, batch, hidden: Tensor, weight: Tensor) -> tuple[Tensor, OnPolicyRecord]:
+    def onpolicy_from_hidden(self, batch: PackedBatch, hidden: Tensor, weight: Tensor) -> tuple[Tensor, OnPolicyRecord]:
         """`onpolicy_pass` from a forward already made (detached here: the record carries no gradient)."""
         hidden, weight = hidden.detach(), weight.detach()
         token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
@@ -169,7 +170,7 @@ class PolicyModule(L.LightningModule):
         old = record.logprobs if self.hook.use_mask else record.logprobs_unmasked
         return self._gather(old, token_index, batch), record
 
-    def loss_inputs(self, batch, logprobs, old, ref) -> LossInputs:
+    def loss_inputs(self, batch: PackedBatch, logprobs: Tensor, old: Tensor, ref: Tensor | None) -> LossInputs:
         seq_index = torch.repeat_interleave(batch.sample_index, batch.response_lengths)
         return LossInputs(
             logprobs=logprobs, old_logprobs=old, advantages=batch.advantages, loss_mask=batch.loss_mask,
@@ -178,7 +179,7 @@ class PolicyModule(L.LightningModule):
             rollout_logprobs=batch.rollout_log_probs,
         )
 
-    def reference_pass(self, micro: list) -> list[torch.Tensor | None]:
+    def reference_pass(self, micro: list[PackedBatch]) -> list[torch.Tensor | None]:
         """Reference log-probs [R] per micro-batch (None without a reference model)."""
         if self.reference is None:
             return [None] * len(micro)
@@ -187,7 +188,7 @@ class PolicyModule(L.LightningModule):
         with torch.no_grad():
             return [self.score(self.reference, mb, use_mask=use_mask) for mb in micro]
 
-    def accumulate_gradients(self, micro: list, old: list, refs: list) -> dict[str, SumCount]:
+    def accumulate_gradients(self, micro: list[PackedBatch], old: list[Tensor], refs: list[Tensor | None]) -> dict[str, SumCount]:
         """Backward of the loss over every micro-batch into .grad: the loss divides by the step's global counts,
         so the accumulated gradient equals that of one batch holding all micro-batches."""
         metrics: dict[str, SumCount] = {}
@@ -196,7 +197,7 @@ class PolicyModule(L.LightningModule):
             self.backward_loss(mb, hidden, weight, old=o, ref=r, metrics=metrics)
         return metrics
 
-    def onpolicy_gradients(self, micro: list, refs: list) -> tuple[dict[str, SumCount], list[OnPolicyRecord], float]:
+    def onpolicy_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None]) -> tuple[dict[str, SumCount], list[OnPolicyRecord], float]:
         """`ppo_epochs=1`: one backbone forward per micro-batch serves the old-log-prob pass, the on-policy record
         and the gradient (the weights have not changed since the rollout, so the old log-probs are this pass's
         own, detached: the same values as a separate no-grad pass, one forward fewer). Returns the loss sums,
@@ -212,14 +213,14 @@ class PolicyModule(L.LightningModule):
             self.backward_loss(mb, hidden, weight, old=old, ref=r, metrics=metrics)
         return metrics, records, record_s
 
-    def backward_loss(self, mb, hidden, weight, *, old, ref, metrics: dict[str, SumCount]) -> None:
+    def backward_loss(self, mb: PackedBatch, hidden: Tensor, weight: Tensor, *, old: Tensor, ref: Tensor | None, metrics: dict[str, SumCount]) -> None:
         """One micro-batch's loss from its final hidden states, backward into .grad; its sums into `metrics`."""
         logprobs = self.score_hidden(mb, hidden, weight, use_mask=self.hook.use_mask)
         loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, ref))
         (self.manual_backward if self._trainer is not None else torch.Tensor.backward)(loss)
         add_sums(metrics, loss_metrics)
 
-    def training_step(self, batch, batch_idx: int) -> dict:
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
         micro = batch.micro_batches
         t0 = time.perf_counter()
         fused = self.ppo_epochs == 1

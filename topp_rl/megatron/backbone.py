@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from topp_rl.data import PackedBatch
 from topp_rl.megatron import cpu_shims
 from topp_rl.megatron.hf_config import head_dim, hf_inv_freq, model_type
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
@@ -213,7 +214,7 @@ class MegatronBackbone(torch.nn.Module):
             return self.model.shared_embedding_or_output_weight()
         return self.model.output_layer.weight
 
-    def forward_hidden(self, batch) -> tuple[Tensor, Tensor]:
+    def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         """(hidden [T_local, H], weight shard [V_local, H]) for a `PackedBatch`; rows in the layout's CP order."""
         layout = self._layout
         positions = layout.local_positions(batch.seq_lengths)
