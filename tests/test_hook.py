@@ -8,9 +8,8 @@ from dist_utils import run_distributed
 
 from topp_rl.data import PackedBatch
 from topp_rl.hook import ToppLogProb
-from topp_rl.module import gather_tokens
 from topp_rl.ops import Candidates
-from topp_rl.parallel import ParallelLayout, cp_local_positions
+from topp_rl.parallel import ParallelLayout, cp_local_positions, gather_tokens
 
 V, H, TEMP = 40, 12, 0.7
 R = 10  # response tokens in make_batch()

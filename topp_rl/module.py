@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from topp_rl.backbone import Backbone, HFBackbone, nonfinite_parameters
@@ -33,26 +32,11 @@ from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
-from topp_rl.parallel import ParallelLayout
+from topp_rl.parallel import ParallelLayout, gather_tokens
 from topp_rl.records import OnPolicyRecord
 from topp_rl.schedule import LRSchedule
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-def gather_tokens(values: torch.Tensor, token_index: torch.Tensor, *, num_tokens: int, group) -> torch.Tensor:
-    """[R] in sample order from this rank's values [R_local] at `token_index` (CP ranks hold disjoint tokens).
-
-    Other CP ranks' tokens arrive through an all_reduce of a detached copy, so gradient flows only into this
-    rank's own tokens: each CP rank computes the same whole-sequence loss, and its parameter gradient covers
-    its own rows; summing gradients over CP (not averaging) gives the full gradient.
-    """
-    full = values.new_zeros(num_tokens).index_put((token_index,), values)
-    if group is None:
-        return full
-    others = full.detach().clone()
-    dist.all_reduce(others, group=group)
-    return full + (others - full.detach())
 
 
 def _check_backbone(model, slot: str) -> Backbone:
@@ -308,7 +292,7 @@ class PolicyModule(L.LightningModule):
         return self.policy.hf_named_tensors()
 
 
-__all__ = ["Backbone", "HFBackbone", "PolicyModule", "gather_tokens"]
+__all__ = ["Backbone", "HFBackbone", "PolicyModule"]
 
 
 def _overflow(step: int, lr: float, what: str) -> FloatingPointError:

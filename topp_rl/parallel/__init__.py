@@ -11,6 +11,7 @@ from topp_rl.parallel.context import (
 )
 from topp_rl.parallel.layout import ParallelLayout
 from topp_rl.parallel.rows import response_rows
+from topp_rl.parallel.tokens import gather_tokens
 
 __all__ = [
     "CP_MODES",
@@ -21,5 +22,6 @@ __all__ = [
     "cp_padded_lengths",
     "cp_shard",
     "cu_seqlens",
+    "gather_tokens",
     "response_rows",
 ]
