@@ -12,7 +12,8 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.engines.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
+from topp_rl.engines.sglang import SGLangEngine, SGLangTimeoutError
+from topp_rl.engines.sglang.protocol import SGLANG_OVERFLOW, error_message, overflow_sample
 from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
 
 
@@ -142,11 +143,11 @@ def test_sglangs_own_overflow_abort_is_recognised():
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     source = Path(site, "sglang/srt/managers/scheduler_components/batch_result_processor.py").read_text()
-    assert f'"{_SGLANG_OVERFLOW}=' in source
+    assert f'"{SGLANG_OVERFLOW}=' in source
     body = (
         '{"error": {"message": "Sampling support exceeds --sampling-mask-max-tokens=65, commonly because"}}'
     )
-    assert _error_message(body).startswith(f"{_SGLANG_OVERFLOW}=65")
-    sample = SGLangEngine._overflow_sample([1, 2], _error_message(body), weight_version=None)
+    assert error_message(body).startswith(f"{SGLANG_OVERFLOW}=65")
+    sample = overflow_sample([1, 2], error_message(body), weight_version=None)
     assert sample.status == "aborted" and sample.metadata["candidate_overflow"] is True
-    assert sample.metadata["finish_reason"] == {"type": "abort", "message": _error_message(body)}
+    assert sample.metadata["finish_reason"] == {"type": "abort", "message": error_message(body)}
