@@ -114,7 +114,7 @@ class SGLangEngine(RolloutEngine):
                                   workdir=self.workdir)  # fmt: skip
         try:
             if mode == "urls":
-                self.fleet.urls = [u.rstrip("/") for u in urls]
+                self.fleet.use_urls(urls)
             elif mode == "router_url":
                 self.fleet.join_router(self.client, router_url)
             else:

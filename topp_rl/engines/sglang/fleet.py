@@ -11,6 +11,7 @@ passes the candidate sets through. The fleet also names the processes behind an 
 
 import json
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +77,9 @@ class Fleet:
                 self.keep_log = True
                 raise
             self.router_url = self.launched_router.url
+
+    def use_urls(self, urls: Sequence[str]) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
 
     def join_router(self, client: SGLangClient, router_url: str) -> None:
         self.router_url = router_url.rstrip("/")
