@@ -69,7 +69,7 @@ def engine(model_dir):
 def test_patched_server_detected(engine):
     assert engine.patched, "the setup script applies patches/sglang; the probe must see candidate_ids_b64"
     params = SamplingParams(temperature=0.9, top_p=0.8, top_k=40, max_new_tokens=4)
-    body = engine._payload(PROMPTS[0], params, top_k=40, wants_mask=True, seed=None, index=0)
+    body = engine.codec.payload(PROMPTS[0], params, seed=None, index=0)
     compact = requests.post(f"{engine.urls[0]}/generate", json=body, timeout=60).json()["meta_info"]
     # The compact arrays come from the server (not a client-side re-encoding), one row per output token.
     assert "candidate_ids_b64" in compact and "output_token_sampling_mask" not in compact
@@ -171,7 +171,7 @@ def _assert_loopback_only(engine) -> None:
     assert len(server) >= 3 and len({pid for _, pid in found}) >= 2, f"too few listeners seen: {found}"
     wide = [(addr, pid) for addr, pid in found if not addr.is_loopback]
     assert not wide, f"listening beyond loopback (address, pid): {wide}"
-    assert engine._distributed is not None  # the check ran while the weight-sync group exists
+    assert engine.weights.distributed is not None  # the check ran while the weight-sync group exists
 
 
 def _abort_while(engine, generate, *, requests_sent: int) -> None:

@@ -12,7 +12,8 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.engines.sglang import _SGLANG_OVERFLOW, SGLangEngine, SGLangTimeoutError, _error_message
+from topp_rl.engines.sglang import Retries, SGLangEngine, SGLangRequestError, SGLangTimeoutError, Timeouts
+from topp_rl.engines.sglang.protocol import SGLANG_OVERFLOW, error_message, overflow_sample
 from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
 
 
@@ -83,6 +84,38 @@ def test_bad_timeouts_are_rejected(tmp_path):
         SGLangEngine(urls=["http://127.0.0.1:1"], vocab_size=64, workdir=tmp_path, connect_timeout_s=0)
 
 
+def test_timeouts_and_retries_give_the_bounds_and_delays():
+    timeouts = Timeouts(first_byte_timeout_s=30, per_token_timeout_s=0.25, transfer_timeout_s=10)
+    call = timeouts.call(tokens=40)
+    assert (call.first_byte_s, call.total_s) == (40.0, 50.0)
+    assert call.how == "first_byte_timeout_s 30 + per_token_timeout_s 0.25 x 40 tokens"
+    update = timeouts.weights(2 * 10**9)  # defaults: 120 s + 60 s per GB
+    assert (update.first_byte_s, update.total_s) == (240.0, 250.0)
+    assert update.how == "weight_update_timeout_s 120 + per_gb_timeout_s 60 x 2.000 GB"
+    assert [Retries(backoff_s=0.5, max_backoff_s=3).delay(k) for k in range(5)] == [0, 0.5, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"timeouts \{'per_token_timeout_s': -1\} out of range"):
+        Timeouts(per_token_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"max_retries \(-1\) must be an integer >= 0, backoff_s \(0.5\)"):
+        Retries(max_retries=-1)
+
+
+def test_engine_builds_timeouts_and_retries_from_its_keywords_or_takes_them(tmp_path):
+    kwargs = {"urls": ["http://127.0.0.1:1"], "vocab_size": 64, "workdir": tmp_path}
+    with pytest.raises(ValueError, match=r"timeouts= and \['connect_timeout_s'\] are both given; pass the values"):
+        SGLangEngine(timeouts=Timeouts(), connect_timeout_s=5, **kwargs)
+    with pytest.raises(ValueError, match=r"retries= and \['backoff_s'\] are both given"):
+        SGLangEngine(retries={"max_retries": 1}, backoff_s=0.1, **kwargs)
+    with pytest.raises(ValueError, match=r"timeouts \{'first_byte_timeout_s': 0\} out of range"):
+        SGLangEngine(timeouts={"first_byte_timeout_s": 0}, **kwargs)
+    assert list(tmp_path.iterdir()) == []  # rejected before the work dir is made
+    # Given either way, the same limits reach the client: one attempt, no wait, refused at once.
+    keywords = {"max_retries": 0, "connect_timeout_s": 2}
+    objects = {"retries": Retries(max_retries=0), "timeouts": {"connect_timeout_s": 2}}
+    for limits in (keywords, objects):
+        with pytest.raises(SGLangRequestError, match=r"GET http://127.0.0.1:1/server_info failed after 1 attempt"):
+            SGLangEngine(**kwargs, **limits)
+
+
 def test_sglang_python_is_an_explicit_setting(tmp_path, monkeypatch):
     monkeypatch.delenv(SGLANG_PYTHON_ENV, raising=False)
     with pytest.raises(
@@ -143,11 +176,11 @@ def test_sglangs_own_overflow_abort_is_recognised():
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     source = Path(site, "sglang/srt/managers/scheduler_components/batch_result_processor.py").read_text()
-    assert f'"{_SGLANG_OVERFLOW}=' in source
+    assert f'"{SGLANG_OVERFLOW}=' in source
     body = (
         '{"error": {"message": "Sampling support exceeds --sampling-mask-max-tokens=65, commonly because"}}'
     )
-    assert _error_message(body).startswith(f"{_SGLANG_OVERFLOW}=65")
-    sample = SGLangEngine._overflow_sample([1, 2], _error_message(body), weight_version=None)
+    assert error_message(body).startswith(f"{SGLANG_OVERFLOW}=65")
+    sample = overflow_sample([1, 2], error_message(body), weight_version=None)
     assert sample.status == "aborted" and sample.metadata["candidate_overflow"] is True
-    assert sample.metadata["finish_reason"] == {"type": "abort", "message": _error_message(body)}
+    assert sample.metadata["finish_reason"] == {"type": "abort", "message": error_message(body)}

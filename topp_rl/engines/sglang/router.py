@@ -90,11 +90,6 @@ class SGLangRouter(LoggedProcessGroup):
         self._proc = spawn_group(python, cmd, log=self._log, env=_router_env())
         self._await_start(lambda: self._wait_ready(startup_timeout_s))
 
-    @property
-    def pid(self) -> int:
-        """The process group id (the watchdog's pid)."""
-        return self._proc.pid
-
     def _wait_ready(self, timeout_s: float) -> None:
         start, last = time.monotonic(), "no answer"
         while time.monotonic() - start < timeout_s:

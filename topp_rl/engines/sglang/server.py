@@ -166,6 +166,16 @@ class LoggedProcessGroup:
     kind: str = "process"
     _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
 
+    @property
+    def pid(self) -> int:
+        """The process group id (the watchdog's pid)."""
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The group leader's exit code once it exited (negative: killed by that signal); None while it runs."""
+        return self._proc.poll()
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -297,11 +307,6 @@ class SGLangServer(LoggedProcessGroup):
             env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
             env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         return env
-
-    @property
-    def pid(self) -> int:
-        """The process group id (the watchdog's pid)."""
-        return self._proc.pid
 
     def _wait_ready(self, timeout_s: float, interval_s: float) -> None:
         start = time.monotonic()

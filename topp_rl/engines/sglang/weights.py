@@ -1,6 +1,10 @@
 """Weight sync into SGLang servers: a temp checkpoint for `/update_weights_from_disk`, or a broadcast group for
 `/update_weights_from_distributed`.
 
+`WeightSync.update` is one update of the given workers, each addressed directly (a router routes no control
+calls): pause its generation ("abort": a sample never mixes two weight versions; none is in flight between
+steps), push, resume; every call bounded by the weight timeouts (`Timeouts.weights`: a base + per GB).
+
 The distributed path: the trainer is rank 0 of a group whose other ranks are the servers (server k joins as rank
 k + 1 through `/init_weights_update_group`). SGLang builds its side with `sglang.srt.utils.
 init_custom_process_group` (a TCP rendezvous, a PrefixStore named after the group, then torch's
@@ -23,19 +27,104 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from topp_rl.engines.sglang.client import SGLangClient
 from topp_rl.engines.sglang.server import LOOPBACK_IFNAME, is_loopback
 
 PostFn = Callable[[str, str, dict[str, Any], int], dict[str, Any]]  # (url, path, body, weight bytes) -> JSON
 _CONFIG_FILES = ("config.json", "generation_config.json")
+SyncMethod = Literal["disk", "distributed"]
+
+
+@dataclass(frozen=True)
+class WeightSyncStats:
+    """One `update_weights` call, as the trainer logs it (`perf/weight_sync_s`, `perf/weight_sync_bytes`)."""
+
+    seconds: float  # wall time from pausing the workers to resuming them
+    bytes: int  # tensor bytes pushed (every worker receives all of them)
+    buckets: int  # broadcast buckets (distributed); 1 for a disk checkpoint
+    workers: tuple[str, ...]  # the worker URLs updated
+    method: str  # "distributed" or "disk"
+    version: str  # the weight version the workers serve from now on (SGLang's weight_version)
+
+
+class WeightSync:
+    """The updates of one engine's workers: after the k-th, they serve weight version str(k). The broadcast group
+    (`distributed`) is kept between updates and rebuilt when the workers change."""
+
+    def __init__(self, client: SGLangClient, *, bucket_bytes: int, host: str, workdir: Path) -> None:
+        self.client, self.bucket_bytes, self.host, self.workdir = client, bucket_bytes, host, workdir
+        self.distributed: DistributedWeightSender | None = None
+        self.syncs = 0
+
+    def _post(self, url: str, path: str, body: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
+        return self.client.post(url, path, body, self.client.timeouts.weights(weight_bytes))
+
+    def update(
+        self, named: Iterable[tuple[str, torch.Tensor]], workers: list[str], *, method: SyncMethod,
+        config_dir: Path | None,
+    ) -> WeightSyncStats:  # fmt: skip
+        """Pause `workers`, push `named` by `method` (`config_dir`: the model's config files for a disk
+        checkpoint), resume them."""
+        start = time.monotonic()
+        version = str(self.syncs + 1)
+        for url in workers:
+            self._post(url, "/pause_generation", {"mode": "abort"}, 0)
+        if method == "distributed":
+            nbytes, buckets = self._distributed(workers).send(
+                named, bucket_bytes=self.bucket_bytes, version=version
+            )
+        else:
+            nbytes, buckets = self._disk(named, workers, version, config_dir), 1
+        for url in workers:
+            self._post(url, "/continue_generation", {}, 0)
+        self.syncs += 1
+        return WeightSyncStats(seconds=time.monotonic() - start, bytes=nbytes, buckets=buckets,
+                               workers=tuple(workers), method=method, version=version)  # fmt: skip
+
+    def _distributed(self, workers: list[str]) -> "DistributedWeightSender":
+        if self.distributed is not None and self.distributed.urls != workers:  # the fleet changed: regroup
+            self.distributed.close()
+            self.distributed = None
+        if self.distributed is None:
+            self.distributed = DistributedWeightSender(
+                workers, post=self._post, host=self.host, group_name=f"topp_rl_weights_{self.syncs}",
+                timeout_s=self.client.timeouts.weights(self.bucket_bytes).total_s,
+            )  # fmt: skip
+        return self.distributed
+
+    def _disk(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], workers: list[str], version: str,
+        config_dir: Path | None,
+    ) -> int:  # fmt: skip
+        named = [(name, t.detach()) for name, t in named_tensors]
+        if not named:
+            raise ValueError(
+                "update_weights got no tensors; pass model.named_parameters() or a state_dict's items"
+            )
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        body = {"flush_cache": True, "weight_version": version}
+        with write_checkpoint(named, config_dir=config_dir, parent=self.workdir) as path:
+            futures = [self.client.submit(self._post, url, "/update_weights_from_disk",
+                                          {**body, "model_path": str(path)}, nbytes) for url in workers]  # fmt: skip
+            for fut in futures:
+                fut.result()
+        return nbytes
+
+    def close(self) -> None:
+        if self.distributed is not None:
+            self.distributed.close()
+            self.distributed = None
 
 
 @contextlib.contextmanager

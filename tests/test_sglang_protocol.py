@@ -1,0 +1,221 @@
+"""The SGLang /generate codec (`topp_rl.engines.sglang.protocol`) without a server: request bodies from
+SamplingParams, and answers in the shape SGLang 0.5.23 returns them (recorded field by field from
+tests/test_sglang.py's server) turned into Samples, with their candidate sets, status and overflow rules."""
+
+import json
+
+import pytest
+import torch
+
+from topp_rl.data.params import SamplingParams
+from topp_rl.data.sample import SampleStatus
+from topp_rl.engines.sglang.protocol import (
+    SEED_STRIDE,
+    SGLANG_OVERFLOW,
+    Codec,
+    ServerOverflow,
+    error_message,
+    generate_answer,
+    mask_cap,
+    parse_answer,
+    served_vocab,
+    vocab_probe_body,
+)
+from topp_rl.engines.sglang.wire import encode_candidates
+from topp_rl.ops import Candidates
+
+CODEC = Codec(vocab_size=100, max_candidates=4, b64=True)
+URL = "http://127.0.0.1:30000"
+
+
+def _cands(rows: list[list[int]]) -> Candidates:
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + len(row))
+    return Candidates(
+        ids=torch.tensor([i for row in rows for i in row], dtype=torch.int32),
+        offsets=torch.tensor(offsets, dtype=torch.int32),
+    )
+
+
+def _answer(tokens, rows, *, reason="stop", b64=True, version="3"):
+    """An SGLang /generate answer: output_token_logprobs are [logprob, token id, text] triples (text None with
+    --skip-tokenizer-init), the renormalised log-probs one float per token, the mask compact or nested."""
+    raw = [-0.5 * (k + 1) for k in range(len(tokens))]
+    meta = {
+        "finish_reason": {"type": reason} if reason else None,
+        "weight_version": version,
+        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(raw, tokens, strict=True)],
+        "output_token_sampling_logprobs": [lp / 2 for lp in raw],
+    }
+    if rows is not None:
+        meta.update(encode_candidates(_cands(rows)) if b64 else {"output_token_sampling_mask": rows})
+    return {"output_ids": tokens, "meta_info": meta}
+
+
+def test_payload_carries_every_sampling_field():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=3, min_p=0.05, max_new_tokens=5,
+                            stop_token_ids=[2, 7])  # fmt: skip
+    body = CODEC.payload([1, 2, 3], params, seed=11, index=4)
+    assert body == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 3, "min_p": 0.05, "max_new_tokens": 5,
+                            "stop_token_ids": [2, 7]},  # no sampling_seed: SGLang's seeded sampler rejects min-p
+        "return_logprob": True,
+        "return_sampling_mask": True,
+        "return_sampling_mask_b64": True,
+    }  # fmt: skip
+    nested = Codec(vocab_size=100, max_candidates=4, b64=False).payload([1], params, seed=None, index=0)
+    assert nested["return_sampling_mask"] is True and "return_sampling_mask_b64" not in nested
+
+
+def test_untruncated_request_asks_for_no_mask():
+    body = CODEC.payload([5], SamplingParams(temperature=0.8, max_new_tokens=2), seed=None, index=0)
+    assert body["sampling_params"]["top_k"] == -1  # SGLang's "no top-k"
+    assert not {"return_sampling_mask", "return_sampling_mask_b64"} & body.keys()
+    assert "sampling_seed" not in body["sampling_params"]
+
+
+@pytest.mark.parametrize(
+    ("top_k", "max_candidates", "vocab", "sent"),
+    [(3, 4, 100, 3), (4, 4, 100, 4), (0, 4, 100, 5), (9, 4, 100, 5), (0, 4096, 50, 50)],
+    ids=["user-top-k", "top-k-at-cap", "no-top-k", "top-k-over-cap", "cap-over-vocab"],
+)
+def test_top_k_sent_bounds_the_set_one_past_max_candidates(top_k, max_candidates, vocab, sent):
+    codec = Codec(vocab_size=vocab, max_candidates=max_candidates, b64=True)
+    params = SamplingParams(top_p=0.9, top_k=top_k)
+    assert (
+        codec.top_k(params)
+        == sent
+        == codec.payload([1], params, seed=None, index=0)["sampling_params"]["top_k"]
+    )
+    assert mask_cap(max_candidates, vocab) == min(max_candidates + 1, vocab)
+
+
+def test_seed_is_per_sample_and_reproducible():
+    params = SamplingParams(top_p=0.9)
+    seeds = [
+        CODEC.payload([1], params, seed=7, index=i)["sampling_params"]["sampling_seed"] for i in (0, 1, 0)
+    ]
+    assert seeds == [7 * SEED_STRIDE, 7 * SEED_STRIDE + 1, 7 * SEED_STRIDE]
+    huge = CODEC.payload([1], params, seed=2**62, index=0)["sampling_params"]["sampling_seed"]
+    assert huge == (2**62 * SEED_STRIDE) % 2**63  # within SGLang's int64
+
+
+def test_extra_sampling_params_are_added_but_never_override():
+    codec = Codec(vocab_size=100, max_candidates=4, b64=True, extra={"ignore_eos": True})
+    assert codec.payload([1], SamplingParams(), seed=None, index=0)["sampling_params"]["ignore_eos"] is True
+    clash = Codec(vocab_size=100, max_candidates=4, b64=True, extra={"top_p": 0.5, "min_p": 0.1})
+    with pytest.raises(
+        ValueError, match=r"extra_sampling_params sets \['min_p', 'top_p'\], which SamplingParams"
+    ):
+        clash.payload([1], SamplingParams(), seed=None, index=0)
+
+
+@pytest.mark.parametrize("b64", [True, False], ids=["b64", "nested"])
+def test_answer_becomes_a_sample_with_its_candidates(b64):
+    rows = [[4, 9], [9], [1, 2, 3, 4]]  # at most max_candidates=4 ids per token, each holding its token
+    sample = CODEC.sample([1, 2], _answer([9, 9, 3], rows, reason="length", b64=b64), wants_mask=True)
+    assert sample.status == SampleStatus.TRUNCATED
+    assert sample.prompt_ids == [1, 2] and sample.response_ids == [9, 9, 3] and sample.loss_mask == [1, 1, 1]
+    assert sample.rollout_log_probs == [-0.25, -0.5, -0.75]  # the renormalised ones
+    assert sample.rollout_raw_log_probs == [-0.5, -1.0, -1.5]
+    assert sample.candidates.ids.tolist() == [4, 9, 9, 1, 2, 3, 4]
+    assert sample.candidates.offsets.tolist() == [0, 2, 3, 7]
+    assert sample.metadata == {"weight_version": "3", "candidate_overflow": False}
+
+
+def test_untruncated_answer_has_raw_log_probs_and_no_candidates():
+    sample = CODEC.sample([1], _answer([5, 6], None), wants_mask=False)
+    assert sample.status == SampleStatus.COMPLETED and sample.candidates is None
+    assert sample.rollout_log_probs == sample.rollout_raw_log_probs == [-0.5, -1.0]
+
+
+def test_recording_can_be_turned_off():
+    codec = Codec(
+        vocab_size=100, max_candidates=4, b64=True, record_candidates=False, record_raw_log_probs=False
+    )
+    sample = codec.sample([1], _answer([9], [[9, 4]]), wants_mask=True)
+    assert sample.candidates is None and sample.rollout_raw_log_probs is None
+    assert sample.rollout_log_probs == [-0.25]
+
+
+@pytest.mark.parametrize("reason", ["abort", None])
+def test_aborted_answer_keeps_nothing_of_the_partial_response(reason):
+    out = _answer([9, 9], [[9], [9]], reason=reason)
+    out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"} if reason else None
+    sample = CODEC.sample([1, 2], out, wants_mask=True)
+    assert sample.status == SampleStatus.ABORTED and sample.prompt_ids == [1, 2]
+    assert sample.response_ids == [] and sample.rollout_log_probs == [] and sample.candidates is None
+    assert sample.metadata == {
+        "finish_reason": out["meta_info"]["finish_reason"],
+        "candidate_overflow": False,
+    }
+
+
+def test_a_set_over_max_candidates_aborts_the_sample_never_cut():
+    rows = [[9], [1, 2, 3, 4, 9]]  # token 1 kept max_candidates + 1 = 5 ids: the top_k cut bound, an overflow
+    sample = CODEC.sample([1], _answer([9, 9], rows), wants_mask=True)
+    assert sample.status == SampleStatus.ABORTED and sample.response_ids == []
+    assert sample.metadata["candidate_overflow"] is True and sample.metadata["weight_version"] == "3"
+    assert sample.metadata["finish_reason"] == {
+        "type": "abort",
+        "message": "candidate set larger than max_candidates=4 (response token 1 kept more than 4 ids); raise "
+        "rollout.max_candidates, or bound the set with top_k <= max_candidates",
+    }
+
+
+def test_sglangs_own_overflow_abort_becomes_an_overflow_sample():
+    message = (
+        f"{SGLANG_OVERFLOW}=5, commonly because of cutoff ties. Lower top_k to leave more headroom or ..."
+    )
+    out = generate_answer(URL, 400, json.dumps({"error": {"message": message}}))
+    assert out == ServerOverflow(message)
+    sample = CODEC.sample([1], out, wants_mask=True)
+    assert sample.status == SampleStatus.ABORTED and sample.metadata == {
+        "candidate_overflow": True,
+        "finish_reason": {"type": "abort", "message": out.message},
+        "weight_version": None,
+    }
+
+
+def test_answers_that_break_the_contract_raise_naming_it():
+    out = _answer([9, 8], [[9], [8]])
+    out["meta_info"]["output_token_logprobs"][1][1] = 7
+    with pytest.raises(
+        RuntimeError, match=r"output_token_logprobs for \[9, 7\], not the output ids \[9, 8\]"
+    ):
+        CODEC.sample([1], out, wants_mask=True)
+    with pytest.raises(RuntimeError, match="no sampling mask although the request asked for one"):
+        CODEC.sample([1], _answer([9], None), wants_mask=True)
+    with pytest.raises(ValueError, match=r"sampled token 9 at response position 0 is missing from .* \[4\]"):
+        CODEC.sample([1], _answer([9], [[4]]), wants_mask=True)
+
+
+def test_status_codes_and_reported_failures():
+    assert generate_answer(URL, 200, '{"output_ids": []}') == {"output_ids": []}
+    with pytest.raises(
+        ValueError, match=rf"SGLang at {URL} rejected POST /generate \(HTTP 400\): bad top_k; check"
+    ):
+        generate_answer(URL, 400, "bad top_k")
+    failed = '{"success": false, "message": "shape mismatch"}'
+    with pytest.raises(
+        RuntimeError, match=rf"SGLang at {URL} reported failure on /update_weights_from_disk: shape"
+    ):
+        parse_answer("POST", URL, "/update_weights_from_disk", 200, failed)
+
+
+def test_error_message_reads_sglang_and_smg_bodies():
+    assert error_message('{"error": {"message": "too long"}}') == "too long"
+    assert error_message('{"error": "worker gone"}') == "worker gone"
+    assert error_message("Internal Server Error") == "Internal Server Error"
+    assert error_message("x" * 600) == "x" * 500
+
+
+def test_served_vocab_is_read_from_sglangs_rejection():
+    assert vocab_probe_body()["token_ids_logprob"] == [2**31 - 1]
+    # SGLang 0.5.23's tokenizer_manager message, read wherever it stands in the error body
+    message = "token_ids_logprob contains out-of-vocabulary token id 2147483647; valid range is [0, 512)."
+    text = json.dumps({"error": {"message": message}})
+    assert served_vocab(400, text) == 512
+    assert served_vocab(200, text) is None and served_vocab(400, "other") is None

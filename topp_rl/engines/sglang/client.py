@@ -1,0 +1,265 @@
+"""The HTTP client of `SGLangEngine`: bounded, retried, streamed JSON calls to SGLang servers and routers.
+
+No silent hangs: every wait is bounded, separately (`Timeouts`): connect, first byte (a base plus an allowance
+per prompt + new token of a /generate, per GB of weights of an update), and the whole request (first-byte bound
++ `transfer_timeout_s`, checked between body chunks). A timeout is not retried (a hung server does not recover by
+asking again): it raises `SGLangTimeoutError` naming the server, the call and the wait. Connection errors and
+5xx are retried with bounded exponential backoff (`Retries`; on top of a router's own retries on another
+worker). While calls wait, one line per server and call goes to stderr every `progress_interval_s` (`Waits`).
+"""
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import requests
+import urllib3
+
+from topp_rl.engines.sglang.protocol import parse_answer
+
+
+class SGLangRequestError(RuntimeError):
+    """A request that still failed (connection error or 5xx) after every retry."""
+
+
+class SGLangTimeoutError(SGLangRequestError):
+    """A server that accepted a request but did not answer within its bound (not retried)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Time limits of one request: until the first response byte, and for the whole request."""
+
+    first_byte_s: float
+    total_s: float
+    how: str  # how first_byte_s was derived, for the error message
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait on a server, in seconds; the names are the engine's keyword arguments (`rollout.engine.*`).
+    Bases must be > 0, the per-token / per-GB allowances >= 0: every wait needs a finite bound."""
+
+    connect_timeout_s: float = 10.0
+    first_byte_timeout_s: float = 60.0  # + per_token_timeout_s x (prompt + max_new_tokens) of a /generate
+    per_token_timeout_s: float = 0.5
+    transfer_timeout_s: float = 60.0  # added to the first-byte bound for the whole request
+    weight_update_timeout_s: float = 120.0  # + per_gb_timeout_s x GB of a weight-update call
+    per_gb_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        allowances = ("per_token_timeout_s", "per_gb_timeout_s")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        bad = {k: v for k, v in values.items() if not (v >= 0 if k in allowances else v > 0)}
+        if bad:
+            raise ValueError(
+                f"timeouts {bad} out of range: bases must be > 0, per-token / per-GB allowances >= 0 (every wait "
+                "needs a finite bound); pass positive values"
+            )
+
+    def call(self, *, tokens: int = 0) -> Bound:
+        """A /generate's (or a small call's) limits, scaled with its tokens."""
+        first = self.first_byte_timeout_s + self.per_token_timeout_s * tokens
+        how = f"first_byte_timeout_s {self.first_byte_timeout_s:g} + per_token_timeout_s "
+        how += f"{self.per_token_timeout_s:g} x {tokens} tokens"
+        return Bound(first_byte_s=first, total_s=first + self.transfer_timeout_s, how=how)
+
+    def weights(self, weight_bytes: int) -> Bound:
+        """A weight-update call's limits (a bucket, a checkpoint load, pause / resume), scaled with its bytes."""
+        gb = weight_bytes / 1e9
+        first = self.weight_update_timeout_s + self.per_gb_timeout_s * gb
+        how = f"weight_update_timeout_s {self.weight_update_timeout_s:g} + per_gb_timeout_s "
+        how += f"{self.per_gb_timeout_s:g} x {gb:.3f} GB"
+        return Bound(first_byte_s=first, total_s=first + self.transfer_timeout_s, how=how)
+
+
+@dataclass(frozen=True)
+class Retries:
+    """Retries of a connection error or 5xx: `max_retries` more attempts, the k-th after
+    min(max_backoff_s, backoff_s * 2**(k-1)) seconds."""
+
+    max_retries: int = 4
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_retries, int) and self.max_retries >= 0 and self.backoff_s >= 0
+                and self.max_backoff_s >= 0):  # fmt: skip
+            raise ValueError(
+                f"max_retries ({self.max_retries!r}) must be an integer >= 0, backoff_s ({self.backoff_s}) and "
+                f"max_backoff_s ({self.max_backoff_s}) >= 0"
+            )
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` (0: the first, no wait)."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) if attempt else 0.0
+
+
+class ProcessNotes(Protocol):
+    """What the client may add to an error about the processes behind a URL (the engine's `Fleet`)."""
+
+    def exit_note(self) -> str: ...
+
+    def logs_of(self, url: str) -> list[str]: ...
+
+
+class _Deadline(Exception):
+    pass
+
+
+class SGLangClient:
+    """JSON calls to SGLang over HTTP: one `requests.Session` per thread, a pool of `max_concurrency` threads for
+    concurrent calls (`submit`), each call bounded by a `Bound` and retried per `retries`."""
+
+    def __init__(
+        self,
+        *,
+        timeouts: Timeouts,
+        retries: Retries,
+        max_concurrency: int = 64,
+        progress_interval_s: float = 30.0,
+        notes: ProcessNotes | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency ({max_concurrency}) must be >= 1")
+        self.timeouts, self.retries, self.notes = timeouts, retries, notes
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
+        self.waits = Waits(progress_interval_s)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the client's thread pool."""
+        return self._pool.submit(fn, *args)
+
+    def get(self, url: str, path: str) -> dict[str, Any]:
+        return self.request("GET", url, path, None, self.timeouts.call())
+
+    def post(self, url: str, path: str, body: dict[str, Any], bound: Bound | None = None) -> dict[str, Any]:
+        return self.request("POST", url, path, body, bound or self.timeouts.call())
+
+    def request(
+        self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: Bound
+    ) -> dict[str, Any]:
+        """The JSON answer; 4xx raise ValueError, a reported failure RuntimeError (`parse_answer`)."""
+        return parse_answer(method, url, path, *self.call(method, url, path, body, bound))
+
+    def call(
+        self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: Bound
+    ) -> tuple[int, str]:
+        """(status, body text) of one request below HTTP 500. Connection errors and 5xx are retried with
+        exponential backoff; a server that accepted the request but missed `bound` raises at once."""
+        last = ""
+        for attempt in range(self.retries.max_retries + 1):
+            if attempt:
+                time.sleep(self.retries.delay(attempt))
+            start = time.monotonic()
+            try:
+                with self.waits.track(url, f"{method} {path}", bound.total_s):
+                    status, text = self._send(method, url + path, body, bound, start)
+            except (requests.ReadTimeout, _Deadline):
+                raise SGLangTimeoutError(self._timeout_message(method, url, path, bound, start)) from None
+            except requests.ConnectionError as err:  # refused, reset, connect timeout: it may be restarting
+                last = f"{type(err).__name__}: {err}"
+                continue
+            if status >= 500:
+                last = f"HTTP {status}: {text[:300]}"
+                continue
+            return status, text
+        raise SGLangRequestError(
+            f"{method} {url}{path} failed after {self.retries.max_retries + 1} attempts; last error: {last}"
+            + (self.notes.exit_note() if self.notes is not None else "")
+        )
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def _send(
+        self, method: str, full_url: str, body: dict[str, Any] | None, bound: Bound, start: float
+    ) -> tuple[int, str]:
+        """One attempt: headers within the first-byte bound, then the body in chunks, each chunk read bounded
+        by the socket timeout and the whole request by `bound.total_s` (checked between chunks)."""
+        timeout = (self.timeouts.connect_timeout_s, bound.first_byte_s)
+        with self._session().request(method, full_url, json=body, timeout=timeout, stream=True) as resp:
+            chunks = []
+            try:
+                while chunk := resp.raw.read1(1 << 16, decode_content=True):  # returns what one recv got
+                    chunks.append(chunk)
+                    if time.monotonic() - start > bound.total_s:
+                        raise _Deadline
+            except urllib3.exceptions.ReadTimeoutError:
+                raise _Deadline from None
+            except urllib3.exceptions.ProtocolError as err:
+                # reset mid-body: retried like a refused connection
+                raise requests.ConnectionError(err) from None
+            return resp.status_code, b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _timeout_message(self, method: str, url: str, path: str, bound: Bound, start: float) -> str:
+        logs = self.notes.logs_of(url) if self.notes is not None else []
+        log = f"; its log: {', '.join(logs)}" if logs else ""
+        return (
+            f"SGLang server {url}: {method} {path} got no complete answer after {time.monotonic() - start:.1f} s "
+            f"(first-byte bound {bound.first_byte_s:.1f} s = {bound.how}; whole request {bound.total_s:.1f} s); "
+            f"the server is hung or overloaded (stopped, or its scheduler died){log}; if it is only slow, raise "
+            "those timeouts"
+        )
+
+    def close(self) -> None:
+        """Cancel queued calls and stop the wait lines; calls in flight end on their own bounds."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.waits.close()
+
+
+class Waits:
+    """The calls in flight; while one waits longer than `interval_s`, a daemon thread prints one line per
+    (server, call) every `interval_s`, so a slow or hung server is never silent. 0 turns the lines off."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._calls: dict[int, tuple[str, str, float, float]] = {}  # id -> (url, call, start, bound)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def track(self, url: str, call: str, bound_s: float) -> Iterator[None]:
+        key = object()
+        with self._lock:
+            self._calls[id(key)] = (url, call, time.monotonic(), bound_s)
+            if self._thread is None and self.interval_s > 0:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="sglang-waits")
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._calls[id(key)]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for line in self.lines():
+                print(line, file=sys.stderr, flush=True)
+
+    def lines(self) -> list[str]:
+        now = time.monotonic()
+        groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        with self._lock:
+            for url, call, start, bound in self._calls.values():
+                groups.setdefault((url, call), []).append((start, bound))
+        out = []
+        for (url, call), waits in sorted(groups.items()):
+            start, bound = min(waits)
+            if now - start >= self.interval_s:
+                out.append(f"[topp_rl] SGLang server {url}: {call} waiting {now - start:.0f} s "
+                           f"(bound {bound:.0f} s; {len(waits)} pending)")  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
