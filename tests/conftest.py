@@ -22,9 +22,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_sglang_url(tmp_path_factory) -> str:
-    """The URL of one SGLang server for `model=tiny` runs that need no fresh server: they connect with
+    """The URL of one SGLang server per test module for `model=tiny` runs that need no fresh server. Per module,
+    not per session: an idle SGLang CPU scheduler keeps a core busy (measured: 82%), and a server kept for the
+    session would slow every later test and make three servers at once beside the multinode test. Runs connect with
     `rollout.engine.urls=[url]` instead of launching their own (~20 s each on CPU). It is launched the way a
     `rollout=sglang` run launches one (same factory and server settings, on the tiny policy's initial weights).
     What an earlier run left on it does not matter: a run pushes its policy's weights at train start (WeightSync,
