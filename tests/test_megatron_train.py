@@ -95,7 +95,8 @@ def _worker(rank: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
     out = {p: _run(Path(tmp) / p, p) for p in ("tp2", "cp2")}
-    out["cp2_overlap"] = _run(Path(tmp) / "cp2_overlap", "cp2", *OVERLAP)  # once a gloo collective mismatch
+    # Once a gloo collective mismatch; checkpoints at steps 2 and 3 gather every rank's rollout in flight.
+    out["cp2_overlap"] = _run(Path(tmp) / "cp2_overlap", "cp2", *OVERLAP, "checkpoint.every_n_steps=2")
     # Checkpoint after 2 steps, resume at the saved TP for the 3rd: it must match the uninterrupted run.
     _run(Path(tmp) / "part", "tp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
     out["resumed"] = _run(Path(tmp) / "resumed", "tp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
@@ -125,6 +126,10 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     assert len(infos[0]["digests"]) == 3 and infos[0]["digests"] == infos[1]["digests"]
     metrics, _ = results[0]["cp2_overlap"]
     assert metrics["rollout/weight_staleness"] == [0.0, 1.0, 1.0]  # each step after the first: one update behind
+    # The last checkpoint holds the source rank's generation in flight (step 3, gathered over the ranks).
+    ckpt = torch.load(tmp_path / "cp2_overlap" / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)
+    in_flight = ckpt["RolloutDataModule"]["in_flight"]
+    assert ckpt["global_step"] == 3 and list(in_flight) == [0] and in_flight[0]["step"] == 3
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/weight_staleness"):
         assert metrics[key] == pytest.approx(overlap_ref[key], rel=1e-4, abs=1e-6), ("cp2_overlap", key)
     resumed, _ = results[0]["resumed"]
