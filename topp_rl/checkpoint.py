@@ -62,7 +62,8 @@ def temp_writer_pid(name: str) -> int | None:
     return parsed[1] if parsed else None
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """`n` bytes in MiB, for messages about disk space."""
     return f"{n / 2**20:.1f} MiB"
 
 
@@ -112,7 +113,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # torch reports a full disk as an internal error ("unexpected pos 704 vs 598"): name file and space.
             free = shutil.disk_usage(path.parent).free
             raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {type(err).__name__}: {err}; {_mib(free)} free in "
+                f"could not write checkpoint {path}: {type(err).__name__}: {err}; {mib(free)} free in "
                 f"{path.parent}; free space there (or point hydra.run.dir at a larger disk) and resume with "
                 f"ckpt_path=last; the previous {path.name}, if any, is kept"
             ) from err

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from topp_rl.checkpoint import temp_path
+from topp_rl.checkpoint import mib, temp_path
 from topp_rl.rundir import remove_stale_temps
 
 POLICY_PREFIX = "policy.model."  # a checkpoint's policy weights: policy.model.<HF name> (both backends)
@@ -75,10 +75,6 @@ def _model_config(hf_config: PretrainedConfig, dtype: torch.dtype) -> Pretrained
 # ----- the target: absent, empty, or a previous export; never the run, the checkpoint or a user's files -----
 class ExportWriteError(RuntimeError):
     """An export could not be written (disk full, ...); its target and the checkpoint are left as they were."""
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _forms(path: str | os.PathLike) -> set[Path]:
@@ -212,8 +208,8 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
         needed = sum(t.numel() * t.element_size() for t in state.values())
         free = shutil.disk_usage(target.parent).free
         raise ExportWriteError(
-            f"could not write the export {target}: {type(err).__name__}: {err}; its weights need {_mib(needed)} "
-            f"({needed} bytes), {_mib(free)} free in {target.parent}: free space there or export to a larger disk; "
+            f"could not write the export {target}: {type(err).__name__}: {err}; its weights need {mib(needed)} "
+            f"({needed} bytes), {mib(free)} free in {target.parent}: free space there or export to a larger disk; "
             f"the checkpoint and the previous {target.name}, if any, are kept"
         ) from err
     except BaseException:  # any other error, KeyboardInterrupt: no staged copy left behind
