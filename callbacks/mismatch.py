@@ -12,7 +12,7 @@ curves (train/loss, train/entropy, train/grad_norm, ...). Order statistics are e
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import gather_columns, log_histograms, log_metrics
+from topp_rl.callbacks._common import gather_columns, log_histograms, log_metrics
 
 RATIO_BAND = (0.9, 1.1)
 

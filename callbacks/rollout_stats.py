@@ -18,7 +18,7 @@ from collections import defaultdict
 
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import log_metrics
+from topp_rl.callbacks._common import log_metrics
 from topp_rl.metrics import reduce_sums
 from topp_rl.tasks import Task
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import log_histograms, log_metrics, quantile_from_counts
+from topp_rl.callbacks._common import log_histograms, log_metrics, quantile_from_counts
 from topp_rl.metrics import reduce_tensor
 
 COUNTS_FILE = "support_size_counts.json"

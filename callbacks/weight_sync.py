@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from callbacks._common import log_metrics
 from topp_rl.backbone import WeightSource
+from topp_rl.callbacks._common import log_metrics
 from topp_rl.engines.base import RolloutEngine
 
 

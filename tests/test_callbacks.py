@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
+from topp_rl.callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
 from topp_rl.data import RolloutBatch
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.metrics import reduce_sums
@@ -365,7 +365,7 @@ def test_weight_sync_needs_an_engine(tmp_path):
 
 
 def test_counts_file_name_matches_the_report():
-    from callbacks.support import COUNTS_FILE
+    from topp_rl.callbacks.support import COUNTS_FILE
     from topp_rl.report import COUNTS_FILE as REPORT_COUNTS_FILE
 
     assert COUNTS_FILE == REPORT_COUNTS_FILE

@@ -8,7 +8,7 @@ import pytest
 from helpers import compose_config
 from lightning.pytorch.callbacks import Callback
 
-from callbacks.completions import CompletionsLog, choose
+from topp_rl.callbacks.completions import CompletionsLog, choose
 from topp_rl.data.sample import Sample
 from topp_rl.train import build_run, fit
 

@@ -210,7 +210,7 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["+callbacks.more_stats._target_=callbacks.RolloutStats"],  # `+callbacks.<name>` adds a callback
+        ["+callbacks.more_stats._target_=topp_rl.callbacks.RolloutStats"],  # `+callbacks.<name>` adds a callback
         ["+optimizer.amsgrad=true"],  # a torch.optim.AdamW kwarg the shipped yaml does not set
         ["rollout=sglang", "+rollout.engine.server_kwargs.device=cuda"],  # engine kwargs (docs/sglang.md)
         ["+model.rope_theta=10000.0"],  # model / task / trainer / logger: constructor kwargs via _target_

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from helpers import column, compose_cfg, read_metrics
 
-from callbacks.evaluation import HELD_OUT_OFFSET, Evaluation
+from topp_rl.callbacks.evaluation import HELD_OUT_OFFSET, Evaluation
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.rollout import RolloutDataModule, SamplingParams

@@ -3,6 +3,7 @@ no module of `topp_rl` imports itself back through a cycle. Read from the source
 module-level imports; imports inside functions and under `TYPE_CHECKING` are lazy on purpose and not counted)."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,9 +19,18 @@ ALLOWED = {
 }
 
 
+# Folders installed under another name (pyproject's package-dir): the callbacks folder is `topp_rl.callbacks`.
+PACKAGE_DIRS = {"callbacks": "topp_rl.callbacks"}
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = (*PACKAGE_DIRS.get(parts[0], parts[0]).split("."), *parts[1:])
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> list[Path]:
+    return [p for folder in ("topp_rl", *PACKAGE_DIRS) for p in (ROOT / folder).rglob("*.py")]
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -52,7 +62,7 @@ def eager_imports(path: Path) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in (ROOT / "topp_rl").rglob("*.py")}
+    modules = {module_name(p): p for p in source_files()}
     edges = {}
     for name, path in modules.items():
         imports = eager_imports(path) & modules.keys()
@@ -128,3 +138,11 @@ def test_the_walk_sees_imports_and_skips_lazy_ones(tmp_path):
                       "def f():\n    from topp_rl.train import train\n")
     assert eager_imports(source) == {"topp_rl.ops", "topp_rl.data", "topp_rl.data.Sample", "topp_rl.tasks",
                                      "topp_rl.tasks.y"}
+
+
+def test_pyproject_installs_every_package():
+    """The package list is written out (a folder is mapped), so a new subpackage must be added to it."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {module_name(p) for p in source_files() if p.name == "__init__.py"}
+    assert sorted(setuptools["packages"]) == sorted(on_disk)
+    assert setuptools["package-dir"] == {v: k for k, v in PACKAGE_DIRS.items()}

@@ -14,8 +14,8 @@ from helpers import ROOT
 from helpers import compose_cfg as tiny_cfg
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from callbacks.completions import COLUMNS
 from topp_rl import report
+from topp_rl.callbacks.completions import COLUMNS
 from topp_rl.loggers import LogConfig, build_loggers, job_label, swept_keys, wandb_mode
 from topp_rl.train import build_run, fit
 

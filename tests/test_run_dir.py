@@ -210,3 +210,7 @@ def test_a_task_recorded_under_its_old_module_path_is_the_same_task():
     other = {"task": {"_target_": "topp_rl.tasks.generated.ArithmeticTask", "seed": 0}}
     assert config_changes(old, other, ["task"]) == [
         "task._target_: 'topp_rl.rollout.tasks.CopyDigitTask' -> 'topp_rl.tasks.generated.ArithmeticTask'"]
+    # The callbacks folder installs as topp_rl.callbacks (it was a top-level package named `callbacks`).
+    old_cb = {"callbacks": {"weight_sync": {"_target_": "callbacks.WeightSync"}}}
+    new_cb = {"callbacks": {"weight_sync": {"_target_": "topp_rl.callbacks.WeightSync"}}}
+    assert config_changes(old_cb, new_cb, ["callbacks"]) == []

@@ -198,7 +198,7 @@ def validate_parallel(cfg: DictConfig) -> None:
 def validate_weight_sync(cfg: DictConfig) -> None:
     """Without a weight sync the engine keeps sampling with the initial weights: every step after the first
     trains off-policy while the config claims on-policy updates. Refused unless asked for explicitly."""
-    from callbacks.weight_sync import WeightSync
+    from topp_rl.callbacks.weight_sync import WeightSync
 
     entries = [c for c in (cfg.get("callbacks") or {}).values() if c is not None]
     if any(issubclass(target_class(c), WeightSync) for c in entries) or cfg.get("allow_stale_weights"):

@@ -198,6 +198,7 @@ MOVED_MODULES = {
     "topp_rl.rollout.rewards.": "topp_rl.tasks.rewards.",
     "topp_rl.rollout.embedded.": "topp_rl.engines.embedded.",
     "topp_rl.rollout.sglang.": "topp_rl.engines.sglang.",
+    "callbacks.": "topp_rl.callbacks.",
 }
 
 

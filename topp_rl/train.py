@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from callbacks.evaluation import Evaluation
 from topp_rl import loggers as run_loggers
 from topp_rl.backbone import HFBackbone
+from topp_rl.callbacks.evaluation import Evaluation
 from topp_rl.checkpoint import (
     AtomicCheckpointIO,
     LastCheckpoint,
