@@ -82,7 +82,11 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.n_samples=1", "rollout.n_samples"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.devices=2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
-        ("trainer.devices=3 parallel.tp_size=2", "parallel.tp_size * parallel.cp_size"),
+        ("parallel=tp2 trainer.devices=3", "parallel.tp_size * parallel.cp_size"),
+        # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
+        ("parallel.tp_size=2", "parallel.tp_size"),
+        ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),
+        ("+parallel.cp_mode=allgather", "parallel.cp_mode"),
         ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),
         ("module.ppo_epochs=0", "module.ppo_epochs"),
         ("optimizer.lr=0", "optimizer.lr"),
@@ -111,8 +115,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("data.drop_zero_variance_groups=yes", "data.drop_zero_variance_groups"),
         ("rollout.engine.share_weights=yes", "rollout.engine.share_weights"),
         ("rollout=sglang rollout.engine.router=yes", "rollout.engine.router"),
-        ("rollout.max_candidates=0", "rollout.max_candidates"),
-        ("rollout.max_candidates=-3", "rollout.max_candidates"),
+        ("rollout=sglang rollout.max_candidates=0", "rollout.max_candidates"),
+        ("rollout=sglang rollout.max_candidates=-3", "rollout.max_candidates"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -162,7 +166,7 @@ def test_max_candidates_of_one_with_sglang_fails_before_the_server_starts(tmp_pa
                ["rollout.max_candidates=1", "rollout.top_k=1"],  # greedy keeps one id: works (checked on a server)
                ["rollout.max_candidates=1"]):  # untruncated: no mask is asked for, nothing can overflow
         validate_config(_compose(["rollout=sglang", *ok], tmp_path))
-    validate_config(_compose(["rollout.max_candidates=1", "rollout.top_p=0.9"], tmp_path))  # embedded: no cap
+
 
 
 def test_booleans_name_the_key_value_and_fix(tmp_path):
@@ -200,11 +204,26 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
     with pytest.raises(ValueError) as info:
         validate_config(_compose(["+rollout.topp=0.9"], tmp_path))
     assert str(info.value) == (
-        "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_candidates, "
-        "max_new_tokens, min_p, n_samples, overlap, prompts_per_step, sampling, stop_token_ids, temperature, top_k, top_p); "
+        "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_new_tokens, "
+        "min_p, n_samples, overlap, prompts_per_step, sampling, stop_token_ids, temperature, top_k, top_p); "
         "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
         "this one)"
     )
+
+
+def test_a_key_of_another_rollout_choice_is_refused(tmp_path):
+    """rollout.max_candidates caps what an SGLang server records; the embedded engine has no cap, so the key is
+    absent under rollout=embedded (Hydra refuses it) and refused when added with `+`."""
+    with pytest.raises(ValueError, match=r"^config rollout.max_candidates=8: must be a key the shipped config "
+                                         r"defines \(in rollout: engine, max_new_tokens, "):
+        validate_config(_compose(["+rollout.max_candidates=8"], tmp_path))
+    sglang = _compose(["rollout=sglang"], tmp_path)
+    assert sglang.rollout.max_candidates == 4096 and "share_weights" not in sglang.rollout.engine
+    embedded = _compose([], tmp_path)
+    assert "max_candidates" not in embedded.rollout and embedded.rollout.engine.share_weights is True
+    # What both choices share comes from one file, so they cannot drift apart.
+    assert {k: sglang.rollout[k] for k in ("sampling", "n_samples", "overlap")} == {
+        k: embedded.rollout[k] for k in ("sampling", "n_samples", "overlap")}
 
 
 @pytest.mark.parametrize(

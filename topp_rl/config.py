@@ -69,39 +69,72 @@ def _world_size(cfg: DictConfig) -> int:
     return 1  # "auto" / device lists: checked again by Lightning once the devices are known
 
 
+def _yaml_keys(path: Path) -> set[str]:
+    """Top-level keys a group option defines, with those its `<file>@_here_` defaults merge in."""
+    data = yaml.safe_load(path.read_text()) or {}
+    keys = set(data) - {"defaults"}
+    for entry in data.get("defaults", []):
+        if isinstance(entry, str) and entry.endswith("@_here_"):
+            keys |= _yaml_keys(path.parent / f"{entry.removesuffix('@_here_')}.yaml")
+    return keys
+
+
 @functools.cache
 def shipped_keys() -> dict[str, frozenset[str]]:
     """Per closed section, the keys the shipped yaml defines: `conf/config.yaml` (its defaults' group names at
-    the top level) and, for `rollout`, the union over the `conf/rollout/*.yaml` options."""
+    the top level) and the nodes the `callbacks` options bring (`eval`, `checkpoint`, `export`)."""
     main = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
     groups = {next(iter(d)) for d in main["defaults"] if isinstance(d, dict)}
-    keys = {"": frozenset(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}}
-    for section in CLOSED_SECTIONS[1:]:
-        keys[section] = frozenset(main.get(section) or ())
-    rollout: set[str] = set()
+    top = set(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}
+    sections = {section: set(main.get(section) or ()) for section in CLOSED_SECTIONS[1:]}
+    for path in (CONF_DIR / "callbacks").glob("*.yaml"):  # `# @package _global_`: nodes beside `callbacks`
+        for name, node in (yaml.safe_load(path.read_text()) or {}).items():
+            top.add(name)
+            if name in sections and isinstance(node, dict):
+                sections[name] |= set(node)
+    sections.pop("rollout")  # per choice: `rollout_keys`
+    return {"": frozenset(top)} | {k: frozenset(v) for k, v in sections.items()}
+
+
+@functools.cache
+def rollout_keys() -> dict[str, frozenset[str]]:
+    """Per rollout choice, keyed by its engine's `_target_`: the `rollout.*` keys that choice defines (a key of
+    another choice does nothing under this one, e.g. `rollout.max_candidates` under rollout=embedded)."""
+    out = {}
     for path in sorted((CONF_DIR / "rollout").glob("*.yaml")):
-        rollout |= set(yaml.safe_load(path.read_text()) or ()) - {"defaults"}
-    keys["rollout"] = frozenset(rollout)
-    return keys
+        data = yaml.safe_load(path.read_text()) or {}
+        out[data["engine"]["_target_"]] = frozenset(_yaml_keys(path))
+    return out
+
+
+def _known_keys(cfg: DictConfig, section: str) -> frozenset[str]:
+    if section != "rollout":
+        return shipped_keys()[section]
+    choices = rollout_keys()
+    engine = cfg.rollout.get("engine")
+    target = engine.get("_target_") if isinstance(engine, DictConfig) else None
+    # A user's own engine class: any key a shipped choice defines (its constructor checks its own).
+    return choices.get(target) or frozenset().union(*choices.values())
 
 
 def validate_known_keys(cfg: DictConfig) -> None:
     """A key the shipped config does not define, in a closed section (`CLOSED_SECTIONS`), is refused naming the
-    nearest known key: Hydra's `+` adds any key, and nothing would ever read a misspelt one."""
-    known = shipped_keys()
+    nearest known key: Hydra's `+` adds any key, and nothing would ever read a misspelt one (or one of another
+    rollout choice)."""
     for section in CLOSED_SECTIONS:
         node = cfg if not section else cfg.get(section)
         if not isinstance(node, DictConfig) or "_target_" in node:
             continue
+        known = _known_keys(cfg, section)
         for key in node:
-            if key in known[section]:
+            if key in known:
                 continue
             dotted = f"{section}.{key}" if section else str(key)
-            near = difflib.get_close_matches(str(key), sorted(known[section]), n=1, cutoff=0.5)
+            near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
             hint = f"did you mean {section + '.' if section else ''}{near[0]}? " if near else ""
             _fail(dotted, node._get_node(key)._value(),
                   f"a key the shipped config defines (in {section or 'the top level'}: "
-                  f"{', '.join(sorted(known[section]))})",
+                  f"{', '.join(sorted(known))})",
                   f"{hint}fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads this one)")
 
 
@@ -168,11 +201,17 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
 def validate_parallel(cfg: DictConfig) -> None:
     p, world = cfg.parallel, _world_size(cfg)
     for key in ("tp_size", "cp_size"):
-        _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
-    if p.cp_mode not in ("zigzag", "allgather"):
-        _fail("parallel.cp_mode", p.cp_mode, "'zigzag' or 'allgather'", "pick one of the two layouts")
-    if p.get("strategy") and p.cp_size > 1 and p.cp_mode != "zigzag":
-        _fail("parallel.cp_mode", p.cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
+        size = _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
+        if size > 1 and not p.get("strategy"):
+            _fail(f"parallel.{key}", size, "1 without a parallel strategy (parallel=none runs the HF model whole)",
+                  "pick a Megatron layout instead: parallel=tp2, cp2 or tp2_cp2 (or parallel=megatron with sizes)")
+    if not p.get("strategy"):
+        for key in sorted(set(p) - {"tp_size", "cp_size", "strategy"}):  # e.g. +parallel.cp_mode=allgather
+            _fail(f"parallel.{key}", p._get_node(key)._value(), "absent with parallel=none (it has no layout to set)",
+                  "drop the key, or pick a Megatron layout (parallel=tp2, cp2, tp2_cp2)")
+    cp_mode = p.get("cp_mode", "zigzag")
+    if p.get("strategy") and p.cp_size > 1 and cp_mode != "zigzag":
+        _fail("parallel.cp_mode", cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
               "transformer-engine's CP attention assume the zigzag split; all-gather CP exists only in the ops)",
               "use parallel.cp_mode=zigzag")
     if p.get("strategy") and cfg.module.get("gradient_checkpointing"):

@@ -138,7 +138,7 @@ class SGLangEngine(RolloutEngine):
         if share_weights:
             raise ValueError(
                 "rollout.engine.share_weights=true: an SGLang server holds its own copy of the weights and cannot "
-                "sample with the trainer's; set rollout.engine.share_weights=false (the rollout=sglang default)"
+                "sample with the trainer's; drop the key (it is rollout=embedded's option)"
             )
 
         path = save_model(model, tokenizer, Path(workdir) / "init")
