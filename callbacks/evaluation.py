@@ -1,4 +1,5 @@
-"""`Evaluation`: held-out prompts scored before training and every `every_n_steps`, and the best checkpoint.
+"""`Evaluation`: held-out prompts scored before training and every `every_n_steps` (0: never), and the best
+checkpoint.
 
 Per evaluation, on the rank that owns an engine in each TP x CP group (its peers take part in the reductions
 and the checkpoint save only), this DP rank's share of `num_prompts` held-out prompts is generated twice:
@@ -33,10 +34,10 @@ class Evaluation(Callback):
     def __init__(self, *, every_n_steps: int = 10, num_prompts: int = 32, k: int = 4, task: Task | None = None,
                  correct_reward: float = 1.0, best_metric: str | None = "val/accuracy",
                  checkpoint_dir: str | Path | None = None) -> None:
-        if every_n_steps < 1 or num_prompts < 1 or k < 1:
+        if every_n_steps < 0 or num_prompts < 1 or k < 1:
             raise ValueError(
                 f"Evaluation(every_n_steps={every_n_steps}, num_prompts={num_prompts}, k={k}): need "
-                "every_n_steps, num_prompts and k >= 1"
+                "every_n_steps >= 0 (0: no evaluation), num_prompts and k >= 1"
             )
         _check_best_metric(best_metric, METRICS)
         self.every_n_steps, self.num_prompts, self.k = every_n_steps, num_prompts, k
@@ -46,6 +47,8 @@ class Evaluation(Callback):
         self.history: list[dict[str, float]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if not self.every_n_steps:  # eval.every_n_steps=0 (the default): the entry is there, switched off
+            return
         datamodule = trainer.datamodule
         if self.task is None and datamodule.task.num_examples is not None:
             raise ValueError(
@@ -55,7 +58,7 @@ class Evaluation(Callback):
         self.evaluate(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every_n_steps == 0:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.evaluate(trainer, pl_module)
 
     def evaluate(self, trainer, pl_module) -> dict[str, float]:

@@ -61,9 +61,10 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         assert (loss.eps_clip, loss.aggregation) == (algo_cfg.loss.eps_clip, algo_cfg.loss.get("aggregation",
                                                                                                  loss.aggregation))
         assert type(advantage).__name__ == algo_cfg.advantage._target_.rsplit(".", 1)[1]
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-    assert [type(c).__name__ for c in callbacks] == [
-        "LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync", "CompletionsLog", "TrainingHealth"]
+    from topp_rl.train import RunSummary, build_callbacks
+
+    callbacks = build_callbacks(cfg, RunSummary(), loggers=[instantiate(cfg.logger.csv)])
+    assert "LogConfig" in [type(c).__name__ for c in callbacks]  # with a logger, the config goes to it
     trainer = instantiate(cfg.trainer, logger=[instantiate(cfg.logger.csv)], callbacks=callbacks)
     assert trainer.max_steps == cfg.trainer.max_steps == 120
     task = instantiate(cfg.task)
@@ -238,3 +239,45 @@ def test_a_key_of_another_rollout_choice_is_refused(tmp_path):
 )
 def test_legitimate_extra_keys_are_accepted(overrides, tmp_path):
     validate_config(_compose(overrides, tmp_path))
+
+
+def _built(tmp_path: Path, *overrides: str) -> list[str]:
+    from topp_rl.train import RunSummary, build_callbacks
+
+    cfg = _compose(list(overrides), tmp_path)
+    validate_config(cfg)
+    return [type(c).__name__ for c in build_callbacks(cfg, RunSummary(), loggers=[])]
+
+
+BOOKKEEPING = ["RunRecord", "StepTimer"]  # added by train.py to any choice (LogConfig too, when logging)
+
+
+def test_callbacks_minimal_is_minimal_and_default_lists_every_callback(tmp_path):
+    """Every callback but the run's bookkeeping is an entry of the chosen callbacks config (issue 19 part 2):
+    eval, checkpoint, export and the progress bar included, in the order they run."""
+    assert _built(tmp_path, "callbacks=minimal") == [
+        "WeightSync", "TrainingHealth", "LastCheckpoint", *BOOKKEEPING, "RunSummary"]
+    assert _built(tmp_path) == [
+        "LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync", "CompletionsLog", "TrainingHealth",
+        "Evaluation", "LastCheckpoint", "HFExport", *BOOKKEEPING, "StepProgressBar", "RunSummary"]
+    # The switches users know keep their meaning: they turn their entry off.
+    assert _built(tmp_path, "export.hf=false", "trainer.enable_progress_bar=false") == [
+        "LogProbMismatch", "SupportStats", "RolloutStats", "WeightSync", "CompletionsLog", "TrainingHealth",
+        "Evaluation", "LastCheckpoint", *BOOKKEEPING, "RunSummary"]
+
+
+def test_callback_settings_without_their_callback_are_refused(tmp_path):
+    # Absent under callbacks=minimal: Hydra itself refuses the key ...
+    with pytest.raises(Exception, match="eval"):
+        _compose(["callbacks=minimal", "eval.every_n_steps=5"], tmp_path)
+    # ... and with `+` (or after dropping the entry) nothing would act on it: refused at start.
+    for overrides, key, fix in (
+        (["callbacks=minimal", "+eval.every_n_steps=5"], "eval.every_n_steps=5", "set eval.every_n_steps=0"),
+        (["callbacks.evaluation=null", "eval.every_n_steps=5"], "eval.every_n_steps=5", "set eval.every_n_steps=0"),
+        (["callbacks.export=null"], "export.hf=True", "set export.hf=false"),
+    ):
+        with pytest.raises(ValueError) as info:
+            validate_config(_compose(overrides, tmp_path))
+        assert str(info.value).startswith(f"config {key}: must be off without a callbacks."), overrides
+        assert f"; {fix}, or use callbacks=default" in str(info.value)
+    assert "HFExport" not in _built(tmp_path, "callbacks.export=null", "export.hf=false")

@@ -243,7 +243,7 @@ def test_export_dir_may_not_be_the_run_dir_an_ancestor_or_the_checkpoint_dir(tmp
         (run_dir / name).write_text(name)
     cfg = compose_config(run_dir, *RUN, "export.dir=${paths.output_dir}")
     with pytest.raises(ValueError) as info:
-        build_callbacks(cfg, run_dir, RunSummary())
+        build_callbacks(cfg, RunSummary(), loggers=[])
     assert str(info.value) == (
         f"export.dir {run_dir} is or contains the run dir {run_dir}; an export replaces its target, which would "
         f"delete the run's config, logs and checkpoints: use {run_dir / 'hf'} (the default) or another dir that "

@@ -28,6 +28,7 @@ BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
+    "trainer.enable_progress_bar",
 )
 # Below this, SGLangEngine aborts every sample a truncating sampler keeps two ids for (`validate_sglang_candidates`).
 SGLANG_MIN_CANDIDATES = 2
@@ -82,7 +83,7 @@ def _yaml_keys(path: Path) -> set[str]:
 @functools.cache
 def shipped_keys() -> dict[str, frozenset[str]]:
     """Per closed section, the keys the shipped yaml defines: `conf/config.yaml` (its defaults' group names at
-    the top level) and the nodes the `callbacks` options bring (`eval`, `checkpoint`, `export`)."""
+    the top level) and the nodes the `callbacks` options bring (`eval`, `export`)."""
     main = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
     groups = {next(iter(d)) for d in main["defaults"] if isinstance(d, dict)}
     top = set(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}
@@ -239,12 +240,42 @@ def validate_weight_sync(cfg: DictConfig) -> None:
     trains off-policy while the config claims on-policy updates. Refused unless asked for explicitly."""
     from topp_rl.callbacks.weight_sync import WeightSync
 
-    entries = [c for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    if any(issubclass(target_class(c), WeightSync) for c in entries) or cfg.get("allow_stale_weights"):
+    if any(issubclass(target_class(c), WeightSync) for c in callback_entries(cfg)) or cfg.get("allow_stale_weights"):
         return
     _fail("callbacks.weight_sync", None, "a WeightSync callback (the engine must sample with the trained weights "
           "for on-policy training)", "keep callbacks.weight_sync, or set allow_stale_weights=true to train "
           "off-policy against the initial weights on purpose")
+
+
+def callback_entries(cfg: DictConfig) -> list[DictConfig]:
+    """The `callbacks` entries train.py builds: set, and not switched off by `enabled: false`."""
+    entries = (cfg.get("callbacks") or {}).values()
+    return [c for c in entries if c is not None and c.get("enabled", True)]
+
+
+# Settings node -> (the callback it configures, what makes it act, the entry name in callbacks/default.yaml).
+CALLBACK_SETTINGS = {
+    "eval": ("topp_rl.callbacks.evaluation.Evaluation", "every_n_steps", "evaluation"),
+    "export": ("topp_rl.export.HFExport", "hf", "export"),
+}
+
+
+def validate_callback_settings(cfg: DictConfig) -> None:
+    """`eval.every_n_steps=10` or `export.hf=true` with no callback to act on it (callbacks=minimal has neither,
+    `callbacks.export=null` drops one) would do nothing: refused, naming the switch that does what was meant."""
+    for c in callback_entries(cfg):
+        if not isinstance(c.get("enabled", True), bool):
+            _fail("callbacks enabled", c.enabled, "true or false", "set the switch the entry names to true or false")
+    built = {target_class(c) for c in callback_entries(cfg)}
+    for node, (target, switch, entry) in CALLBACK_SETTINGS.items():
+        settings = cfg.get(node)
+        if not isinstance(settings, DictConfig) or not settings.get(switch):
+            continue
+        cls = get_object(target)
+        if not any(issubclass(b, cls) for b in built):
+            _fail(f"{node}.{switch}", settings[switch], f"off without a callbacks.{entry} entry ({cls.__name__}); "
+                  "this callbacks choice has none, so nothing would act on it",
+                  f"set {node}.{switch}={'false' if switch == 'hf' else 0}, or use callbacks=default")
 
 
 def validate_overlap(cfg: DictConfig) -> None:
@@ -276,6 +307,7 @@ def validate_config(cfg: DictConfig) -> None:
     validate_booleans(cfg)
     validate_sampling(cfg)
     validate_weight_sync(cfg)
+    validate_callback_settings(cfg)
     validate_overlap(cfg)
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:

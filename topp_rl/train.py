@@ -16,23 +16,17 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl import loggers as run_loggers
 from topp_rl.backbone import HFBackbone
-from topp_rl.callbacks.evaluation import Evaluation
-from topp_rl.checkpoint import (
-    AtomicCheckpointIO,
-    LastCheckpoint,
-    RunRecord,
-    exit_status_on_signal,
-)
-from topp_rl.config import validate_config
-from topp_rl.console import StepProgressBar, StepTimer, route_lightning_logs
-from topp_rl.export import HFExport
+from topp_rl.checkpoint import AtomicCheckpointIO, LastCheckpoint, RunRecord, exit_status_on_signal
+from topp_rl.config import callback_entries, validate_config
+from topp_rl.console import StepTimer, route_lightning_logs
 from topp_rl.hook import ToppLogProb
 from topp_rl.loggers import LogConfig
 from topp_rl.module import PolicyModule
@@ -92,29 +86,32 @@ def build_loggers(cfg: DictConfig) -> list:
     return run_loggers.build_loggers(cfg)
 
 
-def build_callbacks(cfg: DictConfig, output_dir: Path, summary: RunSummary) -> list[Callback]:
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    ev = cfg.eval
-    if ev.every_n_steps:  # after the weight sync: it evaluates the weights the step produced
-        callbacks.append(Evaluation(
-            every_n_steps=ev.every_n_steps, num_prompts=ev.num_prompts, k=ev.k, correct_reward=ev.correct_reward,
-            best_metric=ev.best_metric, task=instantiate(ev.task) if ev.task is not None else None,
-            checkpoint_dir=output_dir / "checkpoints",
-        ))
-    # Every checkpoint records the config (checked on resume). last.ckpt has one writer: every N steps, at the
-    # end, and on SIGTERM / Ctrl-C (exit 143 / 130); Lightning runs it after every other callback.
-    callbacks += [RunRecord(cfg), LastCheckpoint(dirpath=output_dir / "checkpoints",
-                                                 every_n_steps=cfg.checkpoint.every_n_steps)]
-    callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
-    export = cfg.get("export") or {}
-    if export.get("hf"):  # <run dir>/hf/: an HF checkpoint dir with every checkpoint and at the end
-        callbacks.append(HFExport(dirpath=export.dir, on_checkpoint=export.on_checkpoint, run_dir=output_dir,
-                                  rollout=OmegaConf.to_container(cfg.rollout, resolve=True)))
+def build_callbacks(cfg: DictConfig, summary: RunSummary, *, loggers: list) -> list[Callback]:
+    """`cfg.callbacks` in order (entries with `enabled: false` skipped), then the run's bookkeeping."""
+    built = [_build(c) for c in map(_without_switch, callback_entries(cfg))]
+    bars = [c for c in built if isinstance(c, ProgressBar)]
+    callbacks = [c for c in built if not isinstance(c, ProgressBar)]
+    callbacks.append(RunRecord(cfg))  # every checkpoint records the config (checked on resume)
+    if loggers:
+        callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
     callbacks.append(StepTimer())  # after the callbacks whose time a step includes (sync, eval, export)
-    if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(StepProgressBar())  # replaces Lightning's per-epoch bar
-    callbacks.append(summary)  # last: reads what the metric callbacks logged this step
-    return callbacks
+    return [*callbacks, *bars, summary]  # the summary last: it reads what the others logged this step
+
+
+def _build(entry: dict) -> Callback:
+    try:
+        return instantiate(entry)
+    except InstantiationException as err:  # a callback's own check says what to fix; Hydra's wrapper does not
+        if isinstance(err.__cause__, ValueError):
+            raise err.__cause__ from None
+        raise
+
+
+def _without_switch(entry: DictConfig) -> dict:
+    """The entry resolved in its config (its interpolations point outside it), less the `enabled` switch."""
+    resolved = OmegaConf.to_container(entry, resolve=True)
+    resolved.pop("enabled", None)
+    return resolved
 
 
 def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path) -> Callable[[int], RolloutEngine]:
@@ -152,9 +149,11 @@ def build_run(cfg: DictConfig) -> Run:
     summary = RunSummary()
     loggers = build_loggers(cfg)
     strategy = instantiate(cfg.parallel.strategy) if cfg.parallel.get("strategy") else "auto"
+    callbacks = build_callbacks(cfg, summary, loggers=loggers)
+    # The bar is callbacks.progress (switched by trainer.enable_progress_bar); Lightning's own never shows.
     trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=build_callbacks(cfg, output_dir, summary), logger=loggers or False,
-        plugins=[AtomicCheckpointIO()], strategy=strategy, enable_checkpointing=True,
+        callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()], strategy=strategy,
+        enable_checkpointing=True, enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
 
