@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.data.sample import SampleStatus
+from topp_rl.data.sample import SampleStatus, number_samples
 from topp_rl.metrics import add_sums, reduce_sums
 from topp_rl.tasks import Task
 
@@ -93,7 +93,8 @@ class Evaluation(Callback):
         sampled = dataclasses.replace(params, n=self.k)
         sums: dict[str, tuple[float, float]] = {}
         for kind, p in (("greedy", greedy), ("sampled", sampled)):
-            samples = engine.generate([r.prompt_ids for r in records], p, seed=0)
+            samples = number_samples(engine.generate([r.prompt_ids for r in records], p, seed=0),
+                                     prompts=len(records), n=p.n)
             live = [s for s in samples if s.status != SampleStatus.ABORTED]
             task.score(live, records, datamodule.tokenizer)
             correct = [s.status != SampleStatus.ABORTED and self._correct(s) for s in samples]

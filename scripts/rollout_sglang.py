@@ -22,10 +22,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from sglang_bench import sglang_tokens_per_s  # noqa: E402
 
+from topp_rl.data import SamplingParams, number_samples  # noqa: E402
 from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, sglang_python  # noqa: E402
 from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save_model  # noqa: E402
-from topp_rl.rollout import SamplingParams  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "what is 9-5? "]
 
@@ -77,7 +77,7 @@ def main() -> None:
             )
             print(f"server {engine.urls}  vocab {engine.vocab_size}  candidate wire format: {wire}")
             prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-            for s in engine.generate(prompts, params):
+            for s in number_samples(engine.generate(prompts, params), prompts=len(prompts), n=params.n):
                 _print_sample(s, tokenizer, show=args.show)
 
 

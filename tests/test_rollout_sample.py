@@ -154,3 +154,14 @@ def test_samples_survive_a_checkpoint_read_with_the_safe_loader(tmp_path):
     for a, b in zip(samples, back, strict=True):
         assert all(getattr(a, f) == getattr(b, f) for f in fields)
         assert torch.equal(a.candidates.ids, b.candidates.ids) and torch.equal(a.candidates.offsets, b.candidates.offsets)
+
+
+def test_samples_are_numbered_in_one_place_step_global_and_prompt_major():
+    """Engines return n samples per prompt, prompt-major, unnumbered; the pipeline numbers them once."""
+    from topp_rl.data import number_samples
+
+    samples = [Sample(prompt_ids=[p]) for p in (5, 5, 5, 6, 6, 6)]
+    assert number_samples(samples, prompts=2, n=3, first_group=4) is samples
+    assert [(s.group_index, s.index) for s in samples] == [(4, 12), (4, 13), (4, 14), (5, 15), (5, 16), (5, 17)]
+    with pytest.raises(ValueError, match=r"^engine returned 5 samples for 2 prompts x n=3; a RolloutEngine "):
+        number_samples(samples[:5], prompts=2, n=3)

@@ -105,7 +105,7 @@ def wire(request, engine):
 )
 def test_candidates_and_log_probs_match_hf_recomputation(engine, model, params, wire):
     samples = engine.generate(PROMPTS, params, seed=11)
-    assert [s.group_index for s in samples] == [g for g in range(len(PROMPTS)) for _ in range(params.n)]
+    assert [s.prompt_ids for s in samples] == [p for p in PROMPTS for _ in range(params.n)]  # prompt-major
     sizes = check_candidates(samples, model, params)
     checked = len(sizes)
     assert checked >= 20 and min(sizes) >= 1

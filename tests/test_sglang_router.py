@@ -92,7 +92,7 @@ def test_router_passes_exact_candidate_sets_and_both_workers_serve(engine, model
     ):
         samples = engine.generate(PROMPTS, params, seed=11)
         total += len(samples)
-        assert [s.group_index for s in samples] == [g for g in range(len(PROMPTS)) for _ in range(params.n)]
+        assert [s.prompt_ids for s in samples] == [p for p in PROMPTS for _ in range(params.n)]  # prompt-major
         assert not any(s.metadata["candidate_overflow"] for s in samples)  # all sets here fit in 64
         sizes += check_candidates(samples, model, params)
     assert len(sizes) >= 100 and len(set(sizes)) > 1 and max(sizes) <= MAX_CANDIDATES
@@ -116,9 +116,9 @@ def test_connected_router_finds_workers_and_aborts_overflowing_samples(engine, m
                                      top_p=0.9, top_k=0, min_p=0.0).row_lengths().item() for p in PROMPTS]  # fmt: skip
     assert first[0] <= 16 < min(first[1:])
     kept = []
-    for s in samples:
+    for i, s in enumerate(samples):
         overflow = s.metadata["candidate_overflow"]
-        if first[s.group_index] > 16:
+        if first[i // params.n] > 16:
             assert overflow  # never cut to the cap
         if overflow:
             assert s.status is SampleStatus.ABORTED and s.response_length == 0

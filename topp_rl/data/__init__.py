@@ -4,7 +4,7 @@ settings, a prompt record, and the packed batches the trainer trains on."""
 from topp_rl.data.batch import PackedBatch, RolloutBatch
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.prompt import Messages, PromptRecord, prompt_text
-from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.data.sample import Sample, SampleStatus, number_samples
 
 __all__ = ["Messages", "PackedBatch", "PromptRecord", "RolloutBatch", "Sample", "SampleStatus", "SamplingParams",
-           "prompt_text"]
+           "number_samples", "prompt_text"]

@@ -32,6 +32,7 @@ class Sample:
     rollout_raw_log_probs: list[float] | None = None
     candidates: Candidates | None = None
     reward: float | None = None
+    # Set by the pipeline (`number_samples`), not by engines: the prompt's and the sample's place in the step.
     group_index: int = 0
     index: int = 0
     status: SampleStatus = SampleStatus.COMPLETED
@@ -151,3 +152,17 @@ class Sample:
 
     def _name(self) -> str:
         return f"Sample(index={self.index}, group={self.group_index})"
+
+
+def number_samples(samples: list[Sample], *, prompts: int, n: int, first_group: int = 0) -> list[Sample]:
+    """Number an engine's output in place: `n` samples per prompt, prompt-major (the `RolloutEngine` contract).
+    Sample i is `first_group * n + i` and belongs to prompt `first_group + i // n` (step-global numbers when a
+    data-parallel rank's prompts start at `first_group`)."""
+    if len(samples) != prompts * n:
+        raise ValueError(
+            f"engine returned {len(samples)} samples for {prompts} prompts x n={n}; a RolloutEngine returns n "
+            "samples per prompt, prompt-major"
+        )
+    for i, s in enumerate(samples):
+        s.index, s.group_index = first_group * n + i, first_group + i // n
+    return samples

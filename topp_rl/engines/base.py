@@ -1,7 +1,7 @@
 """The `RolloutEngine` protocol every backend implements (`EmbeddedEngine`, `SGLangEngine`).
 
-Contract (docs/ARCHITECTURE.md): `generate` returns `params.n` samples per prompt, prompt-major, each with
-`group_index` = the prompt's position; `update_weights` takes HF parameter names; engines are context
+Contract (docs/ARCHITECTURE.md): `generate` returns `params.n` samples per prompt, prompt-major (the pipeline
+numbers them: `topp_rl.data.number_samples`); `update_weights` takes HF parameter names; engines are context
 managers that `close()` on exit.
 """
 

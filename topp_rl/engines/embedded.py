@@ -92,8 +92,6 @@ class EmbeddedEngine(RolloutEngine):
             for start in range(0, len(expanded), self.max_batch_size):
                 chunk = expanded[start : start + self.max_batch_size]
                 samples += self._generate_batch([p for _, p in chunk], params, generator)
-        for i, (sample, (group, _)) in enumerate(zip(samples, expanded, strict=True)):
-            sample.index, sample.group_index = i, group
         return samples
 
     def _generate_batch(

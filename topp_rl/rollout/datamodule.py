@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from topp_rl.data import PromptRecord, RolloutBatch
 from topp_rl.data.params import SamplingParams
-from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines import VersionedEngine
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
@@ -232,16 +232,10 @@ class RolloutDataModule(L.LightningDataModule):
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
-        if len(samples) != len(ticket.records) * self.params.n:
-            raise ValueError(
-                f"engine returned {len(samples)} samples for {len(ticket.records)} prompts x n={self.params.n}; "
-                "a RolloutEngine returns n samples per prompt, prompt-major"
-            )
-        for i, s in enumerate(samples):  # step-global numbering across DP ranks
-            s.index = ticket.first_group * self.params.n + i
-        self.task.score([s for s in samples if s.status != SampleStatus.ABORTED], ticket.records, self.tokenizer)
-        for s in samples:
-            s.group_index += ticket.first_group
+        # Step-global numbers across DP ranks: this rank's prompts start at group `first_group`.
+        number_samples(samples, prompts=len(ticket.records), n=self.params.n, first_group=ticket.first_group)
+        records = {ticket.first_group + j: r for j, r in enumerate(ticket.records)}
+        self.task.score([s for s in samples if s.status != SampleStatus.ABORTED], records, self.tokenizer)
         return samples
 
     def _sample(self, ticket: RolloutTicket) -> list[Sample]:

@@ -84,7 +84,8 @@ class Task(ABC):
         bos = getattr(tokenizer, "bos_token_id", None)
         return [bos, *ids] if self.add_bos and bos is not None else ids
 
-    def score(self, samples: list[Sample], records: Sequence[PromptRecord], tokenizer) -> list[float]:
+    def score(self, samples: list[Sample], records: Mapping[int, PromptRecord] | Sequence[PromptRecord],
+              tokenizer) -> list[float]:
         """Set `sample.reward` for every sample (its record is `records[sample.group_index]`); a configured
         reward set also leaves each function's value in `sample.metadata["rewards"]`."""
         mine = [records[s.group_index] for s in samples]

@@ -206,12 +206,8 @@ class SGLangEngine(RolloutEngine):
             bar.close()
             for fut in futures:
                 fut.cancel()
-        samples = []
-        for i, ((group, prompt), fut) in enumerate(zip(expanded, futures, strict=True)):
-            sample = codec.sample(prompt, fut.result(), wants_mask=params.truncates)
-            sample.index, sample.group_index = i, group
-            samples.append(sample)
-        return samples
+        return [codec.sample(prompt, fut.result(), wants_mask=params.truncates)
+                for (_, prompt), fut in zip(expanded, futures, strict=True)]
 
     def _generate_one(self, url: str, body: dict[str, Any], tokens: int) -> dict[str, Any] | ServerOverflow:
         status, text = self.client.call("POST", url, "/generate", body, self.timeouts.call(tokens=tokens))
