@@ -30,7 +30,7 @@ from topp_rl.checkpoint import (
     RunRecord,
     exit_status_on_signal,
 )
-from topp_rl.config import validate_config
+from topp_rl.config import validate_config, validate_routing
 from topp_rl.console import StepProgressBar, StepTimer, route_lightning_logs
 from topp_rl.export import HFExport
 from topp_rl.hook import ToppLogProb
@@ -135,6 +135,7 @@ def build_run(cfg: DictConfig) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
+    validate_routing(cfg, policy)
     engine_factory = engine_for(cfg, policy, tokenizer, output_dir)
     task = instantiate(cfg.task)
     params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
@@ -145,7 +146,9 @@ def build_run(cfg: DictConfig) -> Run:
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=params.temperature)
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
-        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing,
+                          routing_replay=cfg.rollout.routing_replay),
+        loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
         lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )
