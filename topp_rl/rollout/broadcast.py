@@ -7,8 +7,8 @@ peers as a few packed tensors plus a small header:
   reward and metadata, and which optional fields travel;
 - tensors (one `broadcast` each): prompt ids and response ids (int64), loss mask (int8), rollout log-probs and
   raw log-probs (float64: what the engine recorded, bit for bit), candidate row lengths and ids (int32), MoE
-  routes (int16 [rows, moe_layers, top_k]; each sample's own dtype is restored), each concatenated over the
-  samples.
+  routes ([rows, moe_layers, top_k], uint8 when every sample's are, else int32: gloo and NCCL have no int16;
+  each sample's own dtype is restored), each concatenated over the samples.
 Aborted samples travel too, so every peer keeps the same sample list and step statistics. Departure from slime,
 which has every rank pull its share from the rollout manager over Ray: here the peers of a DP rank need the
 same data, and one collective over their group delivers it. NCCL groups carry the tensors on the current GPU.
@@ -81,9 +81,11 @@ def _header(samples: list[Sample]) -> dict:
 def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
     with_raw = [s for s in samples if s.rollout_raw_log_probs is not None]
     with_cands = [s.candidates for s in samples if s.candidates is not None]
-    with_routes = [s.routes.to(torch.int16) for s in samples if s.routes is not None]
+    wire = _route_wire([str(s.routes.dtype).removeprefix("torch.") if s.routes is not None else None
+                        for s in samples])
+    with_routes = [s.routes.to(wire) for s in samples if s.routes is not None]
     return {
-        "routes": torch.cat(with_routes) if with_routes else torch.zeros(0, dtype=torch.int16),
+        "routes": torch.cat(with_routes) if with_routes else torch.zeros(0, dtype=wire),
         "prompt_ids": torch.tensor([t for s in samples for t in s.prompt_ids], dtype=torch.int64),
         "response_ids": torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.int64),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.int8),
@@ -101,7 +103,7 @@ def _empty(meta: dict) -> dict[str, torch.Tensor]:
     raw = sum(n for n, has in zip(meta["response_lengths"], meta["has_raw"], strict=True) if has)
     rows = sum(n for n, has in zip(meta["response_lengths"], meta["has_candidates"], strict=True) if has)
     return {
-        "routes": torch.empty((sum(_route_rows(meta)), *meta["route_shape"]), dtype=torch.int16),
+        "routes": torch.empty((sum(_route_rows(meta)), *meta["route_shape"]), dtype=_route_wire(meta["route_dtype"])),
         "prompt_ids": torch.empty(sum(meta["prompt_lengths"]), dtype=torch.int64),
         "response_ids": torch.empty(responses, dtype=torch.int64),
         "loss_mask": torch.empty(responses, dtype=torch.int8),
@@ -146,6 +148,10 @@ def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
 
 def _has_routes(meta: dict, i: int) -> bool:
     return meta.get("route_dtype", [None] * (i + 1))[i] is not None  # absent in checkpoints from before routes
+
+
+def _route_wire(dtypes: list[str | None]) -> torch.dtype:
+    return torch.uint8 if all(d in (None, "uint8") for d in dtypes) else torch.int32
 
 
 def _route_rows(meta: dict) -> list[int]:
