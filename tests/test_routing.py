@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
-from helpers import compose_cfg
+from helpers import column, compose_cfg, read_metrics
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.config import validate_routing
@@ -21,6 +21,7 @@ from topp_rl.models import build_tiny_model
 from topp_rl.moe import RouteRecorder, RouterReplay, moe_routing
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
 from topp_rl.rollout.packing import pack_samples
+from topp_rl.train import train
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 12, 13]]  # unequal lengths: left padding in the engine's prefill
 
@@ -232,3 +233,22 @@ def test_routing_replay_is_refused_for_a_dense_model_or_without_recorded_routes(
         validate_routing(cfg, moe())
     with pytest.raises(ValueError, match="routing_replay=True needs an MoE model"):
         HFBackbone(build_tiny_model("qwen2"), routing_replay=True)
+
+
+def test_moe_trains_with_routing_replay_on_and_logs_agreement_either_way(tmp_path):
+    """`train.py model=tiny model.family=qwen3_moe rollout.top_p=0.9 rollout.routing_replay=true`: the on-policy
+    pass agrees with the rollout to float32 precision and picks the rollout's experts for every token and layer;
+    with replay off the agreement is still measured (routes are recorded for every MoE model)."""
+    for replay in ("true", "false"):
+        out = tmp_path / replay
+        summary = train(compose_cfg(out, "model.family=qwen3_moe", f"rollout.routing_replay={replay}",
+                                    "logger=csv", "trainer.max_steps=3"))
+        assert summary["train/rollout_logprob_abs_diff_max"] <= 1e-5, replay
+        rows = read_metrics(out)
+        assert column(rows, "train/routing_agreement") == [1.0, 1.0, 1.0], replay
+        assert column(rows, "train/rollout_extreme_frac") == [0.0, 0.0, 0.0], replay
+        assert max(column(rows, "train/rollout_logprob_abs_diff_max")) <= 1e-5, replay
+    dense = tmp_path / "dense"
+    train(compose_cfg(dense, "logger=csv"))
+    keys = set().union(*read_metrics(dense))
+    assert "train/rollout_extreme_frac" in keys and "train/routing_agreement" not in keys
