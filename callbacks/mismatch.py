@@ -4,10 +4,13 @@ The old-log-prob pass runs with the weights the engine sampled with, so for ever
 d = log pi_train(y) - log pi_rollout(y) should be ~0 when the trainer scores over the recorded candidate set;
 the `_unmasked` figures score over the full vocabulary and show the bias the mask removes. Per token:
 |d| (mean, max, p99), the IS ratio exp(d) (mean, min, max, share outside [0.9, 1.1]) and the k3 estimate of
-KL(pi_rollout || pi_train) = exp(d) - 1 - d. Only these mismatch figures: the module logs its own training
+KL(pi_rollout || pi_train) = exp(d) - 1 - d, and the share of extreme tokens, |d| > ln 2 (the ratio beyond a
+factor of two either way: `rollout_extreme_frac`). Only these mismatch figures: the module logs its own training
 curves (train/loss, train/entropy, train/grad_norm, ...). Order statistics are exact over all ranks
 (all-gather of the per-token figures).
 """
+
+import math
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -15,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from topp_rl.callbacks._common import gather_columns, log_histograms, log_metrics
 
 RATIO_BAND = (0.9, 1.1)
+EXTREME_LOG_RATIO = math.log(2.0)  # |d| above it: train and rollout disagree on the token by more than 2x
 
 
 class LogProbMismatch(Callback):
@@ -42,6 +46,7 @@ class LogProbMismatch(Callback):
                 f"train/kl_k3_rollout{suffix}": (float((torch.expm1(d) - d).sum()), n),
                 f"train/is_ratio_mean{suffix}": (float(ratio.sum()), n),
                 f"train/is_ratio_outside_frac{suffix}": (float(outside.sum()), n),
+                f"train/rollout_extreme_frac{suffix}": (float((d.abs() > EXTREME_LOG_RATIO).sum()), n),
             }
             columns[f"abs_diff{suffix}"] = d.abs()
             columns[f"ratio{suffix}"] = ratio

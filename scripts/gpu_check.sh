@@ -6,7 +6,10 @@
 #      the CPU tests' exactness bounds, then the same in bf16 (trainer=gpu) reporting its mismatch;
 #   3. with a CUDA SGLang venv (TOPP_RL_SGLANG_PYTHON, SGLang 0.5.23 + patches/sglang + smg): a TP=1 training run
 #      fed by a CUDA SGLang server with NCCL weight sync (mismatch figures, weight-sync GB/s), and the same run
-#      through the router with two servers (the candidate sets must survive the router: same bounds).
+#      through the router with two servers (the candidate sets must survive the router: same bounds); then
+#   4. rollout routing replay live: a tiny Qwen3-MoE fed by a CUDA SGLang server with --enable-return-routed-experts
+#      (rollout.record_routes=true rollout.routing_replay=true): SGLang's routed_experts payload decodes into every
+#      sample (a wrong size or id fails the run), the HF backbone replays it, and the mismatch keeps the bounds of 3.
 # Needs a Python with CUDA torch, megatron-core 0.16.x and this project's deps: PY=/path/to/python (default
 # .venv/bin/python). TP/CP > 1 need several GPUs; with one GPU they stay covered by the CPU gloo tests.
 set -euo pipefail
@@ -74,5 +77,19 @@ else
   timeout 300 "$PY" train.py trainer=gpu_fp32 trainer.max_steps=4 logger=csv rollout.top_p=0.9 \
     checkpoint.every_n_steps=0 "${sglang[@]}" rollout.engine.num_servers=2 paths.output_dir="$routed"
   check_run "$routed" 1e-4 1e-3
+  echo "== routing replay: a tiny Qwen3-MoE fed by a CUDA SGLang server returning its routed experts"
+  moe=$(mktemp -d)
+  timeout 300 "$PY" train.py trainer=gpu_fp32 trainer.max_steps=4 logger=csv rollout.top_p=0.9 \
+    checkpoint.every_n_steps=0 "${sglang[@]}" model.family=qwen3_moe rollout.record_routes=true \
+    rollout.routing_replay=true paths.output_dir="$moe"
+  check_run "$moe" 1e-4 1e-3
+  "$PY" - "$moe" <<'PYEOF'
+import csv, glob, sys
+(path,) = glob.glob(f"{sys.argv[1]}/csv/*/metrics.csv")
+agree = [float(r["train/routing_agreement"]) for r in csv.DictReader(open(path)) if r.get("train/routing_agreement")]
+# Reported, not bounded: SGLang's CUDA router GEMM may flip a near-tie the HF router breaks the other way.
+print(f"gpu_check: routing agreement SGLang (CUDA) vs HF trainer per step: {agree}")
+assert len(agree) == 4, f"expected train/routing_agreement at 4 steps, got {agree}"
+PYEOF
 fi
 echo "gpu_check: OK"

@@ -29,7 +29,7 @@ def make_record(step: int, rank: int = 0) -> OnPolicyRecord:
     support[:3] = torch.tensor([1, 1, 0])
     return OnPolicyRecord(
         logprobs=rollout + torch.randn(n, generator=g) * 0.05,
-        logprobs_unmasked=rollout - torch.rand(n, generator=g) * 0.5,
+        logprobs_unmasked=rollout - torch.rand(n, generator=g) * 1.5,  # some beyond ln 2: extreme tokens
         rollout_logprobs=rollout,
         loss_mask=(torch.rand(n, generator=g) > 0.25).float(),
         entropy=torch.rand(n, generator=g) * 2,
@@ -140,6 +140,7 @@ def expected_mismatch(records: list[OnPolicyRecord]) -> dict[str, float]:
     col = {
         f: np.concatenate([getattr(r, f).double().numpy() for r in records])[keep]
         for f in records[0].__dataclass_fields__
+        if f != "routing_agreement"
     }
     out = {}
     for suffix, lp in (("", col["logprobs"]), ("_unmasked", col["logprobs_unmasked"])):
@@ -154,6 +155,7 @@ def expected_mismatch(records: list[OnPolicyRecord]) -> dict[str, float]:
             f"train/is_ratio_min{suffix}": ratio.min(),
             f"train/is_ratio_max{suffix}": ratio.max(),
             f"train/is_ratio_outside_frac{suffix}": ((ratio < 0.9) | (ratio > 1.1)).mean(),
+            f"train/rollout_extreme_frac{suffix}": (np.abs(d) > np.log(2.0)).mean(),
         }
     return out
 

@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "topp_rl.ops": {"topp_rl.ops"},
     "topp_rl.data": {"topp_rl.ops", "topp_rl.data"},
-    "topp_rl.engines": {"topp_rl.ops", "topp_rl.data", "topp_rl.engines"},
+    # topp_rl.moe: the HF MoE router hooks, shared by the engine (records routes) and the trainer (replays them).
+    "topp_rl.moe": {"topp_rl.data", "topp_rl.moe"},
+    "topp_rl.engines": {"topp_rl.ops", "topp_rl.data", "topp_rl.moe", "topp_rl.engines"},
     "topp_rl.tasks": {"topp_rl.data", "topp_rl.tasks"},
     "topp_rl.rollout": {"topp_rl.ops", "topp_rl.data", "topp_rl.engines", "topp_rl.tasks", "topp_rl.parallel",
                         "topp_rl.rollout"},

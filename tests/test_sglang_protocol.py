@@ -219,3 +219,59 @@ def test_served_vocab_is_read_from_sglangs_rejection():
     text = json.dumps({"error": {"message": message}})
     assert served_vocab(400, text) == 512
     assert served_vocab(200, text) is None and served_vocab(400, "other") is None
+
+
+def _sglang_routes_payload(ids: torch.Tensor) -> str:
+    """SGLang 0.5.23's own encoding (TokenizerManager, skip_tokenizer_init path): the scheduler's int32 host-buffer
+    rows [tokens, num_hidden_layers, top_k] as `pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")`."""
+    import pybase64
+
+    assert ids.dtype == torch.int32
+    return pybase64.b64encode(ids.numpy().tobytes()).decode("utf-8")
+
+
+def test_routed_experts_are_asked_for_and_decoded_from_sglangs_payload():
+    """A Qwen3-MoE with a dense first layer (mlp_only_layers=[0]): SGLang sends a row for every decoder layer,
+    the dense one never written (zeros); the Sample keeps the MoE layers, in the router's order, as uint8."""
+    from topp_rl.data.routes import MoeRouting
+    from topp_rl.engines.sglang.routes import decode_routes, encode_routes
+
+    routing = MoeRouting(layer_ids=(1, 2), top_k=2, num_experts=4, num_hidden_layers=3)
+    codec = Codec(vocab_size=100, max_candidates=4, b64=True, routing=routing)
+    params = SamplingParams(top_p=0.9, max_new_tokens=3)
+    assert codec.payload([1, 2, 3], params, seed=None, index=0)["return_routed_experts"] is True
+    assert "return_routed_experts" not in CODEC.payload([1, 2, 3], params, seed=None, index=0)
+    prompt, tokens = [1, 2, 3], [5, 6]
+    fed = len(prompt) + len(tokens) - 1  # SGLang's [0, seqlen - 1)
+    every_layer = torch.randint(0, 4, (fed, 3, 2), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    every_layer[:, 0] = 0  # the dense layer: never captured
+    out = _answer(tokens, [[5, 9], [6]])
+    out["meta_info"]["routed_experts"] = _sglang_routes_payload(every_layer)
+    assert encode_routes(every_layer) == out["meta_info"]["routed_experts"]
+    sample = codec.sample(prompt, out, wants_mask=True)
+    assert sample.routes.dtype == torch.uint8 and torch.equal(sample.routes, every_layer[:, 1:].to(torch.uint8))
+    aborted = codec.sample(prompt, _answer(tokens, None, reason=None), wants_mask=True)
+    assert aborted.status == SampleStatus.ABORTED and aborted.routes is None
+    del out["meta_info"]["routed_experts"]
+    with pytest.raises(ValueError, match="returned no 'routed_experts'.*--enable-return-routed-experts"):
+        codec.sample(prompt, out, wants_mask=True)
+    short = {"routed_experts": _sglang_routes_payload(every_layer[:-1])}
+    with pytest.raises(ValueError, match=r"holds 18 ids, expected 4 fed tokens x 3 layers x top_k 2 = 24"):
+        decode_routes(short, routing, tokens=fed, name="x")
+    wrong = every_layer.clone()
+    wrong[2, 2, 1] = 9
+    with pytest.raises(ValueError, match=r"MoE layer 1 \(decoder layer 2\) routes token 2 to expert 9, outside"):
+        decode_routes({"routed_experts": _sglang_routes_payload(wrong)}, routing, tokens=fed, name="x")
+
+
+def test_launched_servers_get_the_capture_flag_and_cpu_servers_refuse_routes(tmp_path):
+    from topp_rl.engines.sglang.engine import SGLangEngine, _with_route_capture
+    from topp_rl.models import build_tiny
+
+    assert _with_route_capture({"dtype": "float32"})["extra_args"] == ("--enable-return-routed-experts",)
+    flagged = _with_route_capture({"extra_args": ("--enable-return-routed-experts",)})
+    assert flagged["extra_args"] == ("--enable-return-routed-experts",)
+    model, tokenizer = build_tiny(family="qwen3_moe")
+    with pytest.raises(ValueError, match=r"record_routes=true with an MoE model and a CPU SGLang server.*"
+                                         r"set rollout.record_routes=false"):
+        SGLangEngine.for_policy(model=model, tokenizer=tokenizer, workdir=tmp_path)

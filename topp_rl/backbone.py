@@ -9,6 +9,7 @@ of rebuilding it from globals. Implementations: `HFBackbone` (here) and `topp_rl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -17,6 +18,8 @@ from torch import Tensor, nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from topp_rl.data import PackedBatch
+from topp_rl.data.routes import NO_ROUTE
+from topp_rl.moe import RouterReplay, moe_routing
 from topp_rl.parallel import ParallelLayout
 
 
@@ -56,6 +59,16 @@ class Backbone(WeightSource, Protocol):
     def requires_grad_(self, requires_grad: bool = True) -> Backbone: ...
 
     def eval(self) -> Backbone: ...
+
+
+@runtime_checkable
+class ReportsRouting(Protocol):
+    """A backbone of an MoE model that compares its own routes with the rollout's (optional for backbones)."""
+
+    def routing_agreement(self) -> tuple[float, float] | None:
+        """(token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded) of the
+        last `forward_hidden`; None when its batch carried no routes."""
+        ...
 
 
 # HF config fields that transform the logits after the output layer, with the value that leaves them unchanged.
@@ -120,9 +133,15 @@ class HFBackbone(nn.Module):
     `gradient_checkpointing=True` recomputes each decoder layer's activations in the backward instead of
     storing them (HF's own layer checkpointing, non-reentrant): the same values and gradients, less memory,
     about one more forward of compute.
+
+    MoE models (`topp_rl.moe`): a batch carrying routes has each token's own top-k compared with them
+    (`routing_agreement`); `routing_replay=True` also forces them (`RouterReplay`), and then every batch must carry
+    routes. A dense model refuses `routing_replay=True`.
     """
 
-    def __init__(self, model: nn.Module, *, gradient_checkpointing: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, *, gradient_checkpointing: bool = False, routing_replay: bool = False
+    ) -> None:
         super().__init__()
         bad = nonfinite_parameters(model)
         if bad:
@@ -134,7 +153,16 @@ class HFBackbone(nn.Module):
         head = model.get_output_embeddings()
         self.model = model
         self._layout = ParallelLayout.single(int(head.weight.shape[0]))
-        self._checkpointed = _enable_checkpointing(model) if gradient_checkpointing else []
+        self.routing = moe_routing(model)
+        if routing_replay and self.routing is None:
+            raise ValueError(
+                f"routing_replay=True needs an MoE model; {type(model).__name__} has no MoE layers: turn replay off"
+            )
+        self.routing_replay = routing_replay
+        self.replay = RouterReplay(model, self.routing, force=routing_replay) if self.routing else None
+        self._agreement: tuple[float, float] | None = None
+        context_fn = self.replay.checkpoint_contexts if self.replay is not None else None
+        self._checkpointed = _enable_checkpointing(model, context_fn) if gradient_checkpointing else []
 
     @property
     def layout(self) -> ParallelLayout:
@@ -160,10 +188,43 @@ class HFBackbone(nn.Module):
             # dropout: the scores must match the rollout's), so only the layers themselves are flagged, each
             # call (anything may have called .eval() since); their dropout children stay in eval mode.
             layer.training = True
-        out = self.model.get_decoder()(
-            input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
-        )
+        routes = self._padded_routes(batch, valid)
+        self._agreement = None
+        with self.replay.using(routes) if self.replay is not None else contextlib.nullcontext():
+            out = self.model.get_decoder()(
+                input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
+            )
+            if routes is not None:
+                self._agreement = tuple(map(float, self.replay.agreement()))
         return out.last_hidden_state[valid], self.output_weight()
+
+    def _padded_routes(self, batch: PackedBatch, valid: Tensor) -> Tensor | None:
+        """The batch's routes [T, L, k] laid out like the padded batch the routers see ([B * W, L, k], int64),
+        NO_ROUTE on padding; None when the batch has none (refused under routing replay)."""
+        if batch.routes is None:
+            if self.routing_replay:
+                raise ValueError(
+                    "routing replay is on but this batch carries no routes: the rollout engine recorded none; "
+                    "record routes (rollout.record_routes=true) or turn replay off (rollout.routing_replay=false)"
+                )
+            return None
+        if self.routing is None:
+            raise ValueError(f"the batch carries routes but {type(self.model).__name__} has no MoE layers")
+        shape = (self.routing.num_layers, self.routing.top_k)
+        if tuple(batch.routes.shape[1:]) != shape or batch.routes.shape[0] != batch.tokens.numel():
+            raise ValueError(
+                f"batch routes have shape {tuple(batch.routes.shape)}, expected ({batch.tokens.numel()}, *{shape}) "
+                "(tokens, MoE layers, top_k); the rollout came from another model"
+            )
+        if int(batch.routes.max()) >= self.routing.num_experts:
+            raise ValueError(f"batch routes hold expert id {int(batch.routes.max())}, outside the model's "
+                             f"{self.routing.num_experts} experts; the rollout came from another model")
+        padded = torch.full((*valid.shape, *shape), NO_ROUTE, dtype=torch.long, device=valid.device)
+        padded[valid] = batch.routes.to(device=valid.device, dtype=torch.long)
+        return padded.flatten(0, 1)
+
+    def routing_agreement(self) -> tuple[float, float] | None:
+        return self._agreement
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         params = [p for p in self.parameters() if p.grad is not None]
@@ -174,14 +235,15 @@ class HFBackbone(nn.Module):
             yield name, param.detach()
 
 
-def _enable_checkpointing(model: nn.Module) -> list[nn.Module]:
-    """Turn on HF's per-layer gradient checkpointing; returns the checkpointed layers."""
+def _enable_checkpointing(model: nn.Module, context_fn=None) -> list[nn.Module]:
+    """Turn on HF's per-layer gradient checkpointing (with torch's `context_fn` when given: routing replay
+    re-installs a layer's routes for its recompute); returns the checkpointed layers."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing; set "
             "module.gradient_checkpointing=false"
         )
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn is not None else {})
     if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x; the old one warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -28,7 +28,7 @@ BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
-    "trainer.enable_progress_bar",
+    "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay",
 )
 # Below this, SGLangEngine aborts every sample a truncating sampler keeps two ids for (`validate_sglang_candidates`).
 SGLANG_MIN_CANDIDATES = 2
@@ -297,6 +297,22 @@ def validate_overlap(cfg: DictConfig) -> None:
         _fail("algo.loss.tis_cap", None, "set with rollout.overlap=true (samples come from the policy one update "
               "back; the importance ratio to it needs a correction)",
               "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
+
+
+def validate_routing(cfg: DictConfig, model) -> None:
+    """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
+    a model with MoE layers (checked once the model is built, before any engine starts)."""
+    from topp_rl.moe import moe_routing
+
+    if not cfg.rollout.get("routing_replay", False):
+        return
+    if not cfg.rollout.get("record_routes", False):
+        _fail("rollout.routing_replay", True, "false when rollout.record_routes=false (replay forces the routes the "
+              "engine recorded)", "set rollout.record_routes=true, or rollout.routing_replay=false")
+    if moe_routing(model) is None:
+        _fail("rollout.routing_replay", True, f"false for a dense model ({type(model).__name__} has no MoE layers, "
+              "so there are no expert routes to replay)", "set rollout.routing_replay=false, or train an MoE model "
+              "(e.g. model=tiny model.family=qwen3_moe)")
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -18,6 +18,7 @@ entropy, phase timings), reduced across ranks once per step.
 """
 
 import copy
+import dataclasses
 import math
 import resource
 import time
@@ -27,7 +28,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from topp_rl.backbone import Backbone, HFBackbone, nonfinite_parameters
+from topp_rl.backbone import Backbone, HFBackbone, ReportsRouting, nonfinite_parameters
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs, PolicyLoss
@@ -150,6 +151,8 @@ class PolicyModule(L.LightningModule):
         """`onpolicy_pass` from a forward already made (detached here: the record carries no gradient)."""
         hidden, weight = hidden.detach(), weight.detach()
         token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
+        if isinstance(self.policy, ReportsRouting):  # read right after the forward that made `hidden`
+            record = dataclasses.replace(record, routing_agreement=self.policy.routing_agreement())
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
         old = record.logprobs if self.hook.use_mask else record.logprobs_unmasked
         return self._gather(old, token_index, batch), record
@@ -235,6 +238,8 @@ class PolicyModule(L.LightningModule):
         record = OnPolicyRecord.concat(list(records))
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
+        if record.routing_agreement is not None:
+            metrics["train/routing_agreement"] = record.routing_agreement
         optim_s = time.perf_counter() - t1
         old_s = t1 - t0
         if fused:  # the records came out of the gradient pass: their share moves from optim_s to old_logprob_s

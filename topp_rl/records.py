@@ -20,6 +20,9 @@ class OnPolicyRecord:
     loss_mask: torch.Tensor  # float32, 1 = trainable token
     entropy: torch.Tensor  # float, of the unrestricted temperature-scaled distribution
     support_size: torch.Tensor  # int64, candidate-set size; 0 = no candidate data (unrestricted)
+    # MoE: (token-layer routes where the trainer's own top-k set equals the rollout's, token-layer routes
+    # recorded) over the pass's tokens, prompt included; None when the batch carried no routes
+    routing_agreement: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         n = self.logprobs.shape[0]
@@ -35,5 +38,7 @@ class OnPolicyRecord:
         """Join per-micro-batch records (in micro-batch order) into one record for the rollout step."""
         if not records:
             raise ValueError("OnPolicyRecord.concat got no records; pass at least one micro-batch record")
-        fields = cls.__dataclass_fields__
-        return cls(**{f: torch.cat([getattr(r, f) for r in records]) for f in fields})
+        tensors = [f for f in cls.__dataclass_fields__ if f != "routing_agreement"]
+        routing = [r.routing_agreement for r in records if r.routing_agreement is not None]
+        agreement = (sum(a for a, _ in routing), sum(n for _, n in routing)) if routing else None
+        return cls(**{f: torch.cat([getattr(r, f) for r in records]) for f in tensors}, routing_agreement=agreement)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from topp_rl import loggers as run_loggers
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import AtomicCheckpointIO, LastCheckpoint, RunRecord, exit_status_on_signal
-from topp_rl.config import callback_entries, validate_config
+from topp_rl.config import callback_entries, validate_config, validate_routing
 from topp_rl.console import StepTimer, route_lightning_logs
 from topp_rl.hook import ToppLogProb
 from topp_rl.loggers import LogConfig
@@ -132,6 +132,7 @@ def build_run(cfg: DictConfig) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
+    validate_routing(cfg, policy)
     engine_factory = engine_for(cfg, policy, tokenizer, output_dir)
     task = instantiate(cfg.task)
     params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
@@ -142,7 +143,9 @@ def build_run(cfg: DictConfig) -> Run:
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=params.temperature)
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
-        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing), loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing,
+                          routing_replay=cfg.rollout.routing_replay),
+        loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
         lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )

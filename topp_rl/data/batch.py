@@ -23,6 +23,9 @@ class PackedBatch:
     rollout_log_probs: torch.Tensor  # float32 [R]
     response_tokens: torch.Tensor  # int64 [R]
     candidates: Candidates | None  # R rows, or None when no sample here recorded candidates
+    # int16 [T, moe_layers, top_k] aligned with `tokens`: each token's recorded experts, NO_ROUTE (-1) rows where
+    # none was recorded (every sequence's last token); None when no sample here carries routes
+    routes: torch.Tensor | None = None
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]
     sample_index: torch.Tensor  # int64 [B], position in the rollout step

@@ -4,6 +4,8 @@ Per response token: the token id, a loss-mask bit, the log-prob of the sampled t
 renormalised distribution it was drawn from, optionally the raw (full-vocabulary, temperature-scaled) log-prob,
 and the candidate set the sampler kept (one `Candidates` row per token). An EMPTY candidate row means
 "unrestricted"; it is only used as a placeholder for non-trainable tokens (tool output in multi-turn rollouts).
+MoE models may add `routes`: per token fed through the model (prompt + response - 1), the experts every MoE layer
+picked (`topp_rl.data.routes`); the engine sets them once the response is complete.
 Unlike slime's Sample, the per-token fields can only grow together, through `append_response_tokens`.
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from topp_rl.data.routes import MoeRouting
 from topp_rl.ops import Candidates
 from topp_rl.ops.candidates import rows_missing_token
 
@@ -31,6 +34,8 @@ class Sample:
     rollout_log_probs: list[float] = field(default_factory=list)
     rollout_raw_log_probs: list[float] | None = None
     candidates: Candidates | None = None
+    # integer [len(tokens) - 1, moe_layers, top_k]: the routed experts (`MoeRouting.check` validates the ids)
+    routes: torch.Tensor | None = None
     reward: float | None = None
     # Set by the pipeline (`number_samples`), not by engines: the prompt's and the sample's place in the step.
     group_index: int = 0
@@ -70,6 +75,11 @@ class Sample:
         """
         tokens = [int(t) for t in tokens]
         n = len(tokens)
+        if self.routes is not None and n:
+            raise ValueError(
+                f"{self._name()}: it carries routes for its first {self.routes.shape[0]} tokens; append every "
+                "response token first, then set routes (the engine records them once the response is complete)"
+            )
         if trainable:
             self._check_trainable_args(tokens, log_probs, candidates, raw_log_probs)
         elif log_probs is not None or candidates is not None or raw_log_probs is not None:
@@ -142,6 +152,14 @@ class Sample:
             lengths["rollout_raw_log_probs"] = len(self.rollout_raw_log_probs)
         if self.candidates is not None:
             lengths["candidates rows"] = self.candidates.num_rows
+        if self.routes is not None:
+            fed = len(self.prompt_ids) + r - 1  # the last token is never fed through the model
+            if self.routes.dim() != 3 or self.routes.shape[0] != fed:
+                raise ValueError(
+                    f"{self._name()}: routes have shape {tuple(self.routes.shape)}, expected ({fed}, moe_layers, "
+                    f"top_k): one row per token fed through the model (prompt {len(self.prompt_ids)} + response "
+                    f"{r} - 1)"
+                )
         bad = {k: v for k, v in lengths.items() if v != r}
         if bad:
             detail = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -149,6 +167,12 @@ class Sample:
                 f"{self._name()}: response_length={r} but {detail}; every per-token field needs one entry per "
                 "response token (candidate offsets: response_length + 1)"
             )
+
+    def check_routes(self, routing: MoeRouting) -> None:
+        """Raise ValueError, naming this sample, the layer and the token, unless `routes` (when set) fit
+        `routing`: one row per fed token, its MoE layers, top_k ids in [0, num_experts) each."""
+        if self.routes is not None:
+            routing.check(self.routes, tokens=len(self.prompt_ids) + self.response_length - 1, name=self._name())
 
     def _name(self) -> str:
         return f"Sample(index={self.index}, group={self.group_index})"

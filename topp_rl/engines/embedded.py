@@ -6,6 +6,8 @@ logits / temperature and draws the token from the renormalised kept set, so the 
 log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
 whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
 draw uses one seeded `torch.Generator` per `generate` call, so the same seed gives the same rollout.
+MoE models (`record_routes`, default on): every sample also gets the experts each MoE layer picked for every
+token fed through the model (prompt and response but the last token), read from HF's router (`topp_rl.moe`).
 """
 
 import contextlib
@@ -23,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.ops.sampling import nonfinite_row_error
 
@@ -36,6 +39,7 @@ class EmbeddedEngine(RolloutEngine):
         pad_token_id: int | None = None,
         record_candidates: bool = True,
         record_raw_log_probs: bool = False,
+        record_routes: bool = True,
         max_batch_size: int = 64,
         share_weights: bool = False,
         progress: bool = True,
@@ -55,6 +59,7 @@ class EmbeddedEngine(RolloutEngine):
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.record_candidates = record_candidates
         self.record_raw_log_probs = record_raw_log_probs
+        self.routing = moe_routing(self.model) if record_routes else None  # None: dense, or not asked
         self.max_batch_size = max_batch_size
         self.progress = progress
         self._cache_kwarg = (
@@ -108,12 +113,20 @@ class EmbeddedEngine(RolloutEngine):
             mask[i, : width - len(p)] = 0
         padded = any(len(p) < width for p in prompts)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        steps = _StepRecords(batch, device)
+        with RouteRecorder(self.model, self.routing) if self.routing else contextlib.nullcontext() as recorder:
+            lengths, done = self._decode(input_ids, mask, positions, padded, params, generator, steps, recorder)
+        return steps.to_samples(prompts, lengths.tolist(), done.tolist(), raw=self.record_raw_log_probs)
+
+    def _decode(self, step_ids, mask, positions, padded, params, generator, steps, recorder):
+        """The decode loop: fills `steps`; returns (response lengths [B], done [B])."""
+        batch, width = step_ids.shape
+        device = step_ids.device
         stop_ids = torch.tensor(self.eos_token_ids + params.stop_token_ids, dtype=torch.long, device=device)
         record = self.record_candidates and params.truncates
-        steps = _StepRecords(batch, device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
-        cache, step_ids = DynamicCache(), input_ids
+        cache = DynamicCache()
         for t in tqdm(
             range(params.max_new_tokens), desc="rollout decode", disable=not self.progress, leave=False
         ):
@@ -125,6 +138,8 @@ class EmbeddedEngine(RolloutEngine):
                 use_cache=True,
                 **{self._cache_kwarg: cache},
             )
+            if recorder is not None:
+                steps.routes.append(recorder.take().unflatten(0, (batch, -1)))  # [B, tokens this forward, L, k]
             logits = out.logits[:, -1, : self.vocab_size].float()
             tokens, log_probs, raw, cands, finite = self._sample(logits, params, generator, record=record)
             steps.add(tokens, log_probs, raw, cands)
@@ -141,7 +156,7 @@ class EmbeddedEngine(RolloutEngine):
                 break
             step_ids = tokens[:, None]
             positions = positions[:, -1:] + 1
-        return steps.to_samples(prompts, lengths.tolist(), done.tolist(), raw=self.record_raw_log_probs)
+        return lengths, done
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
@@ -256,6 +271,8 @@ class _StepRecords:
         self.log_probs: list[torch.Tensor] = []
         self.raw: list[torch.Tensor] = []
         self.cands: list[Candidates] = []
+        # MoE routes per forward: the prefill's [B, W, L, k], then one [B, 1, L, k] per decode step
+        self.routes: list[torch.Tensor] = []
 
     def add(self, tokens, log_probs, raw, cands) -> None:
         self.tokens.append(tokens)
@@ -272,6 +289,8 @@ class _StepRecords:
         log_probs = torch.stack(self.log_probs, 1).tolist()
         raw_lp = torch.stack(self.raw, 1).tolist() if raw else None
         per_sample = _split_candidates(self.cands, lengths) if self.cands else [None] * len(prompts)
+        routes = torch.cat(self.routes, 1).cpu() if self.routes else None  # [B, W + steps, L, k]
+        width = max(map(len, prompts))
         samples = []
         for b, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
             samples.append(
@@ -282,6 +301,8 @@ class _StepRecords:
                     rollout_log_probs=log_probs[b][:n],
                     rollout_raw_log_probs=raw_lp[b][:n] if raw_lp is not None else None,
                     candidates=per_sample[b],
+                    # the prompt (left-padded into the width) and the response tokens fed back: all but the last
+                    routes=routes[b, width - len(prompt) : width + n - 1].clone() if routes is not None else None,
                     status=SampleStatus.COMPLETED if done[b] else SampleStatus.TRUNCATED,
                 )
             )

@@ -6,8 +6,9 @@ peers as a few packed tensors plus a small header:
 - header (one `broadcast_object_list`): per sample the prompt / response lengths, status, index, group index,
   reward and metadata, and which optional fields travel;
 - tensors (one `broadcast` each): prompt ids and response ids (int64), loss mask (int8), rollout log-probs and
-  raw log-probs (float64: what the engine recorded, bit for bit), candidate row lengths and ids (int32), each
-  concatenated over the samples.
+  raw log-probs (float64: what the engine recorded, bit for bit), candidate row lengths and ids (int32), MoE
+  routes ([rows, moe_layers, top_k], uint8 when every sample's are, else int32: gloo and NCCL have no int16;
+  each sample's own dtype is restored), each concatenated over the samples.
 Aborted samples travel too, so every peer keeps the same sample list and step statistics. Departure from slime,
 which has every rank pull its share from the rollout manager over Ray: here the peers of a DP rank need the
 same data, and one collective over their group delivers it. NCCL groups carry the tensors on the current GPU.
@@ -70,13 +71,21 @@ def _header(samples: list[Sample]) -> dict:
         "has_raw": [s.rollout_raw_log_probs is not None for s in samples],
         "has_candidates": [s.candidates is not None for s in samples],
         "num_candidate_ids": sum(int(s.candidates.ids.numel()) for s in samples if s.candidates is not None),
+        # per sample: its routes' dtype name (None: no routes), and the (moe_layers, top_k) every route row has
+        "route_dtype": [str(s.routes.dtype).removeprefix("torch.") if s.routes is not None else None
+                        for s in samples],
+        "route_shape": next((list(s.routes.shape[1:]) for s in samples if s.routes is not None), [0, 0]),
     }
 
 
 def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
     with_raw = [s for s in samples if s.rollout_raw_log_probs is not None]
     with_cands = [s.candidates for s in samples if s.candidates is not None]
+    wire = _route_wire([str(s.routes.dtype).removeprefix("torch.") if s.routes is not None else None
+                        for s in samples])
+    with_routes = [s.routes.to(wire) for s in samples if s.routes is not None]
     return {
+        "routes": torch.cat(with_routes) if with_routes else torch.zeros(0, dtype=wire),
         "prompt_ids": torch.tensor([t for s in samples for t in s.prompt_ids], dtype=torch.int64),
         "response_ids": torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.int64),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.int8),
@@ -94,6 +103,7 @@ def _empty(meta: dict) -> dict[str, torch.Tensor]:
     raw = sum(n for n, has in zip(meta["response_lengths"], meta["has_raw"], strict=True) if has)
     rows = sum(n for n, has in zip(meta["response_lengths"], meta["has_candidates"], strict=True) if has)
     return {
+        "routes": torch.empty((sum(_route_rows(meta)), *meta["route_shape"]), dtype=_route_wire(meta["route_dtype"])),
         "prompt_ids": torch.empty(sum(meta["prompt_lengths"]), dtype=torch.int64),
         "response_ids": torch.empty(responses, dtype=torch.int64),
         "loss_mask": torch.empty(responses, dtype=torch.int8),
@@ -111,6 +121,8 @@ def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
                                                               strict=True) if h]))
     cand_rows = iter(t["candidate_lengths"].split([n for n, h in zip(meta["response_lengths"],
                                                                      meta["has_candidates"], strict=True) if h]))
+    route_rows = _route_rows(meta)
+    routes = iter(t["routes"].view(sum(route_rows), *meta["route_shape"]).split(route_rows) if route_rows else ())
     id_offset = 0
     samples = []
     for i, n in enumerate(meta["response_lengths"]):
@@ -129,5 +141,24 @@ def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
             rollout_raw_log_probs=next(raw).tolist() if meta["has_raw"][i] else None, candidates=candidates,
             reward=meta["reward"][i], group_index=meta["group_index"][i], index=meta["index"][i],
             status=meta["status"][i], metadata=meta["metadata"][i], weight_version=meta["weight_version"][i],
+            routes=_route_tensor(next(routes), meta["route_dtype"][i]) if _has_routes(meta, i) else None,
         ))
     return samples
+
+
+def _has_routes(meta: dict, i: int) -> bool:
+    return meta.get("route_dtype", [None] * (i + 1))[i] is not None  # absent in checkpoints from before routes
+
+
+def _route_wire(dtypes: list[str | None]) -> torch.dtype:
+    return torch.uint8 if all(d in (None, "uint8") for d in dtypes) else torch.int32
+
+
+def _route_rows(meta: dict) -> list[int]:
+    """Rows of each sample that carries routes: its tokens fed through the model (prompt + response - 1)."""
+    return [p + r - 1 for i, (p, r) in enumerate(zip(meta["prompt_lengths"], meta["response_lengths"], strict=True))
+            if _has_routes(meta, i)]
+
+
+def _route_tensor(rows: torch.Tensor, dtype: str) -> torch.Tensor:
+    return rows.to(getattr(torch, dtype)).clone()

@@ -3,13 +3,15 @@
 
 Layout (docs/ARCHITECTURE.md): sequences (prompt + response) back to back with no padding; per response token
 fields in sample order; candidates concatenated in sample order with EMPTY (= unrestricted) rows for samples
-that recorded none and for non-trainable tokens. Packing is greedy in sample order under a token budget
+that recorded none and for non-trainable tokens; MoE routes (when recorded) aligned with the tokens, with a
+NO_ROUTE row for each sequence's last token (never fed through the engine's model) and for samples without routes. Packing is greedy in sample order under a token budget
 (deterministic, sequences never split), like slime's, but without reordering samples by length.
 """
 
 import torch
 
 from topp_rl.data import PackedBatch, Sample
+from topp_rl.data.routes import NO_ROUTE
 from topp_rl.ops import Candidates
 
 
@@ -87,6 +89,7 @@ def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequence
         ),
         response_tokens=response_tokens,
         candidates=_candidates(samples, loss_mask),
+        routes=_routes(samples),
         rewards=torch.tensor(
             [0.0 if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
         ),
@@ -95,6 +98,24 @@ def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequence
         num_loss_tokens_global=loss_tokens,
         num_sequences_global=sequences,
     )
+
+
+def _routes(samples: list[Sample]) -> torch.Tensor | None:
+    """int16 [T, L, k] in token order: each sample's routes, then a NO_ROUTE row for its last token."""
+    shapes = {tuple(s.routes.shape[1:]) for s in samples if s.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routes of different (moe_layers, top_k) shapes {sorted(shapes)}; "
+                         "every sample of a step must come from the same model")
+    (shape,) = shapes
+    rows = []
+    for s in samples:
+        fed = len(s.prompt_ids) + s.response_length - 1
+        own = s.routes.to(torch.int16) if s.routes is not None else torch.full((fed, *shape), NO_ROUTE,
+                                                                               dtype=torch.int16)
+        rows += [own, torch.full((1, *shape), NO_ROUTE, dtype=torch.int16)]
+    return torch.cat(rows)
 
 
 def _candidates(samples: list[Sample], loss_mask: torch.Tensor) -> Candidates | None:

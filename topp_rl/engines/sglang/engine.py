@@ -17,12 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from topp_rl.data.params import SamplingParams
+from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
 from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.engines.sglang.client import Retries, SGLangClient, Timeouts
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
 from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answer
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
+from topp_rl.engines.sglang.routes import SERVER_FLAG
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
 from topp_rl.engines.sglang.weights import SyncMethod, WeightSync, WeightSyncStats
 
@@ -52,6 +54,7 @@ class SGLangEngine(RolloutEngine):
         vocab_size: int | None = None,
         record_candidates: bool = True,
         record_raw_log_probs: bool = True,
+        routing: MoeRouting | None = None,
         wire: WireMode = "auto",
         weight_sync: SyncMethod = "disk",
         weight_bucket_bytes: int = 512 * 2**20,
@@ -97,6 +100,10 @@ class SGLangEngine(RolloutEngine):
                                {"max_retries": max_retries, "backoff_s": backoff_s, "max_backoff_s": max_backoff_s})  # fmt: skip
         self.max_candidates = max_candidates
         self.record_candidates, self.record_raw_log_probs = record_candidates, record_raw_log_probs
+        # MoE: ask every /generate for the routed experts; launched servers get SGLang's capture flag.
+        self.routing = routing
+        server_kwargs = _with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
+            else server_kwargs
         self.weight_sync = weight_sync
         self.progress = progress
         # SGLang-only sampling keys (e.g. {"ignore_eos": True} for benchmarks), added to every request.
@@ -128,12 +135,14 @@ class SGLangEngine(RolloutEngine):
 
     @classmethod
     def for_policy(
-        cls, *, model, tokenizer, workdir: Path, share_weights: bool = False, **kwargs
+        cls, *, model, tokenizer, workdir: Path, share_weights: bool = False, record_routes: bool = True, **kwargs
     ) -> "SGLangEngine":
         """The config factory (`rollout.engine`): servers launched on the policy's initial weights, written
         once to `workdir/init` (SGLang loads weights from disk); their logs and weight copies live under `workdir`.
-        A server always holds its own weights: `share_weights` (the embedded engine's option) must be false."""
+        A server always holds its own weights: `share_weights` (the embedded engine's option) must be false.
+        `record_routes`: ask for the routed experts when the policy is an MoE model (`topp_rl.moe`)."""
         from topp_rl.models import save_model
+        from topp_rl.moe import moe_routing
 
         if share_weights:
             raise ValueError(
@@ -141,8 +150,18 @@ class SGLangEngine(RolloutEngine):
                 "sample with the trainer's; drop the key (it is rollout=embedded's option)"
             )
 
+        routing = moe_routing(model) if record_routes else None
+        if routing is not None and (kwargs.get("server_kwargs") or {}).get("device", "cpu") == "cpu" \
+                and not (kwargs.get("urls") or kwargs.get("router_url")):
+            raise ValueError(
+                "rollout.record_routes=true with an MoE model and a CPU SGLang server: SGLang 0.5.23 captures routes "
+                "only on CUDA (its capturer registers CUDA host memory in init_routed_experts_capturer, and a CPU "
+                "server fails at start); set rollout.record_routes=false (and rollout.routing_replay=false), use "
+                "rollout=embedded, or a CUDA server (rollout.engine.server_kwargs.device=cuda)"
+            )
         path = save_model(model, tokenizer, Path(workdir) / "init")
-        return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, **kwargs)
+        return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
+                   **kwargs)
 
     # ---- the fleet's state, read-only ----------------------------------------------------------------------
     @property
@@ -181,7 +200,7 @@ class SGLangEngine(RolloutEngine):
         `extra_sampling_params` may be changed between rollouts)."""
         return Codec(vocab_size=self.vocab_size, max_candidates=self.max_candidates, b64=self.patched,
                      record_candidates=self.record_candidates, record_raw_log_probs=self.record_raw_log_probs,
-                     extra=dict(self.extra_sampling_params))  # fmt: skip
+                     routing=self.routing, extra=dict(self.extra_sampling_params))  # fmt: skip
 
     # ---- the RolloutEngine calls -----------------------------------------------------------------------------
     def generate(
@@ -229,6 +248,12 @@ class SGLangEngine(RolloutEngine):
         self.client.close()
         self.weights.close()
         self.fleet.close()
+
+
+def _with_route_capture(server_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`server_kwargs` with SGLang's routed-experts capture flag added to the launch arguments."""
+    extra = tuple(server_kwargs.get("extra_args", ()))
+    return {**server_kwargs, "extra_args": extra if SERVER_FLAG in extra else (*extra, SERVER_FLAG)}
 
 
 def _limits(kind: type[_Limits], given: _Limits | Mapping[str, Any] | None, name: str,

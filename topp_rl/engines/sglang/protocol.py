@@ -7,7 +7,8 @@ Per response token the Sample gets:
   nested JSON lists;
 - `rollout_log_probs`: SGLang's `output_token_sampling_logprobs`, the sampled token's log-prob renormalised
   over the kept set;
-- `rollout_raw_log_probs`: SGLang's `output_token_logprobs` (log_softmax(logits / T) before truncation).
+- `rollout_raw_log_probs`: SGLang's `output_token_logprobs` (log_softmax(logits / T) before truncation);
+- MoE models (`Codec.routing`): SGLang's routed experts of every fed token (`topp_rl.engines.sglang.routes`).
 Departures from SGLang's defaults: the mask needs a finite top_k, so a request without one (top_k=0), or with
 one above `max_candidates`, is sent as top_k = max_candidates + 1 (at most the vocab size; `mask_cap`), and
 launched servers get `--sampling-mask-max-tokens` = that. A sample whose kept set exceeds `max_candidates` at any
@@ -31,7 +32,9 @@ from typing import Any
 import torch
 
 from topp_rl.data.params import SamplingParams
+from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.sglang.routes import decode_routes
 from topp_rl.engines.sglang.wire import IDS_KEY, decode_candidates
 
 FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
@@ -66,6 +69,7 @@ class Codec:
     b64: bool  # ask for the compact candidate arrays (servers carrying patches/sglang)
     record_candidates: bool = True
     record_raw_log_probs: bool = True
+    routing: MoeRouting | None = None  # ask for and decode the routed experts (servers need the flag)
     # SGLang-only sampling keys added to every request, e.g. {"ignore_eos": True}
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -100,6 +104,8 @@ class Codec:
         if seed is not None and params.min_p == 0:
             sampling["sampling_seed"] = (seed * SEED_STRIDE + index) % (2**63)
         body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        if self.routing is not None:
+            body["return_routed_experts"] = True  # from the first token: routed_experts_start_len 0
         if wants_mask:
             body["return_sampling_mask"] = True
             if self.b64:
@@ -145,6 +151,10 @@ class Codec:
             cands if self.record_candidates else None,
             raw_log_probs=raw if self.record_raw_log_probs else None,
         )
+        if self.routing is not None:
+            sample.routes = decode_routes(meta, self.routing, tokens=len(prompt) + len(tokens) - 1,
+                                          name=f"SGLang answer ({len(prompt)}-token prompt)")
+            sample.check_lengths()
         return sample
 
 

@@ -1,0 +1,72 @@
+"""`MoeRouting`: the shape of an MoE model's routing, and the rules a recorded route array obeys.
+
+A route array holds, for every token an engine fed through the model (the prompt and every response token but
+the last, whose successor is never sampled: SGLang's `[0, seqlen - 1)` rows), the top-k expert ids each MoE
+layer picked: integer [tokens, moe_layers, k], in the router's own top-k order. Ids are stored in the smallest
+dtype that holds them (uint8 up to 256 experts, else int16): `moe_layers * k` bytes per token with uint8
+(Qwen3-30B-A3B: 48 layers x top-8 = 384 B). Pure data: no model code here (`topp_rl.moe` reads HF routers).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Packed batches mark a token without a recorded route (each sequence's last token) with this id.
+NO_ROUTE = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeRouting:
+    """Which decoder layers route (`layer_ids`, ascending), how many experts each token gets (`top_k`) out of
+    `num_experts`, and the decoder's depth (`num_hidden_layers`: SGLang returns a row for every layer)."""
+
+    layer_ids: tuple[int, ...]
+    top_k: int
+    num_experts: int
+    num_hidden_layers: int
+
+    def __post_init__(self) -> None:
+        if not self.layer_ids or list(self.layer_ids) != sorted(set(self.layer_ids)):
+            raise ValueError(f"MoeRouting layer_ids {self.layer_ids} must be a non-empty ascending list")
+        if not 0 < self.top_k <= self.num_experts <= torch.iinfo(torch.int16).max:
+            raise ValueError(
+                f"MoeRouting top_k={self.top_k}, num_experts={self.num_experts}: need 0 < top_k <= num_experts "
+                f"<= {torch.iinfo(torch.int16).max}"
+            )
+        if self.layer_ids[-1] >= self.num_hidden_layers:
+            raise ValueError(
+                f"MoeRouting layer id {self.layer_ids[-1]} is outside the decoder's {self.num_hidden_layers} layers"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.top_k * self.dtype.itemsize
+
+    def check(self, routes: torch.Tensor, *, tokens: int, name: str) -> None:
+        """Raise ValueError (naming `name`, the layer and the token) unless `routes` is [tokens, num_layers,
+        top_k] of integer ids in [0, num_experts)."""
+        want = (tokens, self.num_layers, self.top_k)
+        if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
+            raise ValueError(f"{name}: routes have dtype {routes.dtype}; expert ids are integers ({self.dtype})")
+        if tuple(routes.shape) != want:
+            raise ValueError(
+                f"{name}: routes have shape {tuple(routes.shape)}, expected {want} (tokens fed through the model = "
+                f"prompt + response - 1, MoE layers {list(self.layer_ids)}, top_k {self.top_k}); record routes "
+                "with the model that is trained"
+            )
+        bad = (routes.long() < 0) | (routes.long() >= self.num_experts)
+        if bool(bad.any()):
+            token, layer, slot = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name}: MoE layer {layer} (decoder layer {self.layer_ids[layer]}) routes token {token} to expert "
+                f"{int(routes[token, layer, slot])}, outside [0, {self.num_experts}); the routes come from another "
+                "model or were decoded wrongly"
+            )
