@@ -167,8 +167,15 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
 
 def validate_parallel(cfg: DictConfig) -> None:
     p, world = cfg.parallel, _world_size(cfg)
-    for key in ("tp_size", "cp_size"):
+    for key in ("tp_size", "cp_size", "ep_size"):
         _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
+    coeff = _number(cfg, "module.moe_aux_loss_coeff")
+    if coeff < 0:
+        _fail("module.moe_aux_loss_coeff", coeff, ">= 0", "use 0 (off, the RL default) or a small positive weight")
+    if not p.get("strategy") and (p.ep_size > 1 or coeff > 0):
+        key, value = ("parallel.ep_size", p.ep_size) if p.ep_size > 1 else ("module.moe_aux_loss_coeff", coeff)
+        _fail(key, value, "used with the Megatron backbone only (the HF backbone has no expert parallelism and "
+              "does not add the load-balancing loss)", "use a Megatron parallel/ config (e.g. parallel=ep2) or unset it")
     if p.cp_mode not in ("zigzag", "allgather"):
         _fail("parallel.cp_mode", p.cp_mode, "'zigzag' or 'allgather'", "pick one of the two layouts")
     if p.get("strategy") and p.cp_size > 1 and p.cp_mode != "zigzag":
@@ -184,6 +191,10 @@ def validate_parallel(cfg: DictConfig) -> None:
               f"a divisor of the world size ({world} = trainer.devices * trainer.num_nodes)",
               "change trainer.devices or the parallel sizes")
     dp = world // model_parallel
+    if (dp * p.cp_size) % p.ep_size:
+        _fail("parallel.ep_size", p.ep_size, f"a divisor of data-parallel x context-parallel size ({dp} x "
+              f"{p.cp_size}: megatron spreads the experts over those ranks, with expert TP = parallel.tp_size)",
+              "choose an ep_size dividing it, or raise trainer.devices")
     prompts = cfg.rollout.prompts_per_step
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
