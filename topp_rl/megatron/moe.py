@@ -88,8 +88,9 @@ class _ReduceScatterRows(torch.autograd.Function):
         return torch.cat(parts), None
 
 
-def _pad_rows(x: Tensor, multiple: int) -> Tensor:
-    extra = -x.shape[0] % multiple
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """`x` with zero rows appended up to `rows` rows."""
+    extra = rows - x.shape[0]
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
 
 
@@ -163,18 +164,23 @@ def _layer_cls():
             probs = self._attach_aux_loss(hidden_states, probs, routing_map)
             tp_group = self.attn_tp_group
             tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-            x = hidden_states
-            if tp > 1:  # SP layout for the dispatcher: each TP rank sends 1/tp of the rows (zero rows pad)
-                x = _SplitRows.apply(_pad_rows(x, tp), tp_group)
-                probs = _SplitRows.apply(_pad_rows(probs, tp), tp_group)
-                routing_map = _SplitRows.apply(_pad_rows(routing_map, tp), tp_group)
+            # The dispatcher gathers equal row counts over TP x EP, whose ranks may hold different batches (EP
+            # spans data-parallel ranks): pad with unrouted zero rows to the group's largest count, a multiple of
+            # tp. Padding rows reach no expert and are dropped below.
+            rows = torch.tensor([seq])
+            if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+                dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.token_dispatcher.tp_ep_group)
+            target = -(-int(rows) // tp) * tp
+            x, probs, routing_map = (_pad_rows(t, target) for t in (hidden_states, probs, routing_map))
+            if tp > 1:  # SP layout for the dispatcher: each TP rank sends 1/tp of the rows
+                x, probs, routing_map = (_SplitRows.apply(t, tp_group) for t in (x, probs, routing_map))
             x, probs = self.preprocess(x, probs, routing_map)
             x, probs = self.dispatch(x, probs)
             out, _ = self.routed_experts_compute(x, probs)
             out = self.postprocess(self.combine(out), None)
             if tp > 1:
-                out = _GatherRows.apply(out, tp_group)[:seq]
-            return out, None
+                out = _GatherRows.apply(out, tp_group)
+            return out[:seq], None
 
         def _attach_aux_loss(self, hidden: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
             """Record load statistics; with aux_loss_coeff > 0, attach the load-balancing loss's gradient."""
