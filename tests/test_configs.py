@@ -93,6 +93,12 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("optimizer.lr=0", "optimizer.lr"),
         ("parallel=cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
         ("parallel=tp2_cp2 parallel.cp_mode=allgather", "parallel.cp_mode"),
+        # Expert parallelism: EP must divide DP x CP; EP and the aux loss need the Megatron backbone.
+        ("parallel=tp2_ep2 trainer.devices=2", "parallel.ep_size"),
+        ("parallel=ep2 parallel.ep_size=4", "parallel.ep_size"),
+        ("parallel.ep_size=2", "parallel.ep_size"),
+        ("module.moe_aux_loss_coeff=0.01", "module.moe_aux_loss_coeff"),
+        ("parallel=ep2 module.moe_aux_loss_coeff=-1", "module.moe_aux_loss_coeff"),
         # Wrong types name the key instead of raising a raw TypeError; bools are not numbers.
         ("rollout.top_p=abc", "rollout.top_p"),
         ("rollout.top_k=true", "rollout.top_k"),

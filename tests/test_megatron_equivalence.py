@@ -1,5 +1,10 @@
 """The Megatron backbone equals the HF model: logits, restricted log-probs and parameter gradients, at every
-(TP, CP) in {(1,1), (2,1), (1,2), (2,2)}, for Qwen2 (tied embeddings, QKV bias) and Llama (untied, llama3 RoPE).
+(TP, CP) in {(1,1), (2,1), (1,2), (2,2)}, for Qwen2 (tied embeddings, QKV bias), Llama (untied, llama3 RoPE),
+Qwen3 (QK-norm, head_dim 24 != hidden / heads), Mistral (sliding window 5, shorter than two of the sequences)
+and Qwen3-MoE (4 experts top-2; norm_topk_prob true and false; layer 1 dense via mlp_only_layers), the MoE also at
+expert-parallel sizes 2 and 4 (with TP 2, CP 2). With EP, an expert sees the tokens of every rank of its TP x EP
+group; the test gives every data-parallel replica the same batch, so an expert's gradient is the reference's
+times the number of replicas in that group.
 
 One 4-process gloo spawn checks every case (parallel state is re-initialised per layout; a layout with fewer
 model-parallel ranks runs as data-parallel replicas). The reference is a single-process HF forward per sequence
@@ -21,8 +26,10 @@ from dist_utils import run_distributed
 NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                  reason="megatron-core (the `megatron` extra) is not installed")
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-FAMILIES = ["qwen2", "llama"]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]  # (tp, cp, ep) at world size 4
+FAMILIES = ["qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "qwen3_moe_unnormed"]
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_unnormed")
 TEMPERATURE = 0.8
 TOL = 1e-5
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.hook", "transformers")
@@ -30,13 +37,22 @@ PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "top
 
 def hf_model(family: str):
     """Tiny HF model: Qwen2 tied with QKV bias; Llama untied with llama3 RoPE scaling (short original context,
-    so the scaling changes most frequencies)."""
+    so the scaling changes most frequencies); Qwen3 with a head_dim unlike hidden / heads; Mistral with a sliding
+    window shorter than the sequences; Qwen3-MoE (sparse layer 0, dense layer 1) routing with and without
+    renormalised top-k weights."""
     from transformers import AutoModelForCausalLM
 
     from topp_rl.models import build_tiny_model
 
     if family == "qwen2":
         return build_tiny_model("qwen2", tie_embeddings=True, seed=1)
+    if family == "qwen3":
+        return build_tiny_model("qwen3", tie_embeddings=False, head_dim=24, seed=5)
+    if family == "mistral":
+        return build_tiny_model("mistral", tie_embeddings=False, sliding_window=5, seed=6)
+    if family in MOE_FAMILIES:
+        return build_tiny_model("qwen3_moe", tie_embeddings=True, mlp_only_layers=[1], seed=7,
+                                norm_topk_prob=family == "qwen3_moe")
     config = build_tiny_model("llama", tie_embeddings=False).config
     config.rope_parameters = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -94,7 +110,7 @@ def reference(model, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     return logits.detach(), logprobs.detach(), grads
 
 
-def _case(family: str, tp: int, cp: int) -> dict[str, float]:
+def _case(family: str, tp: int, cp: int, ep: int = 1) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
@@ -102,9 +118,11 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
     from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone, load_hf_into
     from topp_rl.megatron.export import hf_state_dict, save_hf_checkpoint
+    from topp_rl.megatron.grads import is_expert_param
     from topp_rl.parallel import ParallelLayout
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 expert_model_parallel_size=ep)
     try:
         model = hf_model(family)
         batch = packed_batch(model.config.vocab_size)
@@ -112,7 +130,7 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
         layout = ParallelLayout.from_megatron(model.config.vocab_size)
         backbone = MegatronBackbone(model.config, layout=layout)
         load_hf_into(backbone.model, model.state_dict(), model.config, tp_size=tp,
-                     tp_rank=ps.get_tensor_model_parallel_rank())
+                     tp_rank=ps.get_tensor_model_parallel_rank(), ep_size=ep, ep_rank=layout.ep_rank)
         exported = hf_state_dict(backbone)
         with tempfile.TemporaryDirectory() as tmp:  # HF checkpoint export (collective; every rank writes its own)
             save_hf_checkpoint(backbone, tmp)
@@ -129,9 +147,14 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
         full = torch.zeros_like(ref_logprobs).index_put((out.token_index,), out.logprobs.detach())
         if cp > 1:  # CP ranks hold disjoint tokens and partial parameter gradients: sum both
             dist.all_reduce(full, group=layout.cp_group)
-            for p in backbone.parameters():
+        for name, p in backbone.model.named_parameters():
+            if is_expert_param(name):  # as in training (GradSync): experts sum over the expert-DP group
+                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+            elif cp > 1:
                 dist.all_reduce(p.grad, group=layout.cp_group)
         grads = hf_state_dict(backbone, grads=True)
+        replicas = dist.get_world_size() // (tp * cp)  # every DP replica has this batch (see module docstring)
+        grads = {n: g / replicas if ".mlp.experts." in n else g for n, g in grads.items()}
         token_index, onpolicy = ToppLogProb(temperature=TEMPERATURE).onpolicy(
             batch, layout=layout, hidden=hidden.detach(), weight=weight.detach())
         onpolicy_err = (onpolicy.logprobs - ref_logprobs[token_index]).abs().max()
@@ -154,13 +177,15 @@ def _case(family: str, tp: int, cp: int) -> dict[str, float]:
 
 def _all_cases(rank: int) -> dict:
     torch.manual_seed(0)
-    return {(f, tp, cp): _case(f, tp, cp) for f in FAMILIES for tp, cp in LAYOUTS}
+    cases = [(f, *layout) for f in FAMILIES for layout in LAYOUTS]
+    cases += [(f, *layout) for f in MOE_FAMILIES for layout in MOE_LAYOUTS]
+    return {case: _case(*case) for case in cases}
 
 
 @NO_MEGATRON
 @pytest.mark.distributed
 def test_megatron_matches_hf_at_every_layout():
-    results = run_distributed(_all_cases, 4, timeout=400, preload=PRELOAD)
+    results = run_distributed(_all_cases, 4, timeout=900, preload=PRELOAD)
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
             where = f"rank {rank} {case}"

@@ -96,3 +96,13 @@ def test_from_megatron_and_vocab_parallel_cross_entropy_match():
                 torch.testing.assert_close(ce["ours"], ce["meg"], atol=1e-5, rtol=1e-5, msg=where)
                 torch.testing.assert_close(ce["ours_grad"], ce["meg_grad"], atol=1e-6, rtol=1e-5, msg=where)
                 assert ce["ours_grad"].abs().sum() > 0
+
+
+def test_describe_prints_ep_and_ep_sizes_are_validated():
+
+    layout = ParallelLayout(vocab_size=128)
+    assert layout.describe(world_size=4) == "world=4 dp=4 tp=1 cp=1 ep=1"
+    with pytest.raises(ValueError, match=r"ep_size=0 must be an int >= 1"):
+        ParallelLayout(vocab_size=128, ep_size=0)
+    with pytest.raises(ValueError, match=r"ep_size=2 needs ep_group"):
+        ParallelLayout(vocab_size=128, ep_size=2)

@@ -201,15 +201,21 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
 
 def validate_parallel(cfg: DictConfig) -> None:
     p, world = cfg.parallel, _world_size(cfg)
-    for key in ("tp_size", "cp_size"):
+    for key in ("tp_size", "cp_size", "ep_size"):
         size = _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
         if size > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", size, "1 without a parallel strategy (parallel=none runs the HF model whole)",
-                  "pick a Megatron layout instead: parallel=tp2, cp2 or tp2_cp2 (or parallel=megatron with sizes)")
+                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
     if not p.get("strategy"):
-        for key in sorted(set(p) - {"tp_size", "cp_size", "strategy"}):  # e.g. +parallel.cp_mode=allgather
+        for key in sorted(set(p) - {"tp_size", "cp_size", "ep_size", "strategy"}):  # e.g. +parallel.cp_mode=...
             _fail(f"parallel.{key}", p._get_node(key)._value(), "absent with parallel=none (it has no layout to set)",
-                  "drop the key, or pick a Megatron layout (parallel=tp2, cp2, tp2_cp2)")
+                  "drop the key, or pick a Megatron layout (parallel=tp2, cp2, tp2_cp2, ep2, tp2_ep2)")
+    coeff = _number(cfg, "module.moe_aux_loss_coeff")
+    if coeff < 0:
+        _fail("module.moe_aux_loss_coeff", coeff, ">= 0", "use 0 (off, the RL default) or a small positive weight")
+    if not p.get("strategy") and coeff > 0:
+        _fail("module.moe_aux_loss_coeff", coeff, "0 with the HF backbone (it does not add the load-balancing "
+              "loss; the Megatron backbone does)", "use a Megatron parallel/ config (e.g. parallel=ep2) or set 0")
     cp_mode = p.get("cp_mode", "zigzag")
     if p.get("strategy") and p.cp_size > 1 and cp_mode != "zigzag":
         _fail("parallel.cp_mode", cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
@@ -224,6 +230,10 @@ def validate_parallel(cfg: DictConfig) -> None:
               f"a divisor of the world size ({world} = trainer.devices * trainer.num_nodes)",
               "change trainer.devices or the parallel sizes")
     dp = world // model_parallel
+    if (dp * p.cp_size) % p.ep_size:
+        _fail("parallel.ep_size", p.ep_size, f"a divisor of data-parallel x context-parallel size ({dp} x "
+              f"{p.cp_size}: megatron spreads the experts over those ranks, with expert TP = parallel.tp_size)",
+              "choose an ep_size dividing it, or raise trainer.devices")
     prompts = cfg.rollout.prompts_per_step
     if prompts % dp:
         _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",

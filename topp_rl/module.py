@@ -23,6 +23,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -38,6 +39,16 @@ from topp_rl.records import OnPolicyRecord
 from topp_rl.schedule import LRSchedule
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@runtime_checkable
+class ReportsMoE(Protocol):
+    """A backbone that reports its MoE layers' routing after each forward (`MegatronBackbone`)."""
+
+    def moe_stats(self) -> dict[str, Tensor]:
+        """`moe_aux_loss` (switch load-balancing loss summed over MoE layers, no coefficient) and
+        `expert_load_max_frac` (routed-token share of a layer's busiest expert, max over layers); {} if dense."""
+        ...
 
 
 def _check_backbone(model, slot: str) -> Backbone:
@@ -206,6 +217,8 @@ class PolicyModule(L.LightningModule):
         loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, ref))
         (self.manual_backward if self._trainer is not None else torch.Tensor.backward)(loss)
         add_sums(metrics, loss_metrics)
+        if isinstance(self.policy, ReportsMoE):  # this micro-batch's routing: averaged over micro-batches and ranks
+            add_sums(metrics, {f"train/{k}": (float(v), 1.0) for k, v in self.policy.moe_stats().items()})
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
         micro = batch.micro_batches

@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel backbone for HF Qwen2 / Llama configs, returning final hidden states, not logits.
+"""A megatron-core GPTModel backbone for HF Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mistral configs (`spec` maps each
+family), returning final hidden states, not logits.
 
 A `topp_rl.backbone.Backbone`: `MegatronBackbone.forward_hidden(batch)` runs one packed (THD) micro-batch and
 returns this rank's final hidden states (after the final norm) [T_local, H] in the layout's CP order
@@ -24,66 +25,14 @@ against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from topp_rl.data import PackedBatch
 from topp_rl.megatron import cpu_shims
-from topp_rl.megatron.hf_config import head_dim, hf_inv_freq, model_type
+from topp_rl.megatron.hf_config import hf_inv_freq, is_moe
+from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
-
-
-def transformer_config(hf_config, *, tp_size: int, cp_size: int, dtype: torch.dtype = torch.float32):
-    """megatron-core TransformerConfig equivalent to an HF Qwen2 / Llama config (dropout 0)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kind = model_type(hf_config)
-    if hf_config.vocab_size % tp_size:
-        raise ValueError(
-            f"vocab_size={hf_config.vocab_size} is not divisible by tensor parallel size {tp_size}; exact "
-            "log-probs need unpadded even vocab shards: choose a TP size dividing vocab_size, or resize the "
-            "model's embeddings to a multiple of it"
-        )
-    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
-        if value % tp_size:
-            raise ValueError(
-                f"{name}={value} is not divisible by tensor parallel size {tp_size}; choose a TP size that "
-                f"divides {name}"
-            )
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported by the Megatron backbone; use the HF backbone")
-    qkv_bias = kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-    # The pure-torch attention path (CPU, or GPU without transformer-engine) runs with no fused CUDA kernels.
-    extra = {} if use_transformer_engine(dtype) else dict(cpu_shims.CPU_CONFIG_OVERRIDES)
-    return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=head_dim(hf_config),
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp_size,
-        context_parallel_size=cp_size,
-        sequence_parallel=False,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **extra,
-    )
 
 
 def check_layout(hf_config, layout: ParallelLayout) -> None:
@@ -100,28 +49,9 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
         )
 
 
-def use_transformer_engine(dtype: torch.dtype) -> bool:
-    """transformer-engine layers on CUDA with TE installed and a 16-bit dtype (TE's THD attention kernels are
-    bf16 / fp16 only); float32 runs keep the exact pure-torch attention."""
-    return (dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available()
-            and importlib.util.find_spec("transformer_engine") is not None)
-
-
-def layer_spec(dtype: torch.dtype):
-    """transformer-engine layer spec (THD, CP in p2p mode) when available; otherwise megatron-core's local spec
-    with the pure-torch THD / zigzag-CP attention of `cpu_shims` (exact in float32, CPU or GPU)."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if use_transformer_engine(dtype):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = cpu_shims.TorchCoreAttention
-    return spec
-
-
-def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
-                    dtype: torch.dtype = torch.float32):
-    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with tp_size, cp_size)."""
+def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0):
+    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with these sizes)."""
     from megatron.core.models.gpt import GPTModel
 
     if cpu_shims.needs_cpu_shims():
@@ -130,10 +60,10 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, dtype=dtype)
+    config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, dtype=dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(dtype),
+        transformer_layer_spec=layer_specs(config, dtype, moe_aux_loss_coeff=moe_aux_loss_coeff),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
@@ -144,6 +74,23 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, seed: int = 0,
     else:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf_config).to(torch.cuda.current_device())
     return model
+
+
+def sum_qk_norm_grads_over_tp(model: torch.nn.Module, tp_group) -> None:
+    """Qwen3's q / k norms are replicated over TP but each TP rank applies them to its own heads only, so its
+    gradient is a partial sum: a hook sums each backward's gradient over TP before it is accumulated (megatron
+    does this in its DDP's finalize step, which this backbone does not use)."""
+    if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
+        return
+
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=tp_group)
+        return grad
+
+    for name, p in model.named_parameters():
+        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")) and p.requires_grad:
+            p.register_hook(hook)
 
 
 def packed_seq_params(seq_lengths: Tensor, *, cp_size: int, cp_group=None):
@@ -164,23 +111,31 @@ class MegatronBackbone(torch.nn.Module):
     """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract."""
 
     def __init__(self, hf_config, *, layout: ParallelLayout, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0) -> None:
         super().__init__()
         check_layout(hf_config, layout)
+        if moe_aux_loss_coeff and not is_moe(hf_config):
+            raise ValueError(
+                f"module.moe_aux_loss_coeff={moe_aux_loss_coeff} needs a mixture-of-experts model, and "
+                f"model_type={hf_config.model_type!r} has no MoE layers; set module.moe_aux_loss_coeff=0"
+            )
         self.hf_config = hf_config
         self._layout = layout
-        self.model = build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size, seed=seed,
-                                     dtype=dtype)
+        self.model = build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size,
+                                     ep_size=layout.ep_size, seed=seed, dtype=dtype,
+                                     moe_aux_loss_coeff=moe_aux_loss_coeff)
+        sum_qk_norm_grads_over_tp(self.model, layout.tp_group)
 
     @classmethod
-    def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0) -> MegatronBackbone:
+    def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0,
+                moe_aux_loss_coeff: float = 0.0) -> MegatronBackbone:
         """This rank's backbone holding the HF model's weights (parallel_state must be initialised)."""
         from topp_rl.megatron.convert import load_hf_into
 
         dtype = next(hf_model.parameters()).dtype
-        backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype)
+        backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
         load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=layout.tp_size,
-                     tp_rank=layout.tp_rank)
+                     tp_rank=layout.tp_rank, ep_size=layout.ep_size, ep_rank=layout.ep_rank)
         backbone.train(hf_model.training)
         return backbone
 
@@ -200,13 +155,20 @@ class MegatronBackbone(torch.nn.Module):
         """(HF name, full tensor) pairs, layer by layer; a collective over the TP group (see `export`)."""
         from topp_rl.megatron.export import hf_named_tensors
 
-        return hf_named_tensors(self, tp_group=self._layout.tp_group)
+        return hf_named_tensors(self)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before clipping."""
         from topp_rl.megatron.grads import clip_grad_norm_
 
-        return clip_grad_norm_(self.parameters(), max_norm, tp_group=self._layout.tp_group)
+        return clip_grad_norm_(self.model.named_parameters(), max_norm, tp_group=self._layout.tp_group,
+                               ep_group=self._layout.ep_group)
+
+    def moe_stats(self) -> dict[str, Tensor]:
+        """MoE load statistics of the last forward (`moe.moe_stats`); empty for dense models."""
+        from topp_rl.megatron.moe import moe_stats
+
+        return moe_stats(self.model)
 
     def output_weight(self) -> Tensor:
         """This rank's output-layer weight shard [V / tp, H] (the embedding when tied)."""

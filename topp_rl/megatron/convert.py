@@ -1,4 +1,4 @@
-"""HF <-> megatron-core state-dict conversion for Qwen2 / Llama at any tensor-parallel size.
+"""HF <-> megatron-core state-dict conversion (Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mistral) at any TP and EP size.
 
 Layout facts the conversion encodes (megatron-core GPTModel, local or transformer-engine spec):
 - `linear_qkv` ([q; k; v] fused, column-parallel): rows are grouped per key-value group, each group holding
@@ -6,7 +6,10 @@ Layout facts the conversion encodes (megatron-core GPTModel, local or transforme
   [r * groups / tp, (r + 1) * groups / tp). The QKV bias (Qwen2) follows the same layout.
 - `linear_fc1` ([gate; up], column-parallel): each TP rank holds its slice of gate followed by its slice of up
   (not a slice of the concatenation).
-- `linear_proj` / `linear_fc2` are row-parallel (split along the input dim); norms are replicated.
+- `linear_proj` / `linear_fc2` are row-parallel (split along the input dim); norms are replicated, also
+  Qwen3's per-head `q_norm` / `k_norm` (`self_attention.q_layernorm` / `k_layernorm`, [head_dim]).
+- MoE layers (`convert_moe`): the router is replicated; experts are split over EP (rank e holds experts
+  [e * E / ep, (e + 1) * E / ep) as `local_experts.{j}`) and each expert over TP like a dense MLP.
 - Embedding / output rows are vocab-parallel; the vocabulary may be padded with zero rows to
   `padded_vocab_size` (stripped again on export). Tied embeddings have no `output_layer.weight`.
 - transformer-engine fuses the norms into the next linear (`linear_qkv.layer_norm_weight`,
@@ -21,16 +24,22 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from topp_rl.megatron.hf_config import head_dim
+from topp_rl.megatron.convert_moe import experts_to_hf, experts_to_megatron
+from topp_rl.megatron.hf_config import head_dim, moe_layers
 
 HF_LAYER = "model.layers.{i}."
 MG_LAYER = "decoder.layers.{i}."
 
 
-def _norm_names(te_names: bool) -> tuple[str, str]:
+def _norm_names(te_names: bool, *, moe: bool = False) -> tuple[str, str]:
+    """Names of the attention and MLP input norms; TE fuses them into the next linear (not before an MoE)."""
     if te_names:
-        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+        mlp = "pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight"
+        return "self_attention.linear_qkv.layer_norm_weight", mlp
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+QK_NORMS = (("q_norm.weight", "self_attention.q_layernorm.weight"), ("k_norm.weight", "self_attention.k_layernorm.weight"))
 
 
 def _qkv_sizes(hf_config) -> tuple[int, int, int]:
@@ -77,19 +86,23 @@ def _pad_vocab(t: Tensor, padded_vocab_size: int) -> Tensor:
     return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])]) if padded_vocab_size > t.shape[0] else t
 
 
-def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, tp_rank: int,
-                   padded_vocab_size: int | None = None, te_names: bool = False) -> dict[str, Tensor]:
-    """This TP rank's Megatron GPTModel state dict (parameters only) from a full HF state dict."""
+def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, tp_rank: int, ep_size: int = 1,
+                   ep_rank: int = 0, padded_vocab_size: int | None = None, te_names: bool = False) -> dict[str, Tensor]:
+    """This (TP, EP) rank's Megatron GPTModel state dict (parameters only) from a full HF state dict."""
     _check_tp(hf_config, tp_size)
+    sparse = moe_layers(hf_config)
     vocab = padded_vocab_size or hf_config.vocab_size
     if vocab % tp_size:
         raise ValueError(f"padded vocab {vocab} is not divisible by tp_size={tp_size}; pad it to a multiple of tp_size")
     split = dict(tp_size=tp_size, tp_rank=tp_rank)
-    in_norm, mlp_norm = _norm_names(te_names)
     out = {"embedding.word_embeddings.weight": _chunk(_pad_vocab(hf_state["model.embed_tokens.weight"], vocab), dim=0, **split)}
     for i in range(hf_config.num_hidden_layers):
         h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
         att = h + "self_attn."
+        in_norm, mlp_norm = _norm_names(te_names, moe=sparse[i])
+        for hf_name, mg_name in QK_NORMS:
+            if att + hf_name in hf_state:
+                out[m + mg_name] = hf_state[att + hf_name].clone()
         out[m + in_norm] = hf_state[h + "input_layernorm.weight"].clone()
         out[m + mlp_norm] = hf_state[h + "post_attention_layernorm.weight"].clone()
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -100,6 +113,10 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, t
                 hf_state[att + "q_proj.bias"], hf_state[att + "k_proj.bias"], hf_state[att + "v_proj.bias"],
                 hf_config, **split)
         out[m + "self_attention.linear_proj.weight"] = _chunk(hf_state[att + "o_proj.weight"], dim=1, **split)
+        if sparse[i]:
+            out.update(experts_to_megatron(hf_state, hf_config, layer=i, tp_size=tp_size, tp_rank=tp_rank,
+                                           ep_size=ep_size, ep_rank=ep_rank))
+            continue
         gate = _chunk(hf_state[h + "mlp.gate_proj.weight"], dim=0, **split)
         up = _chunk(hf_state[h + "mlp.up_proj.weight"], dim=0, **split)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
@@ -110,11 +127,17 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int, t
     return out
 
 
-def megatron_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, te_names: bool = False) -> dict[str, Tensor]:
-    """Full HF state dict from every TP rank's Megatron state dict (list in TP rank order)."""
-    out = outer_to_hf(shards, hf_config)
+def megatron_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, ep_size: int = 1,
+                   te_names: bool = False) -> dict[str, Tensor]:
+    """Full HF state dict from every rank's Megatron state dict, listed by EP rank then TP rank
+    (`shards[ep_rank * tp_size + tp_rank]`); the non-expert weights are read from EP rank 0."""
+    if len(shards) % ep_size:
+        raise ValueError(f"{len(shards)} shards is not a multiple of ep_size={ep_size}; pass ep_size x tp_size shards")
+    tp_size = len(shards) // ep_size
+    by_ep = [list(shards[e * tp_size : (e + 1) * tp_size]) for e in range(ep_size)]
+    out = outer_to_hf(by_ep[0], hf_config)
     for i in range(hf_config.num_hidden_layers):
-        out.update(layer_to_hf(shards, hf_config, layer=i, te_names=te_names))
+        out.update(layer_to_hf(by_ep[0], hf_config, layer=i, te_names=te_names, expert_shards=by_ep))
     return out
 
 
@@ -130,22 +153,31 @@ def outer_to_hf(shards: list[Mapping[str, Tensor]], hf_config) -> dict[str, Tens
     return out
 
 
-def layer_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, layer: int, te_names: bool = False) -> dict[str, Tensor]:
-    """One decoder layer's HF tensors from every TP rank's shards of it."""
+def layer_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, layer: int, te_names: bool = False,
+                expert_shards: list[list[Mapping[str, Tensor]]] | None = None) -> dict[str, Tensor]:
+    """One decoder layer's HF tensors from every TP rank's shards of it; an MoE layer's experts come from
+    `expert_shards` (per EP rank, the TP ranks' shards; default: `[shards]`, i.e. EP 1)."""
     h, m = HF_LAYER.format(i=layer), MG_LAYER.format(i=layer)
     att = h + "self_attn."
-    in_norm, mlp_norm = _norm_names(te_names)
+    sparse = moe_layers(hf_config)[layer]
+    in_norm, mlp_norm = _norm_names(te_names, moe=sparse)
     out = {
         h + "input_layernorm.weight": shards[0][m + in_norm].clone(),
         h + "post_attention_layernorm.weight": shards[0][m + mlp_norm].clone(),
         att + "o_proj.weight": torch.cat([s[m + "self_attention.linear_proj.weight"] for s in shards], dim=1),
-        h + "mlp.down_proj.weight": torch.cat([s[m + "mlp.linear_fc2.weight"] for s in shards], dim=1),
     }
+    for hf_name, mg_name in QK_NORMS:
+        if m + mg_name in shards[0]:
+            out[att + hf_name] = shards[0][m + mg_name].clone()
     for kind in ("weight", "bias"):
         name = m + f"self_attention.linear_qkv.{kind}"
         if name in shards[0]:
             q, k, v = split_qkv([s[name] for s in shards], hf_config)
             out[att + f"q_proj.{kind}"], out[att + f"k_proj.{kind}"], out[att + f"v_proj.{kind}"] = q, k, v
+    if sparse:
+        out.update(experts_to_hf(expert_shards or [shards], hf_config, layer=layer))
+        return out
+    out[h + "mlp.down_proj.weight"] = torch.cat([s[m + "mlp.linear_fc2.weight"] for s in shards], dim=1)
     gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
     out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
     out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
@@ -153,13 +185,13 @@ def layer_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, layer: int, te
 
 
 def load_hf_into(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int,
-                 tp_rank: int) -> None:
+                 tp_rank: int, ep_size: int = 1, ep_rank: int = 0) -> None:
     """Copy a full HF state dict into this rank's GPTModel parameters (strict on parameter names)."""
     params = dict(model.named_parameters())
     te_names = any(n.endswith("layer_norm_weight") for n in params)
     vocab = params["embedding.word_embeddings.weight"].shape[0] * tp_size
-    state = hf_to_megatron(hf_state, hf_config, tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=vocab,
-                           te_names=te_names)
+    state = hf_to_megatron(hf_state, hf_config, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size,
+                           ep_rank=ep_rank, padded_vocab_size=vocab, te_names=te_names)
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
         raise ValueError(f"HF -> Megatron name mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")

@@ -7,7 +7,8 @@ this. Each shim names the CUDA assumption it replaces:
 - `seed_rng_tracker`: Megatron's RNG tracker snapshots CUDA RNG states; the inference tracker does not.
 - `keep_rotary_on_cpu`: `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`.
 - `TorchCoreAttention`: the stock `DotProductAttention` rejects THD and context parallelism (only
-  transformer-engine's attention has them); this pure-torch module does both, exactly.
+  transformer-engine's attention has them); this pure-torch module does both, exactly, and HF's sliding window
+  (`config.window_size`, see `hf_config.attention_window`).
 
 Departure from Megatron's CP: Megatron/TE run ring (p2p) attention; here each rank all-gathers K/V over the
 CP group (one collective, with a reduce-scatter of the K/V gradients in backward). Same values, simpler, and
@@ -133,6 +134,8 @@ class TorchCoreAttention(torch.nn.Module):
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         head_dim = config.kv_channels
+        # HF's sliding window W: a query at position q sees keys at positions > q - W (TE's window (W - 1, 0)).
+        self.window = None if config.window_size is None else config.window_size[0] + 1
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout != 0.0:
@@ -164,13 +167,15 @@ class TorchCoreAttention(torch.nn.Module):
         else:
             k_index, k_seq = q_index, q_seq
         out = _per_sequence_attention(query, key, value, q_index=q_index, q_seq=q_seq, k_index=k_index,
-                                      k_seq=k_seq, cu=cu, scale=self.scale, rep=self.heads // self.groups)
+                                      k_seq=k_seq, cu=cu, scale=self.scale, rep=self.heads // self.groups,
+                                      window=self.window)
         return out.reshape(out.shape[0], -1)
 
 
 def _per_sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, q_index: Tensor, q_seq: Tensor,
-                            k_index: Tensor, k_seq: Tensor, cu: Tensor, scale: float, rep: int) -> Tensor:
-    """Causal attention of each sequence's local queries [Tq, h, d] over its keys/values [Tk, g, d].
+                            k_index: Tensor, k_seq: Tensor, cu: Tensor, scale: float, rep: int, window: int | None = None) -> Tensor:
+    """Causal attention of each sequence's local queries [Tq, h, d] over its keys/values [Tk, g, d]; with
+    `window`, a query at position q sees only keys at positions > q - window (HF's sliding window).
 
     Rows are scattered into [B, L] per-sequence blocks (one index_put each), so the cost is sum of L_q * L_k per
     sequence rather than T_q * T_k over the whole pack; the causal mask compares padded-stream indices.
@@ -187,6 +192,8 @@ def _per_sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, q_inde
     q_pos = torch.full((num_seqs, len_q), -1, dtype=torch.int64, device=q_seq.device).index_put((q_seq, q_slot), q_index - starts[q_seq])
     k_pos = torch.arange(len_k, device=q_seq.device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, :] < lengths[:, None])[:, None, :]
+    if window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
     allowed[:, :, 0] |= q_pos < 0  # empty query slots: attend to one key so softmax stays finite (discarded)
     if rep > 1:
         kb, vb = kb.repeat_interleave(rep, dim=2), vb.repeat_interleave(rep, dim=2)

@@ -47,15 +47,21 @@ def _te_names(model: torch.nn.Module) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
 def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
                      grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) for every HF parameter, layer by layer; `grads=True` exports `.grad` instead.
 
-    Collective over `tp_group` (default: the backbone layout's TP group). Tied models yield `lm_head.weight`
-    only when the HF config unties it (HF ties it to `model.embed_tokens.weight` itself).
+    Collective over `tp_group` (default: the backbone layout's TP group), and for MoE experts over the layout's
+    EP group too. Tied models yield `lm_head.weight` only when the HF config unties it (HF ties it to
+    `model.embed_tokens.weight` itself).
     """
     model, hf_config = backbone.model, backbone.hf_config
     tp_group = tp_group if tp_group is not None else backbone.layout.tp_group
+    ep_group = backbone.layout.ep_group
     te = _te_names(model)
 
     def value(p: torch.nn.Parameter) -> Tensor:
@@ -69,8 +75,15 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
         layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else -1
         by_layer.setdefault(layer, {})[name] = tensor
     for layer in sorted(i for i in by_layer if i >= 0):
-        shards = _gathered_shards(by_layer[layer], tp_group)
-        yield from layer_to_hf(shards, hf_config, layer=layer, te_names=te).items()
+        named = by_layer[layer]
+        shards = _gathered_shards({n: t for n, t in named.items() if not _is_expert(n)}, tp_group)
+        experts = {n: t for n, t in named.items() if _is_expert(n)}
+        expert_shards = None
+        if experts:  # per EP rank (gathered over EP), then per TP rank; the router rides along from `shards`
+            by_ep = _gathered_shards(experts, ep_group)
+            expert_shards = [[{**s, **e} for s, e in zip(shards, _gathered_shards(ep_part, tp_group), strict=True)]
+                             for ep_part in by_ep]
+        yield from layer_to_hf(shards, hf_config, layer=layer, te_names=te, expert_shards=expert_shards).items()
     for name, tensor in outer_to_hf(_gathered_shards(by_layer[-1], tp_group), hf_config).items():
         if name == "lm_head.weight" and hf_config.tie_word_embeddings:
             continue  # HF ties it to model.embed_tokens.weight

@@ -7,7 +7,10 @@
   are not summed twice).
 - `clip_grad_norm_`: the global 2-norm over the whole (unsharded) model, as `torch.nn.utils.clip_grad_norm_`
   would compute on the HF model: TP-sharded parameters (Megatron's `tensor_model_parallel` attribute) contribute
-  their shard's squares summed over the TP group; replicated ones (norms) count once. Same clip rule as torch.
+  their shard's squares summed over the TP group; replicated ones (norms) count once; MoE experts (split over EP,
+  and over TP as expert tensor parallelism = TP) are summed over TP and EP. Same clip rule as torch.
+- Experts see the tokens of every rank in their TP x EP group (the dispatcher gathers them), so their gradient
+  is summed over the expert-data-parallel group instead (the strategy gives them their own `GradSync`).
 """
 
 from __future__ import annotations
@@ -52,27 +55,42 @@ class GradSync:
         self._prev = None
 
 
-def grad_norm(params, *, tp_group: dist.ProcessGroup | None) -> Tensor:
-    """Global 2-norm of the full model's gradient (see module docstring)."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (megatron's `mlp.experts.local_experts.*`), split over EP."""
+    return ".mlp.experts." in name
+
+
+def _all_reduce(t: Tensor, group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+
+
+def grad_norm(named_params, *, tp_group: dist.ProcessGroup | None,
+              ep_group: dist.ProcessGroup | None = None) -> Tensor:
+    """Global 2-norm of the full model's gradient from (name, parameter) pairs (see module docstring)."""
+    sharded, replicated, experts = (torch.zeros((), dtype=torch.float64) for _ in range(3))
+    for name, p in named_params:
         if p.grad is None:
             continue
         sq = p.grad.detach().double().pow(2).sum()
-        if _is_tp_sharded(p):
+        if is_expert_param(name):
+            experts += sq
+        elif _is_tp_sharded(p):
             sharded += sq
         else:
             replicated += sq
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded, group=tp_group)
+    _all_reduce(experts, ep_group)
+    sharded += experts  # experts are split over TP too (expert tensor parallel size = TP)
+    _all_reduce(sharded, tp_group)
     return (sharded + replicated).sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, *, tp_group: dist.ProcessGroup | None) -> float:
+def clip_grad_norm_(named_params, max_norm: float, *, tp_group: dist.ProcessGroup | None,
+                    ep_group: dist.ProcessGroup | None = None) -> float:
     """Clip in place like `torch.nn.utils.clip_grad_norm_` on the unsharded model; return the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, tp_group=tp_group)
+    named = [(n, p) for n, p in named_params if p.grad is not None]
+    params = [p for _, p in named]
+    total = grad_norm(named, tp_group=tp_group, ep_group=ep_group)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))

@@ -1,7 +1,7 @@
-"""`MegatronStrategy`: Lightning's DDP strategy with megatron-core tensor / context parallelism (CPU or GPU).
+"""`MegatronStrategy`: Lightning's DDP strategy with megatron-core tensor / context / expert parallelism (CPU or GPU).
 
 What it adds to `DDPStrategy`:
-- `setup_distributed`: after the process group, `parallel_state.initialize_model_parallel(tp, cp)` (kept after
+- `setup_distributed`: after the process group, `parallel_state.initialize_model_parallel(tp, cp, ep)` (kept after
   `fit`, so the backbone can still export; the next setup re-initialises it);
 - `setup_environment`: builds this rank's `ParallelLayout` once from the process groups it just created and
   hands the module `MegatronBackbone`s for that layout, holding the weights of its `HFBackbone` policy (and
@@ -11,7 +11,8 @@ What it adds to `DDPStrategy`:
 - `rollout_peers()`: the tensor-and-context-parallel group, whose first rank alone runs the rollout engine and
   broadcasts the samples to the others (`topp_rl.rollout.broadcast`);
 - no DDP wrapper: each backward's gradient increment is summed over the data-parallel-with-context-parallel
-  group (`grads.GradSync`); torch DDP would average, and would need one backward per forward;
+  group (`grads.GradSync`), MoE experts' over the expert-data-parallel group (they already hold the sum over the
+  tokens of their TP x EP group); torch DDP would average, and would need one backward per forward;
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
   weights resume at any TP; optimizer
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError).
@@ -35,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
-from topp_rl.megatron.grads import GradSync
+from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.peers import RolloutPeers
 
@@ -47,9 +48,9 @@ class MegatronStrategy(DDPStrategy):
 
     strategy_name = "megatron"
 
-    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, cp_mode: str = "zigzag", seed: int = 0,
-                 **kwargs: Any) -> None:
-        for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
+    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, cp_mode: str = "zigzag",
+                 moe_aux_loss_coeff: float = 0.0, seed: int = 0, **kwargs: Any) -> None:
+        for name, value in (("tp_size", tp_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"MegatronStrategy {name}={value!r} must be an int >= 1; use 1 to disable it")
         if cp_size > 1 and cp_mode != "zigzag":
@@ -59,9 +60,10 @@ class MegatronStrategy(DDPStrategy):
                 "parallel.cp_mode=zigzag"
             )
         super().__init__(**kwargs)
-        self.tp_size, self.cp_size, self.cp_mode, self.seed = tp_size, cp_size, cp_mode, seed
+        self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
+        self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
-        self._grad_sync: GradSync | None = None
+        self._grad_syncs: list[GradSync] = []
 
     # ---- process groups -------------------------------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -74,9 +76,16 @@ class MegatronStrategy(DDPStrategy):
                 f"world size {world} is not divisible by tp_size * cp_size = {self.tp_size * self.cp_size}; "
                 "set trainer.devices to a multiple of it"
             )
+        if (world // self.tp_size) % self.ep_size:
+            raise ValueError(
+                f"parallel.ep_size={self.ep_size} does not divide world size / tp_size = {world // self.tp_size} "
+                "(data-parallel x context-parallel ranks, over which megatron spreads the experts); choose an "
+                "ep_size dividing it or set trainer.devices to a multiple of tp_size * ep_size"
+            )
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size)
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size,
+                                     expert_model_parallel_size=self.ep_size)
 
     @property
     def dp_size(self) -> int:
@@ -130,7 +139,8 @@ class MegatronStrategy(DDPStrategy):
                 f"MegatronStrategy converts HFBackbone policies, got a {type(backbone).__name__} as {slot}; wrap "
                 "the HF model as topp_rl.backbone.HFBackbone(model)"
             )
-        return MegatronBackbone.from_hf(backbone.model, layout=self.layout, seed=self.seed)
+        return MegatronBackbone.from_hf(backbone.model, layout=self.layout, seed=self.seed,
+                                        moe_aux_loss_coeff=self.moe_aux_loss_coeff)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: gradients are summed in post_backward
@@ -138,16 +148,20 @@ class MegatronStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         from megatron.core import parallel_state as ps
 
-        params = list(self.lightning_module.policy.parameters())
-        self._grad_sync = GradSync(params, ps.get_data_parallel_group(with_context_parallel=True))
+        named = list(self.lightning_module.policy.model.named_parameters())
+        dense = [p for n, p in named if not is_expert_param(n)]
+        experts = [p for n, p in named if is_expert_param(n)]
+        self._grad_syncs = [GradSync(dense, ps.get_data_parallel_group(with_context_parallel=True))]
+        if experts:
+            self._grad_syncs.append(GradSync(experts, ps.get_expert_data_parallel_group()))
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.before()
+        for sync in self._grad_syncs:
+            sync.before()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.after()
+        for sync in self._grad_syncs:
+            sync.after()
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -177,28 +191,36 @@ class MegatronStrategy(DDPStrategy):
             if backbone.hf_config.tie_word_embeddings:
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
             load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
-                         tp_rank=self.layout.tp_rank)
+                         tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """Every TP rank's optimizer state (moments of its shards), gathered to all ranks of the TP group."""
+        """Every (EP, TP) rank's optimizer state (moments of its shards and experts), gathered to all ranks (over
+        the TP group, or the whole world with EP: EP ranks differ across data-parallel ranks). Ranks with the same
+        (EP, TP) coordinates hold equal states (data-parallel replicas)."""
         local = super().optimizer_state(optimizer)
-        states: list[Any] = [None] * self.tp_size
-        if self.tp_size > 1:
-            dist.all_gather_object(states, local, group=self.layout.tp_group)
+        layout = self.layout
+        if self.ep_size > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
+            states = [dict(gathered)[(e, t)] for e in range(self.ep_size) for t in range(self.tp_size)]
+        elif self.tp_size > 1:
+            states = [None] * self.tp_size
+            dist.all_gather_object(states, local, group=layout.tp_group)
         else:
             states = [local]
-        return {"megatron_tp_size": self.tp_size, "per_tp_rank": states}
+        return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "per_tp_rank": states}
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         wrapped = []
         for state in checkpoint["optimizer_states"]:
-            saved_tp = state.get("megatron_tp_size")
-            if saved_tp != self.tp_size:
+            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1))
+            if saved != (self.tp_size, self.ep_size):
                 raise ValueError(
-                    f"optimizer state was saved at tp_size={saved_tp}, this run has tp_size={self.tp_size}; "
-                    "resume at the saved TP size (model weights alone load at any TP: use weights_only)"
+                    f"optimizer state was saved at (tp_size, ep_size)={saved}, this run has "
+                    f"{(self.tp_size, self.ep_size)}; resume at the saved sizes (model weights alone load at any "
+                    "TP / EP: use weights_only)"
                 )
-            wrapped.append(state["per_tp_rank"][self.layout.tp_rank])
+            wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
 
 

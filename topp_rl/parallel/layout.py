@@ -25,7 +25,9 @@ from topp_rl.parallel.context import CP_MODES, CPMode, cp_local_positions
 class ParallelLayout:
     """This rank's place in the TP x CP grid, with the process groups the ops reduce over.
 
-    `tp_group` / `cp_group` may be None only when the matching size is 1. `vocab_size` is the full
+    `tp_group` / `cp_group` / `ep_group` may be None only when the matching size is 1. Expert parallelism
+    (`ep_*`) splits an MoE layer's experts over EP ranks, which span data / context-parallel ranks (megatron's
+    expert grid: expert TP = TP, so EP must divide DP x CP); the ops never reduce over it. `vocab_size` is the full
     (TP-unsharded, already padded) vocabulary, i.e. `tp_size` times the width of this rank's logits.
     """
 
@@ -35,15 +37,18 @@ class ParallelLayout:
     cp_size: int = 1
     cp_rank: int = 0
     cp_mode: CPMode = "zigzag"
+    ep_size: int = 1
+    ep_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "tp_size", "cp_size"):
+        for name in ("vocab_size", "tp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout {name}={value!r} must be an int >= 1; pass a positive size")
-        for dim in ("tp", "cp"):
+        for dim in ("tp", "cp", "ep"):
             _check_rank(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"))
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"ParallelLayout cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
@@ -53,7 +58,7 @@ class ParallelLayout:
                 "exact log-probs need equal unpadded vocabulary shards: choose a tp_size that divides "
                 f"{self.vocab_size}"
             )
-        for dim in ("tp", "cp"):
+        for dim in ("tp", "cp", "ep"):
             _check_group(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"),
                          getattr(self, f"{dim}_group"))
 
@@ -86,8 +91,11 @@ class ParallelLayout:
             cp_size=ps.get_context_parallel_world_size(),
             cp_rank=ps.get_context_parallel_rank(),
             cp_mode=cp_mode,
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
             tp_group=ps.get_tensor_model_parallel_group(),
             cp_group=ps.get_context_parallel_group(),
+            ep_group=ps.get_expert_model_parallel_group(),
         )
 
     @property
@@ -100,15 +108,21 @@ class ParallelLayout:
         return start, start + self.vocab_shard_size
 
     def describe(self, *, world_size: int) -> str:
-        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag)`."""
+        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`."""
         model_parallel = self.tp_size * self.cp_size
         if world_size % model_parallel:
             raise ValueError(
                 f"world size {world_size} is not a multiple of tp_size * cp_size = {model_parallel}; "
                 "launch a multiple of the model-parallel size"
             )
+        dp = world_size // model_parallel
+        if (dp * self.cp_size) % self.ep_size:
+            raise ValueError(
+                f"ep_size={self.ep_size} does not divide dp x cp = {dp} x {self.cp_size}; experts are spread over "
+                "data / context-parallel ranks: choose an ep_size dividing it or launch more ranks"
+            )
         mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
-        return f"world={world_size} dp={world_size // model_parallel} tp={self.tp_size} cp={self.cp_size}{mode}"
+        return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}"
 
     def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
         """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""
