@@ -13,6 +13,7 @@ from topp_rl.losses import DrGRPOLoss, GRPOLoss, GSPOLoss, ReinforcePPLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.module import PolicyModule
 from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.timer import PhaseTimer
 
 TEMP = 0.8
 
@@ -86,7 +87,8 @@ def _module(policy, loss, *, use_mask=True):
 def _grads(module, micro):
     module.policy.zero_grad(set_to_none=True)
     old = [module.onpolicy_pass(mb)[0] for mb in micro]
-    metrics = module.accumulate_gradients(micro, old, module.reference_pass(micro))
+    metrics, made = module.accumulate_gradients(micro, module.reference_pass(micro), old=old, timer=PhaseTimer())
+    assert made == []  # given old log-probs, the gradient pass makes no on-policy records
     return [p.grad.clone() for p in module.policy.parameters()], metrics
 
 
@@ -172,8 +174,8 @@ def test_gradient_checkpointing_is_refused_with_the_megatron_backbone():
     from topp_rl.config import validate_parallel
 
     cfg = OmegaConf.create({
-        "parallel": {"tp_size": 2, "cp_size": 1, "cp_mode": "zigzag", "strategy": {"_target_": "x"}},
-        "module": {"gradient_checkpointing": True}, "rollout": {"prompts_per_step": 2},
+        "parallel": {"tp_size": 2, "cp_size": 1, "ep_size": 1, "cp_mode": "zigzag", "strategy": {"_target_": "x"}},
+        "module": {"gradient_checkpointing": True, "moe_aux_loss_coeff": 0.0}, "rollout": {"prompts_per_step": 2},
         "trainer": {"devices": 2, "num_nodes": 1},
     })
     with pytest.raises(ValueError, match=r"module.gradient_checkpointing.*false with the Megatron backbone"):
@@ -191,11 +193,26 @@ def test_one_epoch_step_reuses_the_gradient_forward_with_the_same_result(policy)
         g_two, m_two = _grads(module, micro)
         records_two = [module.onpolicy_pass(mb)[1] for mb in micro]
         module.policy.zero_grad(set_to_none=True)
-        m_one, records_one, record_s = module.onpolicy_gradients(micro, module.reference_pass(micro))
-        assert record_s > 0
+        timer = PhaseTimer()
+        m_one, records_one = module.accumulate_gradients(micro, module.reference_pass(micro), old=None, timer=timer)
+        assert timer.seconds["old_logprob"] > 0 and len(records_one) == len(micro)
         for a, p in zip(g_two, module.policy.parameters(), strict=True):
             torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
         assert m_one == m_two
         for a, b in zip(records_one, records_two, strict=True):
             for field in ("logprobs", "logprobs_unmasked", "entropy", "support_size"):
                 torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=0, atol=0)
+
+
+def test_phase_timer_counts_a_nested_phase_once_in_itself():
+    ticks = iter([0.0, 1.0, 3.0, 4.0, 10.0, 10.5, 11.0, 12.0])
+    timer = PhaseTimer(clock=lambda: next(ticks))
+    with timer.phase("optim"):  # 0
+        with timer.phase("old_logprob"):  # 1 .. 3
+            pass
+        with timer.phase("old_logprob"):  # 4 .. 10
+            pass
+        with timer.phase("other"):  # 10.5 .. 11
+            pass
+    # optim: 0 .. 1, 3 .. 4, 10 .. 10.5, 11 .. 12 (its exit)
+    assert dict(timer.seconds) == {"optim": 1.0 + 1.0 + 0.5 + 1.0, "old_logprob": 2.0 + 6.0, "other": 0.5}

@@ -4,7 +4,8 @@ optimizer.
 One `training_step` per rollout step:
 1. old-log-prob pass without grad, with the weights the rollout sampled with (so it is also the on-policy pass
    that the mismatch callbacks read): masked and unmasked log-probs and entropy -> `OnPolicyRecord`; with
-   `ppo_epochs=1` it reads the gradient pass's own forward (`onpolicy_gradients`: one forward fewer, same values);
+   `ppo_epochs=1` it reads the gradient pass's own forward (`accumulate_gradients`: one forward fewer, same
+   values);
 2. optional reference-model pass (frozen copy) for the KL term;
 3. `ppo_epochs` optimizer steps. Each step accumulates gradients over ALL micro-batches of the rollout step
    (one step per epoch, not one per micro-batch): the losses divide by the rollout step's global token / sequence
@@ -21,7 +22,6 @@ import copy
 import dataclasses
 import math
 import resource
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
@@ -37,6 +37,7 @@ from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout, gather_tokens
 from topp_rl.records import OnPolicyRecord
 from topp_rl.schedule import LRSchedule
+from topp_rl.timer import PhaseTimer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -186,30 +187,27 @@ class PolicyModule(L.LightningModule):
         with torch.no_grad():
             return [self.score(self.reference, mb, use_mask=use_mask) for mb in micro]
 
-    def accumulate_gradients(self, micro: list[PackedBatch], old: list[Tensor], refs: list[Tensor | None]) -> dict[str, SumCount]:
+    def accumulate_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None], *,
+                             old: list[Tensor] | None, timer: PhaseTimer) -> tuple[dict[str, SumCount], list[OnPolicyRecord]]:
         """Backward of the loss over every micro-batch into .grad: the loss divides by the step's global counts,
-        so the accumulated gradient equals that of one batch holding all micro-batches."""
-        metrics: dict[str, SumCount] = {}
-        for mb, o, r in zip(micro, old, refs, strict=True):
-            hidden, weight = self.policy.forward_hidden(mb)
-            self.backward_loss(mb, hidden, weight, old=o, ref=r, metrics=metrics)
-        return metrics
+        so the accumulated gradient equals that of one batch holding all micro-batches. Returns the loss sums and
+        the on-policy records made here.
 
-    def onpolicy_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None]) -> tuple[dict[str, SumCount], list[OnPolicyRecord], float]:
-        """`ppo_epochs=1`: one backbone forward per micro-batch serves the old-log-prob pass, the on-policy record
-        and the gradient (the weights have not changed since the rollout, so the old log-probs are this pass's
-        own, detached: the same values as a separate no-grad pass, one forward fewer). Returns the loss sums,
-        the records, and the seconds spent on the records (`perf/old_logprob_s`)."""
+        `old=None` (`ppo_epochs=1`): the weights have not changed since the rollout, so each micro-batch's old
+        log-probs and on-policy record come from this forward, detached (the values of a separate no-grad pass,
+        one forward fewer); their time is the `old_logprob` phase's."""
         metrics: dict[str, SumCount] = {}
-        records, record_s = [], 0.0
-        for mb, r in zip(micro, refs, strict=True):
+        records = []
+        for i, (mb, ref) in enumerate(zip(micro, refs, strict=True)):
             hidden, weight = self.policy.forward_hidden(mb)
-            start = time.perf_counter()
-            old, record = self.onpolicy_from_hidden(mb, hidden, weight)
-            record_s += time.perf_counter() - start
-            records.append(record)
-            self.backward_loss(mb, hidden, weight, old=old, ref=r, metrics=metrics)
-        return metrics, records, record_s
+            if old is None:
+                with timer.phase("old_logprob"):
+                    mb_old, record = self.onpolicy_from_hidden(mb, hidden, weight)
+                records.append(record)
+            else:
+                mb_old = old[i]
+            self.backward_loss(mb, hidden, weight, old=mb_old, ref=ref, metrics=metrics)
+        return metrics, records
 
     def backward_loss(self, mb: PackedBatch, hidden: Tensor, weight: Tensor, *, old: Tensor, ref: Tensor | None, metrics: dict[str, SumCount]) -> None:
         """One micro-batch's loss from its final hidden states, backward into .grad; its sums into `metrics`."""
@@ -222,48 +220,49 @@ class PolicyModule(L.LightningModule):
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
         micro = batch.micro_batches
-        t0 = time.perf_counter()
-        fused = self.ppo_epochs == 1
-        old, records = (None, []) if fused else zip(*(self.onpolicy_pass(mb) for mb in micro), strict=True)
-        refs = self.reference_pass(micro)
-        t1 = time.perf_counter()
+        timer = PhaseTimer()
+        fused = self.ppo_epochs == 1  # the gradient pass also makes the old log-probs (`accumulate_gradients`)
+        old, records = None, []
+        with timer.phase("old_logprob"):
+            if not fused:
+                old, records = map(list, zip(*(self.onpolicy_pass(mb) for mb in micro), strict=True))
+            refs = self.reference_pass(micro)
         opt = self.optimizers()
         lr = float(opt.param_groups[0]["lr"])  # the lr this step's updates use
         metrics: dict[str, SumCount] = {}
-        for _ in range(self.ppo_epochs):
-            opt.zero_grad(set_to_none=True)
-            if fused:
-                sums, records, record_s = self.onpolicy_gradients(micro, refs)
-                add_sums(metrics, sums)
-            else:
-                add_sums(metrics, self.accumulate_gradients(micro, list(old), refs))
-            grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"step {self.global_step}: train/grad_norm is {grad_norm} (non-finite gradient); the update is not "
-                    "applied. Common causes: a learning rate too high for the model (optimizer.lr), a NaN in the "
-                    "weights or data, rewards of extreme size"
-                )
-            add_sums(metrics, {"train/grad_norm": (grad_norm, 1.0)})
-            self.optimizer_step_checked(opt, step=self.global_step)
-            if self._trainer is not None:
-                self.lr_schedulers().step()
-        record = OnPolicyRecord.concat(list(records))
+        with timer.phase("optim"):
+            for _ in range(self.ppo_epochs):
+                opt.zero_grad(set_to_none=True)
+                sums, made = self.accumulate_gradients(micro, refs, old=old, timer=timer)
+                records += made
+                add_sums(metrics, sums | {"train/grad_norm": (self.checked_grad_norm(), 1.0)})
+                self.optimizer_step_checked(opt, step=self.global_step)
+                if self._trainer is not None:
+                    self.lr_schedulers().step()
+        record = OnPolicyRecord.concat(records)
         keep = record.loss_mask > 0
         metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
         if record.routing_agreement is not None:
             metrics["train/routing_agreement"] = record.routing_agreement
-        optim_s = time.perf_counter() - t1
-        old_s = t1 - t0
-        if fused:  # the records came out of the gradient pass: their share moves from optim_s to old_logprob_s
-            old_s, optim_s = old_s + record_s, optim_s - record_s
         tokens = sum(int(mb.tokens.numel()) for mb in micro) * self.ppo_epochs
+        old_s, optim_s = timer.seconds["old_logprob"], timer.seconds["optim"]
         metrics["perf/old_logprob_s"] = (old_s, 1.0)
         metrics["perf/optim_s"] = (optim_s, 1.0)
         metrics["perf/train_tokens_per_s"] = (tokens / max(optim_s, 1e-9), 1.0)
         metrics["perf/peak_rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0)
         self.log_step_metrics(metrics, lr=lr, step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
+
+    def checked_grad_norm(self) -> float:
+        """`clip_and_norm`, stopping on a non-finite norm before the update is applied."""
+        grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"step {self.global_step}: train/grad_norm is {grad_norm} (non-finite gradient); the update is not "
+                "applied. Common causes: a learning rate too high for the model (optimizer.lr), a NaN in the "
+                "weights or data, rewards of extreme size"
+            )
+        return grad_norm
 
     def optimizer_step_checked(self, opt, *, step: int) -> None:
         """`opt.step()`; an update that overflows float32 stops the run naming the step and the learning rate.
