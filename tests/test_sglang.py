@@ -32,7 +32,8 @@ from sglang_checks import (
     wait_for_prefills,
 )  # fmt: skip
 
-from topp_rl.engines.sglang.server import _group_alive, free_port
+from topp_rl.engines.sglang.process import group_alive
+from topp_rl.engines.sglang.server import free_port
 from topp_rl.engines.sglang.wire import decode_candidates
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.rollout import SampleStatus, SamplingParams
@@ -327,7 +328,7 @@ def test_server_process_group_and_work_dir_gone_after_close(engine):
     )
     assert engine.workdir.parent == Path(tempfile.gettempdir())
     engine.close()
-    assert not _group_alive(group)
+    assert not group_alive(group)
     assert not engine.workdir.exists()  # log, disk-sync copies and rendezvous file with it
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"

@@ -15,7 +15,8 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.engines.sglang.server import _group_alive, make_workdir
+from topp_rl.engines.sglang.process import group_alive
+from topp_rl.engines.sglang.server import make_workdir
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
 
@@ -112,15 +113,15 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
         trainer.kill()
         trainer.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < deadline:
+        while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [pid for pid in members if Path(f"/proc/{pid}").exists()]
-        assert not _group_alive(pgid), f"server processes left after the trainer's SIGKILL: {left}"
+        assert not group_alive(pgid), f"server processes left after the trainer's SIGKILL: {left}"
         # The next start (any engine under the same root) removes the dead trainer's copy, keeps its log.
         make_workdir(root)
         assert sorted(p.name for p in Path(info["workdir"]).iterdir()) == ["server.log"]
     finally:
         if trainer.poll() is None:
             trainer.kill()
-        if pgid is not None and _group_alive(pgid):
+        if pgid is not None and group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)

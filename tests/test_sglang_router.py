@@ -33,7 +33,7 @@ from sglang_checks import (
     wait_for_prefills,
 )
 
-from topp_rl.engines.sglang.server import _group_alive
+from topp_rl.engines.sglang.process import group_alive
 from topp_rl.engines.sglang.weights import iter_buckets
 from topp_rl.models import save_model
 from topp_rl.ops import sampling_candidates
@@ -212,7 +212,7 @@ def test_killing_a_worker_mid_rollout_finishes_through_the_other(engine, model, 
     groups = [engine.launched_router.pid, survivor.pid, victim.pid]
     workdir = engine.workdir
     engine.close()
-    assert not any(_group_alive(g) for g in groups)
+    assert not any(group_alive(g) for g in groups)
     # The killed server failed: its log is kept (and only logs are).
     kept = sorted(p.relative_to(workdir).as_posix() for p in workdir.rglob("*") if p.is_file())
     assert "server-1/server.log" in kept and all(k.endswith(".log") for k in kept), kept

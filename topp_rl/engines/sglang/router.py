@@ -3,7 +3,7 @@
 The router is the one URL generation goes through; its load-balancing policy is a config choice (`cache_aware`,
 smg's default, sends requests sharing a prefix, e.g. a GRPO group, to the same worker; `round_robin` spreads
 them evenly). It runs from the SGLang venv (`scripts/setup_sglang.sh` installs `smg` there) as
-`python -m smg launch`, behind the same watchdog as the servers (`sglang_server.spawn_group`): it dies with the
+`python -m smg launch`, behind the same watchdog as the servers (`process.spawn_group`): it dies with the
 trainer and `stop()` kills its process group.
 
 smg does not route control calls (weight updates, pause / continue, flush): the engine sends those to every
@@ -23,7 +23,8 @@ from typing import Any
 
 import requests
 
-from topp_rl.engines.sglang.server import LoggedProcessGroup, free_port, require_sglang_python, spawn_group
+from topp_rl.engines.sglang.process import LoggedProcessGroup, spawn_group
+from topp_rl.engines.sglang.server import free_port, require_sglang_python
 
 # smg 1.13's policies for a regular (not prefill/decode-disaggregated) fleet; "manual" and "passthrough" need
 # routing headers this client does not send.

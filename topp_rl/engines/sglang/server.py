@@ -4,7 +4,7 @@ SGLang runs from its own venv (`scripts/setup_sglang.sh` builds it outside the c
 ours). Its python comes from an explicit setting: the `python=` argument, else `$TOPP_RL_SGLANG_PYTHON`
 (`scripts/test.sh` exports what `setup_sglang.sh` prints); nothing is guessed from the install location.
 
-Lifecycle: `SGLangServer` starts the server in its own process group, behind a tiny watchdog (`_WATCHDOG`,
+Lifecycle: `SGLangServer` starts the server in its own process group, behind a tiny watchdog (`process.WATCHDOG`,
 the group leader) that takes the whole group down when the trainer dies, SIGKILL and OOM-kill included (the
 server gets PR_SET_PDEATHSIG on the watchdog; SGLang's scheduler and detokenizer set theirs on the server).
 `stop()` kills the group. Once ready, a watcher thread reports at once (stderr) when the group's leader exits
@@ -28,38 +28,19 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import requests
+
+from topp_rl.engines.sglang.process import LoggedProcessGroup, signal_group, spawn_group
 
 SGLANG_PYTHON_ENV = "TOPP_RL_SGLANG_PYTHON"
 WORKDIR_PREFIX = "topp_rl-sglang-"
 LOOPBACK_IFNAME = "lo" if sys.platform == "linux" else "lo0"
 _OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the work dir
-
-# The group leader: runs the server as its child and kills the whole group once its parent (the trainer) is
-# gone. It polls getppid() rather than relying on PR_SET_PDEATHSIG, which fires when the *thread* that
-# spawned it exits (an engine built in a worker thread would lose its server).
-_WATCHDOG = r"""
-import ctypes, os, signal, subprocess, sys, time
-trainer = int(sys.argv[1])
-def die_with_watchdog():
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-server = subprocess.Popen(sys.argv[2:], preexec_fn=die_with_watchdog)
-while server.poll() is None:
-    if os.getppid() != trainer:
-        os.killpg(0, signal.SIGKILL)
-    time.sleep(0.5)
-sys.exit(server.returncode)
-"""
-
 
 def sglang_python() -> Path | None:
     """`$TOPP_RL_SGLANG_PYTHON` when it names a file, else None (tests skip on None)."""
@@ -157,86 +138,6 @@ def _owner_id(pid: int) -> str:
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
-class LoggedProcessGroup:
-    """What a launched server and router share: a process group (`_proc`) writing to `log_path` (`_log`)."""
-
-    url: str
-    log_path: Path
-    failed: bool
-    kind: str = "process"
-    _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
-
-    @property
-    def pid(self) -> int:
-        """The process group id (the watchdog's pid)."""
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The group leader's exit code once it exited (negative: killed by that signal); None while it runs."""
-        return self._proc.poll()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def _await_start(self, wait_ready: Callable[[], None]) -> None:
-        """Run `wait_ready`, saying on the console that the start began and how long it took (a server start on
-        CPU takes ~20 s, mostly imports); on any failure, stop the group (the subclass's `stop`) and re-raise."""
-        start = time.monotonic()
-        # stderr, like the waiting lines below: stdout may be a protocol (a parent reading JSON from it)
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: starting (log: {self.log_path})", file=sys.stderr,
-              flush=True)
-        try:
-            wait_ready()
-        except BaseException:
-            self.failed = True
-            self.stop()
-            raise
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s",
-              file=sys.stderr, flush=True)
-        self._watch()
-
-    WATCH_INTERVAL_S = 0.5
-
-    def _watch(self) -> None:
-        """Report the process group's leader exiting while in use, when it happens (not at `stop`): a dead worker
-        behind a router only shows as retried requests otherwise. `stop` silences it first."""
-        self._stopping = threading.Event()
-
-        def watch() -> None:
-            while not self._stopping.wait(self.WATCH_INTERVAL_S):
-                code = self._proc.poll()
-                if code is None:
-                    continue
-                if not self._stopping.is_set():
-                    self.failed = True
-                    status = f"{code} (signal {signal.Signals(-code).name})" if code < 0 else str(code)
-                    print(f"[topp_rl] SGLang {self.kind} {self.url} (pid {self._proc.pid}) exited with status "
-                          f"{status} while in use; calls to it fail from now on (a router retries them on the "
-                          f"other workers); log: {self.log_path}", file=sys.stderr, flush=True)  # fmt: skip
-                return
-
-        threading.Thread(target=watch, name=f"topp_rl-sglang-{self.kind}-watch", daemon=True).start()
-
-    def _stop_group(self, timeout_s: float) -> bool:
-        """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
-        if self._stopping is not None:
-            self._stopping.set()  # an exit from here on is asked for: the watcher says nothing
-        if not self._log.closed and self._proc.poll() is not None:
-            self.failed = True  # it exited before anyone asked it to
-        stop_group(self._proc, timeout_s=timeout_s)
-        if self._log.closed:
-            return False
-        self._log.close()
-        if self.failed:
-            print(f"[topp_rl] SGLang {self.kind} {self.url} failed; its log is kept at {self.log_path}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        return True
-
-
 class SGLangServer(LoggedProcessGroup):
     """One SGLang server process group serving `model_path` at `self.url`; a context manager.
 
@@ -346,57 +247,6 @@ class SGLangServer(LoggedProcessGroup):
     def __del__(self) -> None:  # last resort; stop() is idempotent
         try:
             if self._proc.poll() is None:
-                _signal_group(self._proc.pid, signal.SIGKILL)
+                signal_group(self._proc.pid, signal.SIGKILL)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def spawn_group(python: Path, cmd: list[str], *, log, env: dict[str, str]) -> subprocess.Popen:
-    """Start `cmd` behind `_WATCHDOG` (run by `python`) in a new session: the watchdog leads the process group
-    that `stop_group` kills, and takes the group down when this process dies."""
-    return subprocess.Popen(
-        [str(python), "-c", _WATCHDOG, str(os.getpid()), *cmd],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )  # fmt: skip
-
-
-def stop_group(proc: subprocess.Popen, *, timeout_s: float) -> None:
-    """SIGTERM the process group led by `proc`, SIGKILL what is left after `timeout_s`, wait until it is gone."""
-    if proc.poll() is None or _group_alive(proc.pid):
-        _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _group_alive(proc.pid):
-            proc.poll()  # reap the leader so the group check sees it gone
-            time.sleep(0.2)
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
-        while _group_alive(proc.pid) and time.monotonic() < deadline + timeout_s:
-            time.sleep(0.1)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (zombies of other parents excluded)."""
-    if sys.platform != "linux":
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
