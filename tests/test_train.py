@@ -53,7 +53,7 @@ def test_module_logs_its_own_training_metrics_without_metric_callbacks(tmp_path,
     assert column(rows, "train/lr") == pytest.approx([0.01, 0.01], rel=1e-7)  # Lightning logs float32
     assert all(0 < v <= math.log(128) for v in column(rows, "train/entropy"))  # tiny model: vocab 128
     assert not any(k.startswith("train/rollout_logprob") for k in keys)  # LogProbMismatch is not in the run
-    assert capsys.readouterr().out.count("[topp_rl] layout: world=1 dp=1 tp=1 cp=1\n") == 1
+    assert capsys.readouterr().out.count("[topp_rl] layout: world=1 dp=1 tp=1 cp=1 ep=1\n") == 1
 
 
 @pytest.mark.subprocess
