@@ -123,16 +123,44 @@ def _case(norm: bool, tp: int, cp: int, ep: int) -> dict[str, float]:
         ps.destroy_model_parallel()
 
 
+def _refusals() -> list[str]:
+    """The error messages of replay on a dense model and of a batch without routes under replay."""
+    from megatron.core import parallel_state as ps
+
+    from topp_rl.megatron import MegatronBackbone
+    from topp_rl.models import build_tiny_model
+    from topp_rl.parallel import ParallelLayout
+
+    ps.initialize_model_parallel()
+    messages = []
+    try:
+        for family in ("qwen3", "qwen3_moe"):  # dense: refused at construction; MoE: at the routeless batch
+            config = build_tiny_model(family).config
+            try:
+                backbone = MegatronBackbone(config, layout=ParallelLayout.from_megatron(config.vocab_size),
+                                            routing_replay=True)
+                backbone.forward_hidden(packed_batch(config.vocab_size))  # no `routes` field: None
+            except ValueError as e:
+                messages.append(str(e))
+    finally:
+        ps.destroy_model_parallel()
+    return messages
+
+
 def _all_cases(rank: int) -> dict:
     torch.manual_seed(0)
-    return {(norm, *case): _case(norm, *case) for norm in NORMS for case in CASES}
+    return {(norm, *case): _case(norm, *case) for norm in NORMS for case in CASES} | {"refusals": _refusals()}
 
 
 @NO_MEGATRON
 @pytest.mark.distributed
 def test_megatron_replay_matches_hf_replay_at_ep2_tp2_ep2_and_cp2():
     results = run_distributed(_all_cases, 4, timeout=600, preload=PRELOAD)
+    dense, no_routes = results[0].pop("refusals")
+    assert "routing_replay=True needs an MoE model; model_type='qwen3'" in dense and "turn replay off" in dense
+    assert "this batch carries no routes" in no_routes and "rollout.record_routes=true" in no_routes
     for rank, per_case in enumerate(results):
+        per_case.pop("refusals", None)
         for case, r in per_case.items():
             where = f"rank {rank} (norm, tp, cp, ep)={case}"
             assert r["routing_matches_hf"] == 1.0, (where, r)

@@ -9,7 +9,7 @@ implementation (eager, grouped_mm, ...) stay HF's.
 
 Replay keeps the rollout's ids but recomputes their weights from the trainer's own logits with the router's math
 (`replayed_weights`): gradients still reach the router, and where the rollout's ids are the trainer's own the
-output is HF's bit for bit. Like megatron-core's `RouterReplay` (which the Megatron backbone uses), but on HF's
+output is HF's bit for bit. Like megatron-core's `RouterReplay` (whose hook the Megatron backbone uses), but on HF's
 router output instead of inside the router, and scoped: routes apply only inside `RouterReplay.using`, so an
 engine sampling with the same module (shared weights) routes by itself.
 """
