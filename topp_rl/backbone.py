@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from topp_rl.data import PackedBatch
-from topp_rl.data.routes import NO_ROUTE
+from topp_rl.data.routes import NO_ROUTE, MoeRouting
 from topp_rl.moe import RouterReplay, moe_routing
 from topp_rl.parallel import ParallelLayout
 
@@ -201,26 +201,11 @@ class HFBackbone(nn.Module):
     def _padded_routes(self, batch: PackedBatch, valid: Tensor) -> Tensor | None:
         """The batch's routes [T, L, k] laid out like the padded batch the routers see ([B * W, L, k], int64),
         NO_ROUTE on padding; None when the batch has none (refused under routing replay)."""
-        if batch.routes is None:
-            if self.routing_replay:
-                raise ValueError(
-                    "routing replay is on but this batch carries no routes: the rollout engine recorded none; "
-                    "record routes (rollout.record_routes=true) or turn replay off (rollout.routing_replay=false)"
-                )
+        routes = batch_routes(batch, self.routing, replay=self.routing_replay, model=type(self.model).__name__)
+        if routes is None:
             return None
-        if self.routing is None:
-            raise ValueError(f"the batch carries routes but {type(self.model).__name__} has no MoE layers")
-        shape = (self.routing.num_layers, self.routing.top_k)
-        if tuple(batch.routes.shape[1:]) != shape or batch.routes.shape[0] != batch.tokens.numel():
-            raise ValueError(
-                f"batch routes have shape {tuple(batch.routes.shape)}, expected ({batch.tokens.numel()}, *{shape}) "
-                "(tokens, MoE layers, top_k); the rollout came from another model"
-            )
-        if int(batch.routes.max()) >= self.routing.num_experts:
-            raise ValueError(f"batch routes hold expert id {int(batch.routes.max())}, outside the model's "
-                             f"{self.routing.num_experts} experts; the rollout came from another model")
-        padded = torch.full((*valid.shape, *shape), NO_ROUTE, dtype=torch.long, device=valid.device)
-        padded[valid] = batch.routes.to(device=valid.device, dtype=torch.long)
+        padded = torch.full((*valid.shape, *routes.shape[1:]), NO_ROUTE, dtype=torch.long, device=valid.device)
+        padded[valid] = routes.to(device=valid.device, dtype=torch.long)
         return padded.flatten(0, 1)
 
     def routing_agreement(self) -> tuple[float, float] | None:
@@ -233,6 +218,30 @@ class HFBackbone(nn.Module):
     def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
+
+
+def batch_routes(batch: PackedBatch, routing: MoeRouting | None, *, replay: bool, model: str) -> Tensor | None:
+    """The batch's routes [T, L, k] checked against the model's routing (`model` names it in errors); None when
+    the batch has none, which routing replay refuses."""
+    if batch.routes is None:
+        if replay:
+            raise ValueError(
+                "routing replay is on but this batch carries no routes: the rollout engine recorded none; "
+                "record routes (rollout.record_routes=true) or turn replay off (rollout.routing_replay=false)"
+            )
+        return None
+    if routing is None:
+        raise ValueError(f"the batch carries routes but {model} has no MoE layers")
+    shape = (routing.num_layers, routing.top_k)
+    if tuple(batch.routes.shape[1:]) != shape or batch.routes.shape[0] != batch.tokens.numel():
+        raise ValueError(
+            f"batch routes have shape {tuple(batch.routes.shape)}, expected ({batch.tokens.numel()}, *{shape}) "
+            "(tokens, MoE layers, top_k); the rollout came from another model"
+        )
+    if int(batch.routes.max()) >= routing.num_experts:
+        raise ValueError(f"batch routes hold expert id {int(batch.routes.max())}, outside the model's "
+                         f"{routing.num_experts} experts; the rollout came from another model")
+    return batch.routes
 
 
 def _enable_checkpointing(model: nn.Module, context_fn=None) -> list[nn.Module]:

@@ -9,7 +9,7 @@ implementation (eager, grouped_mm, ...) stay HF's.
 
 Replay keeps the rollout's ids but recomputes their weights from the trainer's own logits with the router's math
 (`replayed_weights`): gradients still reach the router, and where the rollout's ids are the trainer's own the
-output is HF's bit for bit. Like megatron-core's `RouterReplay` (which the Megatron backbone uses), but on HF's
+output is HF's bit for bit. Like megatron-core's `RouterReplay` (whose hook the Megatron backbone uses), but on HF's
 router output instead of inside the router, and scoped: routes apply only inside `RouterReplay.using`, so an
 engine sampling with the same module (shared weights) routes by itself.
 """
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from topp_rl.data.routes import NO_ROUTE, MoeRouting
+from topp_rl.data.routes import MoeRouting, replay_ids, route_agreement
 
 ROUTERS = (Qwen3MoeTopKRouter, Qwen2MoeTopKRouter)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -152,11 +152,7 @@ class RouterReplay:
         self._own[slot] = ids.detach()
         if not self.force:
             return None
-        want = self._routes[:, slot]
-        if want.shape != ids.shape:
-            raise ValueError(f"replayed routes of MoE layer {slot} have shape {tuple(want.shape)}, the router "
-                             f"produced {tuple(ids.shape)}; pass one route row per token the model sees")
-        chosen = torch.where(want[:, :1] >= 0, want, ids)  # rows without a route keep the router's own ids
+        chosen = replay_ids(self._routes[:, slot], ids)  # rows without a route keep the router's own ids
         return logits, replayed_weights(logits, chosen, norm_topk_prob=bool(module.norm_topk_prob)), chosen
 
     def agreement(self) -> tuple[int, int]:
@@ -164,8 +160,4 @@ class RouterReplay:
         last forward inside `using`."""
         if self._routes is None or any(own is None for own in self._own):
             raise RuntimeError("RouterReplay.agreement: no forward ran inside `using` with routes")
-        want = self._routes.transpose(0, 1)  # [L, rows, k]
-        own = torch.stack(self._own)  # type: ignore[arg-type]
-        recorded = want[..., 0] != NO_ROUTE
-        same = (own.sort(dim=-1).values == want.sort(dim=-1).values).all(dim=-1) & recorded
-        return int(same.sum()), int(recorded.sum())
+        return route_agreement(self._routes, torch.stack(self._own))  # type: ignore[arg-type]

@@ -70,3 +70,21 @@ class MoeRouting:
                 f"{int(routes[token, layer, slot])}, outside [0, {self.num_experts}); the routes come from another "
                 "model or were decoded wrongly"
             )
+
+
+def replay_ids(want: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The expert ids [rows, k] a replaying router uses: the recorded ones `want` [rows, k], or on rows without a
+    route (NO_ROUTE in column 0: each sequence's last token, CP padding) the router's own `own` [rows, k]."""
+    if want.shape != own.shape:
+        raise ValueError(f"replayed routes of an MoE layer have shape {tuple(want.shape)}, the router produced "
+                         f"{tuple(own.shape)}; pass one route row per token the model sees")
+    return torch.where(want[:, :1] != NO_ROUTE, want.to(own.dtype), own)
+
+
+def route_agreement(want: torch.Tensor, own: torch.Tensor) -> tuple[int, int]:
+    """(token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded), of recorded
+    routes `want` [rows, L, k] (NO_ROUTE rows are not counted) and the routers' own ids `own` [L, rows, k]."""
+    want = want.transpose(0, 1)  # [L, rows, k]
+    recorded = want[..., 0] != NO_ROUTE
+    same = (own.sort(dim=-1).values == want.to(own.dtype).sort(dim=-1).values).all(dim=-1) & recorded
+    return int(same.sum()), int(recorded.sum())

@@ -21,6 +21,10 @@ split, so a layout with cp_mode="allgather" and cp_size > 1 is rejected.
 Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron's
 `make_vocab_size_divisible_by`) would put extra logits into every unrestricted softmax and break exactness
 against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2, Llama 3, SmolLM2 at TP <= 8).
+
+MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
+them (`routing_agreement`, a `topp_rl.backbone.ReportsRouting`); `routing_replay=True` also forces them. The
+routes follow the tokens through the CP layout (`cp_shard`, CP padding rows without a route).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from topp_rl.backbone import batch_routes
 from topp_rl.data import PackedBatch
+from topp_rl.data.routes import NO_ROUTE
 from topp_rl.megatron import cpu_shims
 from topp_rl.megatron.hf_config import hf_inv_freq, is_moe
+from topp_rl.megatron.replay import MegatronRouterReplay, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
 
@@ -111,7 +118,8 @@ class MegatronBackbone(torch.nn.Module):
     """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract."""
 
     def __init__(self, hf_config, *, layout: ParallelLayout, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0) -> None:
+                 dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0,
+                 routing_replay: bool = False) -> None:
         super().__init__()
         check_layout(hf_config, layout)
         if moe_aux_loss_coeff and not is_moe(hf_config):
@@ -125,15 +133,24 @@ class MegatronBackbone(torch.nn.Module):
                                      ep_size=layout.ep_size, seed=seed, dtype=dtype,
                                      moe_aux_loss_coeff=moe_aux_loss_coeff)
         sum_qk_norm_grads_over_tp(self.model, layout.tp_group)
+        self.routing = megatron_moe_routing(hf_config)
+        if routing_replay and self.routing is None:
+            raise ValueError(f"routing_replay=True needs an MoE model; model_type={hf_config.model_type!r} has no "
+                             "MoE layers: turn replay off (rollout.routing_replay=false)")
+        self.routing_replay = routing_replay
+        self.replay = (MegatronRouterReplay(self.model, self.routing, force=routing_replay)
+                       if self.routing is not None else None)
+        self._agreement: tuple[float, float] | None = None
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0,
-                moe_aux_loss_coeff: float = 0.0) -> MegatronBackbone:
+                moe_aux_loss_coeff: float = 0.0, routing_replay: bool = False) -> MegatronBackbone:
         """This rank's backbone holding the HF model's weights (parallel_state must be initialised)."""
         from topp_rl.megatron.convert import load_hf_into
 
         dtype = next(hf_model.parameters()).dtype
-        backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
+        backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                       routing_replay=routing_replay)
         load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=layout.tp_size,
                      tp_rank=layout.tp_rank, ep_size=layout.ep_size, ep_rank=layout.ep_rank)
         backbone.train(hf_model.training)
@@ -182,7 +199,20 @@ class MegatronBackbone(torch.nn.Module):
         positions = layout.local_positions(batch.seq_lengths)
         tokens = cp_shard(batch.tokens, positions)  # padding rows hold token 0; they are never scored
         params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
-        return self.hidden_states(tokens, params), self.output_weight()  # weight: exactly layout.vocab_range()
+        routes = batch_routes(batch, self.routing, replay=self.routing_replay, model=self.hf_config.model_type)
+        self._agreement = None
+        if routes is None or self.replay is None:
+            return self.hidden_states(tokens, params), self.output_weight()  # weight: exactly layout.vocab_range()
+        with self.replay.using(cp_shard(routes.long(), positions, fill=NO_ROUTE)):  # rows as the routers see them
+            hidden = self.hidden_states(tokens, params)
+            self._agreement = tuple(map(float, self.replay.agreement()))
+        return hidden, self.output_weight()
+
+    def routing_agreement(self) -> tuple[float, float] | None:
+        """(same, recorded) token-layer routes of the last `forward_hidden` over this rank's CP shard: summed over
+        all ranks with the other metrics, the ratio is the single-process one (TP ranks repeat their CP shard's
+        counts, which leaves the ratio unchanged; CP and data-parallel ranks hold disjoint tokens)."""
+        return self._agreement
 
     def hidden_states(self, tokens: Tensor, params) -> Tensor:
         """Final-norm hidden states [T_local, H] of local packed tokens [T_local]."""

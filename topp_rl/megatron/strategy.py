@@ -139,8 +139,10 @@ class MegatronStrategy(DDPStrategy):
                 f"MegatronStrategy converts HFBackbone policies, got a {type(backbone).__name__} as {slot}; wrap "
                 "the HF model as topp_rl.backbone.HFBackbone(model)"
             )
+        # routing_replay travels with the backbone it was configured on (policy and reference alike).
         return MegatronBackbone.from_hf(backbone.model, layout=self.layout, seed=self.seed,
-                                        moe_aux_loss_coeff=self.moe_aux_loss_coeff)
+                                        moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                                        routing_replay=backbone.routing_replay)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: gradients are summed in post_backward
