@@ -265,11 +265,12 @@ def test_routed_experts_are_asked_for_and_decoded_from_sglangs_payload():
 
 
 def test_launched_servers_get_the_capture_flag_and_cpu_servers_refuse_routes(tmp_path):
-    from topp_rl.engines.sglang.engine import SGLangEngine, _with_route_capture
+    from topp_rl.engines.sglang.engine import SGLangEngine
+    from topp_rl.engines.sglang.routes import with_route_capture
     from topp_rl.models import build_tiny
 
-    assert _with_route_capture({"dtype": "float32"})["extra_args"] == ("--enable-return-routed-experts",)
-    flagged = _with_route_capture({"extra_args": ("--enable-return-routed-experts",)})
+    assert with_route_capture({"dtype": "float32"})["extra_args"] == ("--enable-return-routed-experts",)
+    flagged = with_route_capture({"extra_args": ("--enable-return-routed-experts",)})
     assert flagged["extra_args"] == ("--enable-return-routed-experts",)
     model, tokenizer = build_tiny(family="qwen3_moe")
     with pytest.raises(ValueError, match=r"record_routes=true with an MoE model and a CPU SGLang server.*"

@@ -12,10 +12,10 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import requests
 import urllib3
@@ -263,3 +263,19 @@ class Waits:
 
     def close(self) -> None:
         self._stop.set()
+
+
+_Limits = TypeVar("_Limits", Timeouts, Retries)
+
+
+def limits_from(kind: type[_Limits], given: _Limits | Mapping[str, Any] | None, name: str,
+            keywords: dict[str, Any]) -> _Limits:  # fmt: skip
+    """`given` (an object or a mapping of its fields), else one built from the keywords set (not None)."""
+    set_ = {k: v for k, v in keywords.items() if v is not None}
+    if given is not None and set_:
+        raise ValueError(
+            f"{name}= and {sorted(set_)} are both given; pass the values once, either as keywords or in {name}="
+        )
+    if isinstance(given, kind):
+        return given
+    return kind(**(given if given is not None else set_))

@@ -11,7 +11,7 @@ one, else round-robin over the server URLs. The engine is a facade over its part
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import as_completed
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -20,15 +20,13 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
 from topp_rl.engines.base import RolloutEngine, check_prompts
-from topp_rl.engines.sglang.client import Retries, SGLangClient, Timeouts
+from topp_rl.engines.sglang.client import Retries, SGLangClient, Timeouts, limits_from
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
 from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answer
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
-from topp_rl.engines.sglang.routes import SERVER_FLAG
+from topp_rl.engines.sglang.routes import check_capture_device, with_route_capture
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
 from topp_rl.engines.sglang.weights import SyncMethod, WeightSync, WeightSyncStats
-
-_Limits = TypeVar("_Limits", Timeouts, Retries)
 
 
 class SGLangEngine(RolloutEngine):
@@ -91,18 +89,18 @@ class SGLangEngine(RolloutEngine):
                 f"max_candidates ({max_candidates}) and weight_bucket_bytes ({weight_bucket_bytes}) must be >= 1 "
                 "(defaults: 4096, SGLang's --sampling-mask-max-tokens default, and 512 MiB)"
             )
-        self.timeouts = _limits(Timeouts, timeouts, "timeouts", {
+        self.timeouts = limits_from(Timeouts, timeouts, "timeouts", {
             "connect_timeout_s": connect_timeout_s, "first_byte_timeout_s": first_byte_timeout_s,
             "per_token_timeout_s": per_token_timeout_s, "transfer_timeout_s": transfer_timeout_s,
             "weight_update_timeout_s": weight_update_timeout_s, "per_gb_timeout_s": per_gb_timeout_s,
         })  # fmt: skip
-        self.retries = _limits(Retries, retries, "retries",
+        self.retries = limits_from(Retries, retries, "retries",
                                {"max_retries": max_retries, "backoff_s": backoff_s, "max_backoff_s": max_backoff_s})  # fmt: skip
         self.max_candidates = max_candidates
         self.record_candidates, self.record_raw_log_probs = record_candidates, record_raw_log_probs
         # MoE: ask every /generate for the routed experts; launched servers get SGLang's capture flag.
         self.routing = routing
-        server_kwargs = _with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
+        server_kwargs = with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
             else server_kwargs
         self.weight_sync = weight_sync
         self.progress = progress
@@ -151,14 +149,8 @@ class SGLangEngine(RolloutEngine):
             )
 
         routing = moe_routing(model) if record_routes else None
-        if routing is not None and (kwargs.get("server_kwargs") or {}).get("device", "cpu") == "cpu" \
-                and not (kwargs.get("urls") or kwargs.get("router_url")):
-            raise ValueError(
-                "rollout.record_routes=true with an MoE model and a CPU SGLang server: SGLang 0.5.23 captures routes "
-                "only on CUDA (its capturer registers CUDA host memory in init_routed_experts_capturer, and a CPU "
-                "server fails at start); set rollout.record_routes=false (and rollout.routing_replay=false), use "
-                "rollout=embedded, or a CUDA server (rollout.engine.server_kwargs.device=cuda)"
-            )
+        if routing is not None and not (kwargs.get("urls") or kwargs.get("router_url")):  # servers launched here
+            check_capture_device((kwargs.get("server_kwargs") or {}).get("device", "cpu"))
         path = save_model(model, tokenizer, Path(workdir) / "init")
         return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
                    **kwargs)
@@ -249,21 +241,3 @@ class SGLangEngine(RolloutEngine):
         self.weights.close()
         self.fleet.close()
 
-
-def _with_route_capture(server_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`server_kwargs` with SGLang's routed-experts capture flag added to the launch arguments."""
-    extra = tuple(server_kwargs.get("extra_args", ()))
-    return {**server_kwargs, "extra_args": extra if SERVER_FLAG in extra else (*extra, SERVER_FLAG)}
-
-
-def _limits(kind: type[_Limits], given: _Limits | Mapping[str, Any] | None, name: str,
-            keywords: dict[str, Any]) -> _Limits:  # fmt: skip
-    """`given` (an object or a mapping of its fields), else one built from the keywords set (not None)."""
-    set_ = {k: v for k, v in keywords.items() if v is not None}
-    if given is not None and set_:
-        raise ValueError(
-            f"{name}= and {sorted(set_)} are both given; pass the values once, either as keywords or in {name}="
-        )
-    if isinstance(given, kind):
-        return given
-    return kind(**(given if given is not None else set_))

@@ -24,6 +24,18 @@ ROUTES_KEY = "routed_experts"
 SERVER_FLAG = "--enable-return-routed-experts"
 
 
+def check_capture_device(device: str) -> None:
+    """Refuse launching a server that must capture routes on CPU: SGLang 0.5.23's capturer registers CUDA host
+    memory in `init_routed_experts_capturer`, so a CPU server with the flag fails at start."""
+    if device == "cpu":
+        raise ValueError(
+            "rollout.record_routes=true with an MoE model and a CPU SGLang server: SGLang 0.5.23 captures routes "
+            "only on CUDA (its capturer registers CUDA host memory in init_routed_experts_capturer, and a CPU "
+            "server fails at start); set rollout.record_routes=false (and rollout.routing_replay=false), use "
+            "rollout=embedded, or a CUDA server (rollout.engine.server_kwargs.device=cuda)"
+        )
+
+
 def encode_routes(ids: torch.Tensor) -> str:
     """SGLang's encoding of an int32 [tokens, num_hidden_layers, top_k] array (tests build payloads with it)."""
     return pybase64.b64encode(ids.to(torch.int32).numpy().astype("<i4").tobytes()).decode("utf-8")
@@ -54,3 +66,10 @@ def decode_routes(meta: Mapping[str, Any], routing: MoeRouting, *, tokens: int, 
     routes = every_layer[:, list(routing.layer_ids)]
     routing.check(routes, tokens=tokens, name=name)
     return routes.to(routing.dtype)
+
+
+def with_route_capture(server_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`server_kwargs` with SGLang's routed-experts capture flag added to the launch arguments."""
+    extra = tuple(server_kwargs.get("extra_args", ()))
+    return {**server_kwargs, "extra_args": extra if SERVER_FLAG in extra else (*extra, SERVER_FLAG)}
+
