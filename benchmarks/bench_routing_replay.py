@@ -245,6 +245,8 @@ def main() -> None:
                           ("max-new-tokens", 8), ("speed-repeats", 3), ("speed-steps", 6)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--precisions", default="fp32,bf16,fp16")
+    parser.add_argument("--parts", default="accuracy,speed",
+                        help="'speed' alone re-measures the step times and keeps <out>.json's accuracy grid")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "routing_replay")
     args = parser.parse_args()
     import logging
@@ -263,7 +265,12 @@ def main() -> None:
         args.out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=sorted))
         args.out.with_suffix(".md").write_text(markdown(res))
 
-    for precision in args.precisions.split(","):
+    parts = set(args.parts.split(","))
+    if "accuracy" not in parts:  # keep the grid already measured (its own machine figures and date)
+        old = json.loads(args.out.with_suffix(".json").read_text())
+        res |= {k: old[k] for k in ("cells", "probe", "steps", "seeds", "model")}
+        res["accuracy_machine"] = old.get("accuracy_machine", old["machine"])
+    for precision in args.precisions.split(",") if "accuracy" in parts else []:
         probe = Probe()
         for replay in (False, True):
             for mask in (True, False):
@@ -282,7 +289,7 @@ def main() -> None:
         save()
     plot(res, args.out.with_suffix(".png"))
 
-    if args.speed_repeats:
+    if args.speed_repeats and "speed" in parts:
         from topp_rl.data.routes import MoeRouting
 
         routing = MoeRouting(layer_ids=tuple(range(args.layers)), top_k=args.top_k, num_experts=args.experts,
