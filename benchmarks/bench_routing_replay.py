@@ -10,11 +10,8 @@ and callbacks) on a Qwen3-MoE bigger than the default tiny one (`--layers 4 --ex
 tokens per sample instead of 2, so that more tokens cross more routers). Per run: the step means of
 `train/routing_agreement`, `train/kl_k3_rollout`, `train/rollout_extreme_frac`, `train/rollout_logprob_abs_diff`
 (masked and unmasked) and the step max of `train/rollout_logprob_abs_diff_max`; per cell the median over seeds.
-Precisions: fp32 (`trainer=cpu`), bf16 (`trainer=cpu_bf16`), and fp16: Lightning turns `precision=16-mixed` on
-CPU into bf16-mixed (a warning, not an error), so this script swaps in `MixedPrecision("16-mixed", "cpu")` with
-a CPU GradScaler after the run is built. That is a measurement device, not a supported config: the module
-clips and checks the gradient before the scaler unscales it (see docs/results.md section 7), so only the
-first step's figures are exact fp16 ones; later steps train with a scaled clip.
+Precisions: fp32 (`trainer=cpu`), bf16 (`trainer=cpu_bf16`) and fp16 (`trainer=cpu_fp16`: float16 autocast
+with a loss scale, `topp_rl.precision.LossScaledFP16`).
 
 Which side runs in 16 bits is recorded, not assumed: the script wraps the engine's decode batch and the
 trainer's on-policy pass and records whether CPU autocast is on and the dtype of the final hidden states.
@@ -47,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-PRECISIONS = {"fp32": "trainer=cpu", "bf16": "trainer=cpu_bf16", "fp16": "trainer=cpu"}  # fp16: plugin swap
+PRECISIONS = {"fp32": "trainer=cpu", "bf16": "trainer=cpu_bf16", "fp16": "trainer=cpu_fp16"}
 MEANS = {  # column -> metric averaged over a run's steps
     "agreement": "train/routing_agreement",
     "kl_k3": "train/kl_k3_rollout",
@@ -127,11 +124,6 @@ def accuracy_run(args, *, precision: str, replay: bool, mask: bool, seed: int, p
             ])
         torch.set_num_threads(int(cfg.num_threads))
         run = build_run(cfg)
-        if precision == "fp16":
-            from lightning.pytorch.plugins.precision import MixedPrecision
-
-            run.trainer.strategy.precision_plugin = MixedPrecision(
-                "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
         probe.install(run)
         grab = Grab()
         run.trainer.callbacks.append(grab)

@@ -35,6 +35,7 @@ from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout, gather_tokens
+from topp_rl.precision import LossScaledFP16
 from topp_rl.records import OnPolicyRecord
 from topp_rl.schedule import LRSchedule
 from topp_rl.timer import PhaseTimer
@@ -235,8 +236,10 @@ class PolicyModule(L.LightningModule):
                 opt.zero_grad(set_to_none=True)
                 sums, made = self.accumulate_gradients(micro, refs, old=old, timer=timer)
                 records += made
-                add_sums(metrics, sums | {"train/grad_norm": (self.checked_grad_norm(), 1.0)})
+                add_sums(metrics, sums | {"train/grad_norm": (self.checked_grad_norm(opt), 1.0)})
                 self.optimizer_step_checked(opt, step=self.global_step)
+                if (scaler := self.loss_scaler()) is not None:  # after the step: halved if it overflowed
+                    add_sums(metrics, {"train/loss_scale": (scaler.scaler.get_scale(), 1.0)})
                 if self._trainer is not None:
                     self.lr_schedulers().step()
         record = OnPolicyRecord.concat(records)
@@ -253,10 +256,18 @@ class PolicyModule(L.LightningModule):
         self.log_step_metrics(metrics, lr=lr, step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
-    def checked_grad_norm(self) -> float:
-        """`clip_and_norm`, stopping on a non-finite norm before the update is applied."""
+    def loss_scaler(self) -> LossScaledFP16 | None:
+        plugin = self.trainer.precision_plugin if self._trainer is not None else None
+        return plugin if isinstance(plugin, LossScaledFP16) else None
+
+    def checked_grad_norm(self, opt) -> float:
+        """`clip_and_norm` of the true (unscaled) gradient. A non-finite norm stops the run before the update is
+        applied, unless a loss scale is in use: then it is an fp16 overflow, whose update the scaler skips."""
+        scaler = self.loss_scaler()
+        if scaler is not None:
+            scaler.unscale(opt.optimizer)  # clip and report the gradient itself, not ~2^16 times it
         grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm) and scaler is None:
             raise FloatingPointError(
                 f"step {self.global_step}: train/grad_norm is {grad_norm} (non-finite gradient); the update is not "
                 "applied. Common causes: a learning rate too high for the model (optimizer.lr), a NaN in the "

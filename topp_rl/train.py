@@ -154,8 +154,10 @@ def build_run(cfg: DictConfig) -> Run:
     strategy = instantiate(cfg.parallel.strategy) if cfg.parallel.get("strategy") else "auto"
     callbacks = build_callbacks(cfg, summary, loggers=loggers)
     # The bar is callbacks.progress (switched by trainer.enable_progress_bar); Lightning's own never shows.
+    # The trainer config's own plugins (e.g. trainer=cpu_fp16's loss-scaled precision) beside the checkpoint IO.
+    plugins = [AtomicCheckpointIO(), *instantiate(cfg.trainer.get("plugins") or [])]
     trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()], strategy=strategy,
+        callbacks=callbacks, logger=loggers or False, plugins=plugins, strategy=strategy,
         enable_checkpointing=True, enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
