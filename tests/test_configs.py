@@ -99,6 +99,14 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel.ep_size=2", "parallel.ep_size"),
         ("module.moe_aux_loss_coeff=0.01", "module.moe_aux_loss_coeff"),
         ("parallel=ep2 module.moe_aux_loss_coeff=-1", "module.moe_aux_loss_coeff"),
+        # parallel=fsdp shards data-parallel ranks only; no offload on CPU; every rank must join a shared gather.
+        ("parallel=fsdp parallel.tp_size=2", "parallel.tp_size"),
+        ("parallel=fsdp parallel.ep_size=2", "parallel.ep_size"),
+        ("parallel=fsdp parallel.cpu_offload=true", "parallel.cpu_offload"),
+        ("parallel=fsdp parallel.cpu_offload=yes", "parallel.cpu_offload"),
+        ("parallel=fsdp module.moe_aux_loss_coeff=0.01", "module.moe_aux_loss_coeff"),
+        ("parallel=fsdp trainer.devices=4 eval.every_n_steps=1 eval.num_prompts=2", "eval.num_prompts"),
+        ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),  # plain DDP: the fix names parallel=fsdp
         # Wrong types name the key instead of raising a raw TypeError; bools are not numbers.
         ("rollout.top_p=abc", "rollout.top_p"),
         ("rollout.top_k=true", "rollout.top_k"),
@@ -137,6 +145,12 @@ def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):
 
 def test_dropping_the_weight_sync_is_allowed_when_asked_for(tmp_path):
     validate_config(_compose(["callbacks.weight_sync=null", "allow_stale_weights=true"], tmp_path))
+
+
+def test_fsdp_accepts_many_ranks(tmp_path):
+    for extra in ([], ["trainer.devices=4", "trainer.num_nodes=2", "rollout.prompts_per_step=8"],
+                  ["module.gradient_checkpointing=true"], ["eval.every_n_steps=1", "eval.num_prompts=2"]):
+        validate_config(_compose(["parallel=fsdp", *extra], tmp_path))
 
 
 def test_batch_advantages_allow_one_sample_per_prompt(tmp_path):

@@ -59,6 +59,14 @@ def test_pack_blanks_sets_on_non_trainable_tokens():
     assert mb.candidates.to_lists() == [[4, 3], []]
 
 
+def test_plan_reaches_another_ranks_micro_batch_count_by_halving_the_fullest():
+    # Every data-parallel rank runs as many forwards (FSDP gathers weights in each): the greedy plan is split.
+    assert plan_micro_batches([1, 1, 1, 1, 1], max_tokens=10, min_count=3) == [[0, 1], [2], [3, 4]]
+    assert plan_micro_batches([3, 4, 2], max_tokens=7, min_count=2) == [[0, 1], [2]]  # already enough
+    with pytest.raises(ValueError, match=r"2 samples cannot fill the 3 micro-batches .*max_tokens_per_micro_batch"):
+        plan_micro_batches([1, 1], max_tokens=10, min_count=3)
+
+
 def test_budget_plan_is_greedy_in_order_and_never_splits():
     assert plan_micro_batches([3, 4, 2, 5, 1], max_tokens=7) == [[0, 1], [2, 3], [4]]
     assert plan_micro_batches([7, 7], max_tokens=7) == [[0], [1]]

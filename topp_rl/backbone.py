@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from topp_rl.data import PackedBatch
@@ -62,6 +63,15 @@ class Backbone(WeightSource, Protocol):
 
 
 @runtime_checkable
+class SyncsGradients(Protocol):
+    """A backbone whose gradient reduction across ranks can wait for the last micro-batch (`FSDPBackbone`)."""
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Reduce gradients over the data-parallel ranks in the next backward (True) or only accumulate them."""
+        ...
+
+
+@runtime_checkable
 class ReportsRouting(Protocol):
     """A backbone of an MoE model that compares its own routes with the rollout's (optional for backbones)."""
 
@@ -82,9 +92,15 @@ LOGIT_TRANSFORMS: dict[str, float | None] = {
 }
 
 
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients), the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def nonfinite_parameters(module: nn.Module) -> list[str]:
-    """Names of the parameters holding a NaN or an infinity (one fused check per tensor)."""
-    return [n for n, p in module.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+    """Names of the parameters holding a NaN or an infinity (one fused check per tensor; this rank's shard of a
+    sharded one, so no collective: callers decide over all ranks)."""
+    return [n for n, p in module.named_parameters() if not bool(torch.isfinite(local_tensor(p.detach())).all())]
 
 
 def check_plain_logits(model: nn.Module, *, probe_tokens: int = 8) -> None:
@@ -191,12 +207,18 @@ class HFBackbone(nn.Module):
         routes = self._padded_routes(batch, valid)
         self._agreement = None
         with self.replay.using(routes) if self.replay is not None else contextlib.nullcontext():
-            out = self.model.get_decoder()(
-                input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids, use_cache=False
-            )
+            # Through __call__, so a sharding wrapper's hooks (FSDP2's gather of the root's weights) run.
+            hidden, weight = self(input_ids=input_ids, attention_mask=valid.long(), position_ids=position_ids)
             if routes is not None:
                 self._agreement = tuple(map(float, self.replay.agreement()))
-        return out.last_hidden_state[valid], self.output_weight()
+        return hidden[valid], weight
+
+    def forward(self, *, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(final normed hidden states [B, L, H] of the padded batch, output weight [V, H])."""
+        out = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return out.last_hidden_state, self.output_weight()
 
     def _padded_routes(self, batch: PackedBatch, valid: Tensor) -> Tensor | None:
         """The batch's routes [T, L, k] laid out like the padded batch the routers see ([B * W, L, k], int64),

@@ -199,8 +199,45 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
               f"set rollout.max_candidates={SGLANG_MIN_CANDIDATES} or more (default 4096)")
 
 
+def _is_fsdp(cfg: DictConfig) -> bool:
+    strategy = cfg.parallel.get("strategy")
+    if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
+        return False
+    from topp_rl.fsdp.strategy import FSDPStrategy
+
+    return issubclass(target_class(strategy), FSDPStrategy)
+
+
+def validate_fsdp(cfg: DictConfig, world: int) -> None:
+    """parallel=fsdp shards the HF backbone over data-parallel ranks only: what it cannot honour is refused here."""
+    p = cfg.parallel
+    for key in ("tp_size", "cp_size", "ep_size"):
+        if p[key] != 1:
+            _fail(f"parallel.{key}", p[key], "1 with parallel=fsdp (FSDP shards the weights over data-parallel "
+                  "ranks; tensor / context / expert parallelism is the Megatron backbone's)",
+                  f"set parallel.{key}=1, or pick a Megatron layout (parallel=tp2, cp2, ep2, ...)")
+    offload = p.get("cpu_offload", False)
+    if not isinstance(offload, bool):
+        _fail("parallel.cpu_offload", offload, "true or false", "set parallel.cpu_offload=true or false")
+    if offload and cfg.trainer.get("accelerator") == "cpu":
+        _fail("parallel.cpu_offload", True, "false on a CPU run (the weights already live in host memory)",
+              "set parallel.cpu_offload=false, or train on GPUs (trainer=gpu)")
+    engine = cfg.rollout.engine
+    evaluation = next((c for c in callback_entries(cfg) if c.get("every_n_steps") and "num_prompts" in c), None)
+    if engine.get("share_weights") and evaluation is not None and evaluation.num_prompts < world:
+        # A shared engine gathers the sharded model around each generate, on every rank together: a rank with no
+        # evaluation prompt would skip it and leave the others waiting.
+        _fail("eval.num_prompts", evaluation.num_prompts, f">= the world size ({world}) with parallel=fsdp and "
+              "rollout.engine.share_weights=true (every rank must generate in each evaluation)",
+              f"set eval.num_prompts={world} or more, or rollout.engine.share_weights=false")
+
+
 def validate_parallel(cfg: DictConfig) -> None:
     p, world = cfg.parallel, _world_size(cfg)
+    fsdp = _is_fsdp(cfg)
+    if fsdp:
+        validate_fsdp(cfg, world)
+    megatron = p.get("strategy") and not fsdp
     for key in ("tp_size", "cp_size", "ep_size"):
         size = _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
         if size > 1 and not p.get("strategy"):
@@ -213,15 +250,15 @@ def validate_parallel(cfg: DictConfig) -> None:
     coeff = _number(cfg, "module.moe_aux_loss_coeff")
     if coeff < 0:
         _fail("module.moe_aux_loss_coeff", coeff, ">= 0", "use 0 (off, the RL default) or a small positive weight")
-    if not p.get("strategy") and coeff > 0:
+    if not megatron and coeff > 0:
         _fail("module.moe_aux_loss_coeff", coeff, "0 with the HF backbone (it does not add the load-balancing "
               "loss; the Megatron backbone does)", "use a Megatron parallel/ config (e.g. parallel=ep2) or set 0")
     cp_mode = p.get("cp_mode", "zigzag")
-    if p.get("strategy") and p.cp_size > 1 and cp_mode != "zigzag":
+    if megatron and p.cp_size > 1 and cp_mode != "zigzag":
         _fail("parallel.cp_mode", cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
               "transformer-engine's CP attention assume the zigzag split; all-gather CP exists only in the ops)",
               "use parallel.cp_mode=zigzag")
-    if p.get("strategy") and cfg.module.get("gradient_checkpointing"):
+    if megatron and cfg.module.get("gradient_checkpointing"):
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     model_parallel = p.tp_size * p.cp_size
@@ -242,7 +279,8 @@ def validate_parallel(cfg: DictConfig) -> None:
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
-              "use trainer.devices=1, or a parallel/ config with a strategy (e.g. the Megatron ones)")
+              "use parallel=fsdp (the HF model sharded over the ranks), a Megatron layout (parallel=tp2, ...), "
+              "or trainer.devices=1")
 
 
 def validate_weight_sync(cfg: DictConfig) -> None:

@@ -29,7 +29,14 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from topp_rl.backbone import Backbone, HFBackbone, ReportsRouting, nonfinite_parameters
+from topp_rl.backbone import (
+    Backbone,
+    HFBackbone,
+    ReportsRouting,
+    SyncsGradients,
+    local_tensor,
+    nonfinite_parameters,
+)
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
 from topp_rl.losses import LossInputs, PolicyLoss
@@ -200,6 +207,8 @@ class PolicyModule(L.LightningModule):
         metrics: dict[str, SumCount] = {}
         records = []
         for i, (mb, ref) in enumerate(zip(micro, refs, strict=True)):
+            if isinstance(self.policy, SyncsGradients):  # one reduction per step: after the last backward
+                self.policy.set_gradient_sync(i == len(micro) - 1)
             hidden, weight = self.policy.forward_hidden(mb)
             if old is None:
                 with timer.phase("old_logprob"):
@@ -286,7 +295,7 @@ class PolicyModule(L.LightningModule):
             if "overflow" not in str(err):
                 raise
             raise _overflow(step, lr, str(err)) from err
-        params = [p.detach() for group in opt.param_groups for p in group["params"]]
+        params = [local_tensor(p.detach()) for group in opt.param_groups for p in group["params"]]
         finite = not params or bool(
             torch.isfinite(torch.stack([torch.linalg.vector_norm(p, float("inf")) for p in params])).all()
         )

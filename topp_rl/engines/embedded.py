@@ -15,7 +15,7 @@ import copy
 import inspect
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ class EmbeddedEngine(RolloutEngine):
         self.routing = moe_routing(self.model) if record_routes else None  # None: dense, or not asked
         self.max_batch_size = max_batch_size
         self.progress = progress
+        self._gathered: Callable[[], contextlib.AbstractContextManager] | None = None  # `sample_sharded`
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
@@ -93,7 +94,7 @@ class EmbeddedEngine(RolloutEngine):
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         samples: list[Sample] = []
-        with _sampling_mode(self.model):
+        with self._gathered() if self._gathered is not None else contextlib.nullcontext(), _sampling_mode(self.model):
             for start in range(0, len(expanded), self.max_batch_size):
                 chunk = expanded[start : start + self.max_batch_size]
                 samples += self._generate_batch([p for _, p in chunk], params, generator)
@@ -184,9 +185,20 @@ class EmbeddedEngine(RolloutEngine):
             raw = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, chosen, raw, cands if record else None, finite
 
+    def sample_sharded(self, gathered: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """The shared module was sharded by the trainer (FSDP2): every `generate` runs inside `gathered()`, which
+        holds its full weights for the block (a collective: all ranks generate together), and `update_weights`
+        has nothing to copy (the module is the trainer's own)."""
+        if not self.share_weights:
+            raise ValueError("sample_sharded is for an engine sharing the trainer's module (share_weights=True)")
+        self._gathered = gathered
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's model, in memory (tied weights update together). A tensor that
-        is the engine's own parameter (a shared engine synced from the module it samples with) is skipped."""
+        is the engine's own parameter (a shared engine synced from the module it samples with) is skipped; a
+        sharded shared module (`sample_sharded`) takes nothing, and the tensors are not even drawn (no gather)."""
+        if self._gathered is not None:
+            return
         state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():
             for name, tensor in named_tensors:

@@ -39,12 +39,13 @@ class ParallelLayout:
     cp_mode: CPMode = "zigzag"
     ep_size: int = 1
     ep_rank: int = 0
+    fsdp_size: int = 1  # ranks the weights are sharded over by FSDP2 (all data-parallel; 1 = unsharded)
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "tp_size", "cp_size", "ep_size"):
+        for name in ("vocab_size", "tp_size", "cp_size", "ep_size", "fsdp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout {name}={value!r} must be an int >= 1; pass a positive size")
@@ -108,7 +109,7 @@ class ParallelLayout:
         return start, start + self.vocab_shard_size
 
     def describe(self, *, world_size: int) -> str:
-        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`."""
+        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `fsdp=4` appended when sharded."""
         model_parallel = self.tp_size * self.cp_size
         if world_size % model_parallel:
             raise ValueError(
@@ -122,7 +123,8 @@ class ParallelLayout:
                 "data / context-parallel ranks: choose an ep_size dividing it or launch more ranks"
             )
         mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
-        return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}"
+        fsdp = f" fsdp={self.fsdp_size}" if self.fsdp_size > 1 else ""
+        return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}{fsdp}"
 
     def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
         """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""

@@ -48,7 +48,7 @@ from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state, share_samples
 from topp_rl.rollout.overlap import Prefetcher
-from topp_rl.rollout.packing import pack_samples
+from topp_rl.rollout.packing import pack_samples, plan_micro_batches, sequence_lengths
 from topp_rl.tasks import Task
 
 
@@ -276,6 +276,8 @@ class RolloutDataModule(L.LightningDataModule):
             max_tokens=self.max_tokens,
             num_loss_tokens_global=float(totals[0]),
             num_sequences_global=int(totals[1]),
+            min_micro_batches=self._max_over_ranks(
+                len(plan_micro_batches(sequence_lengths(train), max_tokens=self.max_tokens))),
         )
         self.step = ticket.step + 1
         wait_seconds = gen_seconds
@@ -317,6 +319,16 @@ class RolloutDataModule(L.LightningDataModule):
         kept = [s for g in keep for s in by_group[g]]
         kept.sort(key=lambda s: s.index)
         return kept, len(by_group) - len(keep), len(by_group)
+
+    @staticmethod
+    def _max_over_ranks(count: int) -> int:
+        """The largest micro-batch count of any rank: every rank packs as many (a forward per micro-batch is a
+        collective under FSDP and Megatron's gradient sync)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return count
+        out = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out)
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over DP ranks (ranks that share a DP rank hold the same data: divide their copies out)."""

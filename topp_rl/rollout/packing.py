@@ -15,8 +15,10 @@ from topp_rl.data.routes import NO_ROUTE
 from topp_rl.ops import Candidates
 
 
-def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int) -> list[list[int]]:
-    """Greedy, in order: consecutive samples share a micro-batch while their tokens fit in `max_tokens`."""
+def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int, min_count: int = 1) -> list[list[int]]:
+    """Greedy, in order: consecutive samples share a micro-batch while their tokens fit in `max_tokens`; then,
+    while there are fewer than `min_count` micro-batches (data-parallel ranks must run the same number of
+    forwards: FSDP gathers weights in each), the one with the most samples is halved, order kept."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens ({max_tokens}) must be >= 1")
     groups: list[list[int]] = []
@@ -33,6 +35,16 @@ def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int) -> list[list[
             used = 0
         groups[-1].append(i)
         used += n
+    while len(groups) < min_count:
+        j = max(range(len(groups)), key=lambda k: len(groups[k]))
+        if len(groups[j]) < 2:
+            raise ValueError(
+                f"{len(seq_lengths)} samples cannot fill the {min_count} micro-batches another data-parallel rank "
+                "packed this step (every rank must run as many); raise data.max_tokens_per_micro_batch so that "
+                "fewer micro-batches are needed"
+            )
+        half = len(groups[j]) // 2
+        groups[j : j + 1] = [groups[j][:half], groups[j][half:]]
     return groups
 
 
@@ -43,6 +55,7 @@ def pack_samples(
     max_tokens: int,
     num_loss_tokens_global: float | None = None,
     num_sequences_global: int | None = None,
+    min_micro_batches: int = 1,
 ) -> list[PackedBatch]:
     """Micro-batches of `samples` (in order) under `max_tokens`; `advantages` is one value per sample.
 
@@ -60,11 +73,15 @@ def pack_samples(
         num_loss_tokens_global = float(sum(sum(s.loss_mask) for s in samples))
     if num_sequences_global is None:
         num_sequences_global = len(samples)
-    plan = plan_micro_batches([len(s.prompt_ids) + s.response_length for s in samples], max_tokens=max_tokens)
+    plan = plan_micro_batches(sequence_lengths(samples), max_tokens=max_tokens, min_count=min_micro_batches)
     return [
         _pack([samples[i] for i in idx], adv[idx], float(num_loss_tokens_global), int(num_sequences_global))
         for idx in plan
     ]
+
+
+def sequence_lengths(samples: list[Sample]) -> list[int]:
+    return [len(s.prompt_ids) + s.response_length for s in samples]
 
 
 def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequences: int) -> PackedBatch:
