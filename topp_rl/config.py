@@ -224,6 +224,7 @@ def validate_parallel(cfg: DictConfig) -> None:
     if p.get("strategy") and cfg.module.get("gradient_checkpointing"):
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
+    _validate_distributed_optimizer(cfg)
     model_parallel = p.tp_size * p.cp_size
     if world % model_parallel:
         _fail("parallel.tp_size * parallel.cp_size", model_parallel,
@@ -243,6 +244,23 @@ def validate_parallel(cfg: DictConfig) -> None:
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
               "use trainer.devices=1, or a parallel/ config with a strategy (e.g. the Megatron ones)")
+
+
+def _validate_distributed_optimizer(cfg: DictConfig) -> None:
+    flag = cfg.parallel.get("distributed_optimizer", False)
+    if not isinstance(flag, bool):
+        _fail("parallel.distributed_optimizer", flag, "true or false", "use parallel.distributed_optimizer=true")
+    if not flag:
+        return
+    target = cfg.optimizer.get("_target_")
+    if target not in ("torch.optim.AdamW", "torch.optim.Adam"):
+        _fail("optimizer._target_", target, "torch.optim.AdamW or torch.optim.Adam with "
+              "parallel.distributed_optimizer=true (megatron-core's DistributedOptimizer shards only Adam state)",
+              "use optimizer._target_=torch.optim.AdamW or parallel.distributed_optimizer=false")
+    if cfg.parallel.ep_size > 1:
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.ep_size={cfg.parallel.ep_size} (the "
+              "sharded optimizer covers dense models only; experts would need their own over the expert-data-"
+              "parallel group)", "set parallel.distributed_optimizer=false")
 
 
 def validate_weight_sync(cfg: DictConfig) -> None:
