@@ -6,7 +6,8 @@ through `train.py`'s run at TP=2 x DP=2 on 4 CPU processes (one gloo spawn, a Tr
   weights (all-gathered, exported under HF names) match, and the engine holds the exported weights;
 - each rank's Adam state is about half the unsharded one (sharded over DP=2);
 - its step-2 checkpoint (per-rank shard state), resumed, gives the uninterrupted run's step 3 (same config, so
-  the lr schedule's length is the same too).
+  the lr schedule's length is the same too);
+- refused at start, naming the key: an MoE model, and a resume from the plain run's (unsharded) checkpoint.
 """
 
 import csv
@@ -77,12 +78,24 @@ def _run(output_dir: Path, *extra: str, ckpt_path: Path | None = None) -> dict:
             "synced": synced, "state_bytes": state_bytes}
 
 
+def _refusal(output_dir: Path, *extra: str, ckpt_path: Path | None = None) -> str:
+    """The ValueError a run stops with (every rank raises it alike, before any collective)."""
+    try:
+        _run(output_dir, *extra, ckpt_path=ckpt_path)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _worker(rank: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="4",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
     sharded = (DIST_OPT, "checkpoint.every_n_steps=2")
-    out = {"plain": _run(Path(tmp) / "plain"), "sharded": _run(Path(tmp) / "sharded", *sharded)}
+    out = {"plain": _run(Path(tmp) / "plain", "checkpoint.every_n_steps=2"),
+           "sharded": _run(Path(tmp) / "sharded", *sharded)}
     out["resumed"] = _run(Path(tmp) / "resumed", *sharded, ckpt_path=Path(tmp) / "sharded/checkpoints/step2.ckpt")
+    out["refusals"] = [_refusal(Path(tmp) / "moe", DIST_OPT, "model.family=qwen3_moe"),
+                       _refusal(Path(tmp) / "from_plain", *sharded, ckpt_path=Path(tmp) / "plain/checkpoints/last.ckpt")]
     return out
 
 
@@ -111,4 +124,8 @@ def test_distributed_optimizer_equals_plain_tp2_dp2(tmp_path):
         assert resumed[key] == pytest.approx(sharded[key][-1:], rel=1e-5, abs=1e-7), key
     errs = {k: float((results[0]["resumed"]["weights"][k] - w_sharded[k]).abs().max()) for k in w_sharded}
     assert max(errs.values()) <= 1e-6, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    for r in results:
+        moe, from_plain = r["refusals"]
+        assert "parallel.distributed_optimizer" in moe and "MoE expert parameters" in moe, moe
+        assert "without parallel.distributed_optimizer" in from_plain and "weights_only" in from_plain, from_plain
     print({"state_bytes_per_rank": [(r["plain"]["state_bytes"], r["sharded"]["state_bytes"]) for r in results]})

@@ -27,6 +27,7 @@ On CPU the calls into megatron run under `cpu_shims.cuda_as_cpu` (its buffers an
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,9 @@ class ShardedOptimizer:
         return self._megatron.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        with cuda_as_cpu():
+        with cuda_as_cpu(), warnings.catch_warnings():
+            # megatron clears .grad of its float32 shard views, which are not leaves: torch warns, harmlessly.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             self._ddp.zero_grad_buffer()
             self._megatron.zero_grad(set_to_none=set_to_none)
         self._pending.grads_ready = False

@@ -164,7 +164,7 @@ class MegatronStrategy(DDPStrategy):
         if self.distributed_optimizer:
             if experts:
                 raise ValueError(
-                    f"parallel.distributed_optimizer=true supports dense models only; this {self.layout} model has "
+                    f"parallel.distributed_optimizer=true supports dense models only; this model has "
                     f"{len(experts)} MoE expert parameters (they would need a second sharded optimizer over the "
                     "expert-data-parallel group); set parallel.distributed_optimizer=false"
                 )
