@@ -253,9 +253,9 @@ def _validate_distributed_optimizer(cfg: DictConfig) -> None:
     if not flag:
         return
     target = cfg.optimizer.get("_target_")
-    if target not in ("torch.optim.AdamW", "torch.optim.Adam"):
-        _fail("optimizer._target_", target, "torch.optim.AdamW or torch.optim.Adam with "
-              "parallel.distributed_optimizer=true (megatron-core's DistributedOptimizer shards only Adam state)",
+    if target != "torch.optim.AdamW":
+        _fail("optimizer._target_", target, "torch.optim.AdamW with parallel.distributed_optimizer=true (megatron-core's "
+              "DistributedOptimizer shards only Adam state, and accepts torch's Adam only without transformer-engine)",
               "use optimizer._target_=torch.optim.AdamW or parallel.distributed_optimizer=false")
     if cfg.parallel.ep_size > 1:
         _fail("parallel.distributed_optimizer", True, f"false with parallel.ep_size={cfg.parallel.ep_size} (the "

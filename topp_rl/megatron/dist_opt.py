@@ -1,7 +1,7 @@
 """megatron-core's distributed optimizer (ZeRO-1) for `MegatronStrategy` (`parallel.distributed_optimizer=true`).
 
 `ShardedOptimizer` puts megatron-core's `DistributedDataParallel` (contiguous parameter / gradient buffers) and
-`DistributedOptimizer` around the policy's `GPTModel` and the torch Adam / AdamW that the module's
+`DistributedOptimizer` around the policy's `GPTModel` and the torch AdamW that the module's
 `configure_optimizers` built. Per optimizer step:
 1. backward passes accumulate every gradient into its buffer (`param.main_grad`; DDP's hooks leave `.grad` None);
 2. `clip_grad_norm_`: one reduce-scatter over the data-parallel-with-context-parallel group leaves each rank the
@@ -35,7 +35,9 @@ import torch
 
 from topp_rl.megatron.cpu_shims import cuda_as_cpu
 
-SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)  # megatron's DistributedOptimizer asserts one of these
+# megatron's DistributedOptimizer asserts AdamW or its own `Adam`, which is transformer-engine's FusedAdam where TE
+# is installed (torch's Adam only without TE / apex): AdamW is the one accepted everywhere.
+SUPPORTED = (torch.optim.AdamW,)
 
 
 @dataclass
@@ -61,12 +63,12 @@ class ShardedOptimizer:
 
         if not isinstance(optimizer, SUPPORTED):
             raise ValueError(
-                f"parallel.distributed_optimizer=true needs Adam or AdamW (megatron-core's DistributedOptimizer "
-                f"supports only those), got {type(optimizer).__name__}; set optimizer._target_=torch.optim.AdamW "
+                f"parallel.distributed_optimizer=true needs torch.optim.AdamW (megatron-core's DistributedOptimizer "
+                f"shards only Adam state), got {type(optimizer).__name__}; set optimizer._target_=torch.optim.AdamW "
                 "or parallel.distributed_optimizer=false"
             )
         dtype = next(model.parameters()).dtype
-        config = copy.copy(model.config)  # the DDP reads only calculate_per_token_loss from it
+        config = copy.copy(model.config)  # the model keeps its own; only the DDP sees the flag below
         config.calculate_per_token_loss = True  # sum over DP x CP: the losses divide by global counts
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
                                                    overlap_param_gather=False, grad_reduce_in_fp32=True)
