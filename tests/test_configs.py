@@ -98,6 +98,12 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel=ep2 parallel.ep_size=4", "parallel.ep_size"),
         ("parallel.ep_size=2", "parallel.ep_size"),
         ("module.moe_aux_loss_coeff=0.01", "module.moe_aux_loss_coeff"),
+        # The sharded (megatron) optimizer: a bool, Adam(W) only, dense models only, Megatron backbone only.
+        ("parallel=tp2 parallel.distributed_optimizer=yes", "parallel.distributed_optimizer"),
+        ("parallel=tp2 parallel.distributed_optimizer=true optimizer._target_=torch.optim.NAdam ~optimizer.fused",
+         "optimizer._target_"),
+        ("parallel=ep2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
+        ("+parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
         ("parallel=ep2 module.moe_aux_loss_coeff=-1", "module.moe_aux_loss_coeff"),
         # parallel=fsdp shards data-parallel ranks only; no offload on CPU; every rank must join a shared gather.
         ("parallel=fsdp parallel.tp_size=2", "parallel.tp_size"),

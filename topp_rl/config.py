@@ -261,6 +261,7 @@ def validate_parallel(cfg: DictConfig) -> None:
     if megatron and cfg.module.get("gradient_checkpointing"):
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
+    _validate_distributed_optimizer(cfg)
     model_parallel = p.tp_size * p.cp_size
     if world % model_parallel:
         _fail("parallel.tp_size * parallel.cp_size", model_parallel,
@@ -281,6 +282,23 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
               "use parallel=fsdp (the HF model sharded over the ranks), a Megatron layout (parallel=tp2, ...), "
               "or trainer.devices=1")
+
+
+def _validate_distributed_optimizer(cfg: DictConfig) -> None:
+    flag = cfg.parallel.get("distributed_optimizer", False)
+    if not isinstance(flag, bool):
+        _fail("parallel.distributed_optimizer", flag, "true or false", "use parallel.distributed_optimizer=true")
+    if not flag:
+        return
+    target = cfg.optimizer.get("_target_")
+    if target != "torch.optim.AdamW":
+        _fail("optimizer._target_", target, "torch.optim.AdamW with parallel.distributed_optimizer=true (megatron-core's "
+              "DistributedOptimizer shards only Adam state, and accepts torch's Adam only without transformer-engine)",
+              "use optimizer._target_=torch.optim.AdamW or parallel.distributed_optimizer=false")
+    if cfg.parallel.ep_size > 1:
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.ep_size={cfg.parallel.ep_size} (the "
+              "sharded optimizer covers dense models only; experts would need their own over the expert-data-"
+              "parallel group)", "set parallel.distributed_optimizer=false")
 
 
 def validate_weight_sync(cfg: DictConfig) -> None:

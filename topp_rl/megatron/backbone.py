@@ -138,6 +138,7 @@ class MegatronBackbone(torch.nn.Module):
             raise ValueError(f"routing_replay=True needs an MoE model; model_type={hf_config.model_type!r} has no "
                              "MoE layers: turn replay off (rollout.routing_replay=false)")
         self.routing_replay = routing_replay
+        self._grad_owner = None  # a dist_opt.ShardedOptimizer, which holds the reduced gradients (use_grad_owner)
         self.replay = (MegatronRouterReplay(self.model, self.routing, force=routing_replay)
                        if self.routing is not None else None)
         self._agreement: tuple[float, float] | None = None
@@ -174,10 +175,17 @@ class MegatronBackbone(torch.nn.Module):
 
         return hf_named_tensors(self)
 
+    def use_grad_owner(self, owner) -> None:
+        """Hand gradient clipping to `owner` (`dist_opt.ShardedOptimizer`): megatron's DDP accumulates the gradients
+        in its buffers (`.grad` stays empty) and only the optimizer holds them reduced."""
+        self._grad_owner = owner
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before clipping."""
         from topp_rl.megatron.grads import clip_grad_norm_
 
+        if self._grad_owner is not None:
+            return self._grad_owner.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.model.named_parameters(), max_norm, tp_group=self._layout.tp_group,
                                ep_group=self._layout.ep_group)
 

@@ -9,6 +9,9 @@ this. Each shim names the CUDA assumption it replaces:
 - `TorchCoreAttention`: the stock `DotProductAttention` rejects THD and context parallelism (only
   transformer-engine's attention has them); this pure-torch module does both, exactly, and HF's sliding window
   (`config.window_size`, see `hf_config.attention_window`).
+- `cuda_as_cpu`: megatron's gradient buffers and distributed optimizer allocate on `'cuda'` /
+  `torch.cuda.current_device()` and check `'torch.cuda.FloatTensor'`-style type names; inside it they allocate
+  on CPU and see the CUDA name of the same dtype (the same megatron code runs, on CPU tensors).
 
 Departure from Megatron's CP: Megatron/TE run ring (p2p) attention; here each rank all-gathers K/V over the
 CP group (one collective, with a reduce-scatter of the K/V gradients in backward). Same values, simpler, and
@@ -17,8 +20,11 @@ the memory cost is irrelevant at CPU test sizes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,33 @@ CPU_CONFIG_OVERRIDES: dict[str, object] = {
 
 def needs_cpu_shims() -> bool:
     return not torch.cuda.is_available()
+
+
+def _is_cuda(device) -> bool:
+    return isinstance(device, int) or "cuda" in str(device)  # an int device is a CUDA ordinal
+
+
+class _CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """Factory calls with a CUDA `device=` allocate on CPU; `Tensor.type()` answers with the CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device", "cpu")):
+            kwargs["device"] = "cpu"
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", None) == "type" and len(args) == 1 and not kwargs and isinstance(out, str):
+            out = out.replace("torch.", "torch.cuda.", 1)  # megatron's dtype checks: 'torch.cuda.FloatTensor'
+        return out
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """Run megatron-core's DDP / distributed-optimizer code on CPU (see module docstring); nothing on GPU."""
+    if not needs_cpu_shims():
+        yield
+        return
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), _CudaAsCpu():
+        yield
 
 
 def seed_rng_tracker(seed: int) -> None:

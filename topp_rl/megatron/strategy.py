@@ -13,13 +13,16 @@ What it adds to `DDPStrategy`:
 - no DDP wrapper: each backward's gradient increment is summed over the data-parallel-with-context-parallel
   group (`grads.GradSync`), MoE experts' over the expert-data-parallel group (they already hold the sum over the
   tokens of their TP x EP group); torch DDP would average, and would need one backward per forward;
+- `distributed_optimizer=True`: megatron-core's DDP + `DistributedOptimizer` instead (`dist_opt.ShardedOptimizer`,
+  ZeRO-1: optimizer state sharded over DP x CP), wrapped around the module's own torch optimizer after
+  `setup_optimizers`; the backbone hands its gradient clipping to it;
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
   weights resume at any TP; optimizer
-  state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError).
+  state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError); with the
+  distributed optimizer, per rank, restoring at the same world / TP / CP.
 
-Departures from NeMo's MegatronStrategy: no pipeline parallelism, no distributed optimizer, no
-`dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient clipping goes through the backbone's
-TP-aware `clip_grad_norm_`.
+Departures from NeMo's MegatronStrategy: no pipeline parallelism, no `dist_checkpointing` (CUDA-only in
+megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
 
 Seams: the module reaches the backbone only through the `Backbone` protocol; its `hf_named_tensors()` (for
 `WeightSync`) and `clip_grad_norm_` gather / reduce over TP, so every rank must call them; `RolloutDataModule`
@@ -36,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
+from topp_rl.megatron.dist_opt import ShardedOptimizer
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.peers import RolloutPeers
@@ -49,7 +53,8 @@ class MegatronStrategy(DDPStrategy):
     strategy_name = "megatron"
 
     def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, cp_mode: str = "zigzag",
-                 moe_aux_loss_coeff: float = 0.0, seed: int = 0, **kwargs: Any) -> None:
+                 moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False, seed: int = 0,
+                 **kwargs: Any) -> None:
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"MegatronStrategy {name}={value!r} must be an int >= 1; use 1 to disable it")
@@ -59,7 +64,10 @@ class MegatronStrategy(DDPStrategy):
                 "parallelism (Megatron's THD RoPE and transformer-engine's CP attention assume it); use "
                 "parallel.cp_mode=zigzag"
             )
+        if not isinstance(distributed_optimizer, bool):
+            raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
         super().__init__(**kwargs)
+        self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
         self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
@@ -153,9 +161,26 @@ class MegatronStrategy(DDPStrategy):
         named = list(self.lightning_module.policy.model.named_parameters())
         dense = [p for n, p in named if not is_expert_param(n)]
         experts = [p for n, p in named if is_expert_param(n)]
+        if self.distributed_optimizer:
+            if experts:
+                raise ValueError(
+                    f"parallel.distributed_optimizer=true supports dense models only; this model has "
+                    f"{len(experts)} MoE expert parameters (they would need a second sharded optimizer over the "
+                    "expert-data-parallel group); set parallel.distributed_optimizer=false"
+                )
+            return  # megatron's DDP reduces the gradients (setup_optimizers)
         self._grad_syncs = [GradSync(dense, ps.get_data_parallel_group(with_context_parallel=True))]
         if experts:
             self._grad_syncs.append(GradSync(experts, ps.get_expert_data_parallel_group()))
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.distributed_optimizer:
+            (optimizer,) = self.optimizers  # PolicyModule configures one; its LambdaLR keeps driving it
+            policy = self.lightning_module.policy
+            sharded = ShardedOptimizer(policy.model, optimizer)
+            policy.use_grad_owner(sharded)
+            self.optimizers = [sharded]
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         for sync in self._grad_syncs:
@@ -195,12 +220,19 @@ class MegatronStrategy(DDPStrategy):
             load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
                          tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank)
 
+    def _layout_key(self) -> tuple[int, int, int]:
+        return dist.get_world_size(), self.tp_size, self.cp_size
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Every (EP, TP) rank's optimizer state (moments of its shards and experts), gathered to all ranks (over
         the TP group, or the whole world with EP: EP ranks differ across data-parallel ranks). Ranks with the same
         (EP, TP) coordinates hold equal states (data-parallel replicas)."""
         local = super().optimizer_state(optimizer)
         layout = self.layout
+        if self.distributed_optimizer:  # every rank holds its own shard
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, local)
+            return {"megatron_distributed_optimizer": self._layout_key(), "per_rank": per_rank}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
@@ -215,6 +247,9 @@ class MegatronStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         wrapped = []
         for state in checkpoint["optimizer_states"]:
+            if self.distributed_optimizer or "megatron_distributed_optimizer" in state:
+                wrapped.append(self._sharded_state(state))
+                continue
             saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1))
             if saved != (self.tp_size, self.ep_size):
                 raise ValueError(
@@ -224,6 +259,17 @@ class MegatronStrategy(DDPStrategy):
                 )
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
+
+    def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
+        if saved != this or not self.distributed_optimizer:
+            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp)={saved}"
+            raise ValueError(
+                f"optimizer state was saved {where}, this run has (world, tp, cp)={this} and "
+                f"distributed_optimizer={self.distributed_optimizer}: sharded optimizer state restores only at "
+                "the saved layout and setting; resume with them (model weights alone load anywhere: weights_only)"
+            )
+        return state["per_rank"][dist.get_rank()]
 
 
 def _backbone_slots(module) -> list[str]:
