@@ -44,6 +44,8 @@ from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines import VersionedEngine
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
+from topp_rl.engines.sglang import SGLangEngine
+from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state, share_samples
@@ -126,6 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
             self._for_overlap(engine) if isinstance(engine, RolloutEngine) else None
         )
         self._engine_factory = None if isinstance(engine, RolloutEngine) else engine
+        self._shared: dict[str, Any] | None = None  # SharedWorkersEngine's settings, set at setup
         self.peers = RolloutPeers()  # alone until `setup` asks the strategy
         self.task, self.tokenizer, self.params = task, tokenizer, params
         self.prompts_per_step = prompts_per_step
@@ -178,11 +181,38 @@ class RolloutDataModule(L.LightningDataModule):
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
         if self.peers.is_source:
             self.ensure_engine()
+        self._share_workers()
 
     def ensure_engine(self) -> RolloutEngine:
         if self.engine is None:
-            self.engine = self._for_overlap(self._engine_factory(self.dp_rank))
+            engine = self._engine_factory(self.dp_rank)
+            if self._shared is not None:  # rebuilt after close_engine: the same sources share its workers
+                engine = SharedWorkersEngine(engine, **self._shared)
+            self.engine = self._for_overlap(engine)
         return self.engine
+
+    def _share_workers(self) -> None:
+        """Every rank (a collective): when the data-parallel sources' engines reach the same workers (connected
+        SGLang servers), the first source pushes the weights for all (`topp_rl.engines.shared`)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        mine = (self.peers.is_source, isinstance(self.engine, SGLangEngine) and self.engine.shared_by_ranks)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        sources = [rank for rank, (is_source, _) in enumerate(everyone) if is_source]
+        if len(sources) < 2 or not any(shared for _, shared in everyone):
+            return
+        if self._prefetch is not None:
+            raise ValueError(
+                f"rollout.overlap=true generates the next step while this one trains, but the {len(sources)} "
+                "data-parallel ranks share their SGLang servers (rollout.engine.urls / router_url), so one rank's "
+                "weight push would abort another's rollout; set rollout.overlap=false, or let each rank launch "
+                "its own servers (drop urls / router_url)"
+            )
+        group = dist.new_group(sources)  # every rank creates it, as torch requires
+        if self.peers.is_source:
+            self._shared = {"pushes": dist.get_rank() == sources[0], "group": group}
+            self.engine = SharedWorkersEngine(self.engine, **self._shared)
 
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
         if self._prefetch is None:

@@ -103,6 +103,7 @@ class SGLangEngine(RolloutEngine):
         server_kwargs = with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
             else server_kwargs
         self.weight_sync = weight_sync
+        self.connected = mode != "launch"
         self.progress = progress
         # SGLang-only sampling keys (e.g. {"ignore_eos": True} for benchmarks), added to every request.
         self.extra_sampling_params = dict(extra_sampling_params or {})
@@ -163,6 +164,12 @@ class SGLangEngine(RolloutEngine):
     @property
     def model_path(self) -> Path | None:
         return self.fleet.model_path
+
+    @property
+    def shared_by_ranks(self) -> bool:
+        """The workers were given (`urls`, `router_url`), not launched here: every data-parallel rank of the job
+        connects to the same ones (`topp_rl.engines.shared`)."""
+        return self.connected
 
     @property
     def urls(self) -> list[str]:
