@@ -23,7 +23,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from dist_utils import run_distributed
+from lightning.pytorch.callbacks import Callback
 
 from topp_rl.engines.base import RolloutEngine
 
@@ -48,17 +50,19 @@ def _metrics(output_dir: Path) -> dict[str, list[float]]:
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in KEYS}
 
 
-def _recorder():
-    from lightning.pytorch.callbacks import Callback
+class Samples(Callback):
+    """Keeps every step's samples of this rank; with `path`, also writes them to `<path>/samples-rank<r>.pt` at the
+    end (a torchrun run: `+callbacks.samples._target_=test_fsdp_train.Samples`, tests/ on PYTHONPATH)."""
 
-    class Samples(Callback):
-        def __init__(self):
-            self.steps = []
+    def __init__(self, path: str | None = None):
+        self.steps, self.path = [], path
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.steps.append(copy.deepcopy(outputs["rollout"].samples))
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(copy.deepcopy(outputs["rollout"].samples))
 
-    return Samples()
+    def on_train_end(self, trainer, pl_module):
+        if self.path is not None:
+            torch.save(self.steps, Path(self.path) / f"samples-rank{trainer.global_rank}.pt")
 
 
 def _run(output_dir: Path, *extra: str, ckpt_path: Path | None = None, engine: RolloutEngine | None = None):
@@ -70,7 +74,7 @@ def _run(output_dir: Path, *extra: str, ckpt_path: Path | None = None, engine: R
     run = build_run(cfg)
     if engine is not None:
         run.datamodule.engine = engine
-    samples = _recorder()
+    samples = Samples()
     run.trainer.callbacks.insert(0, samples)
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
