@@ -40,17 +40,18 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from topp_rl.data import PromptRecord, RolloutBatch
 from topp_rl.data.params import SamplingParams
+from topp_rl.data.prompt import check_encodable
 from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines import VersionedEngine
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
-from topp_rl.engines.sglang import SGLangEngine
 from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state, share_samples
 from topp_rl.rollout.overlap import Prefetcher
 from topp_rl.rollout.packing import pack_samples, plan_micro_batches, sequence_lengths
+from topp_rl.rollout.sharing import shared_workers
 from topp_rl.tasks import Task
 
 
@@ -81,20 +82,6 @@ class SharesRollouts(Protocol):
     """A strategy whose ranks come in groups that train on one rollout (TP x CP peers of a DP rank)."""
 
     def rollout_peers(self) -> RolloutPeers: ...
-
-
-def check_encodable(record: PromptRecord, tokenizer) -> None:
-    """A prompt must reach the model whole: a character the tokenizer maps to its unknown token would be
-    trained on as something else (or, without an unknown token, silently dropped)."""
-    unk = tokenizer.unk_token_id
-    # Some tokenizers reuse a real special token (BOS / EOS) as unk; those ids mean nothing unknown.
-    if unk is None or unk in (tokenizer.bos_token_id, tokenizer.eos_token_id) or unk not in record.prompt_ids:
-        return
-    missing = sorted({c for c in record.text if tokenizer.encode(c, add_special_tokens=False) == [unk]})
-    raise ValueError(
-        f"prompt {record.index} ({record.text[:60]!r}) holds characters the tokenizer cannot encode: {missing}; "
-        "remove them from the data, or use a model whose tokenizer covers them"
-    )
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -192,26 +179,9 @@ class RolloutDataModule(L.LightningDataModule):
         return self.engine
 
     def _share_workers(self) -> None:
-        """Every rank (a collective): when the data-parallel sources' engines reach the same workers (connected
-        SGLang servers), the first source pushes the weights for all (`topp_rl.engines.shared`)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        mine = (self.peers.is_source, isinstance(self.engine, SGLangEngine) and self.engine.shared_by_ranks)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        sources = [rank for rank, (is_source, _) in enumerate(everyone) if is_source]
-        if len(sources) < 2 or not any(shared for _, shared in everyone):
-            return
-        if self._prefetch is not None:
-            raise ValueError(
-                f"rollout.overlap=true generates the next step while this one trains, but the {len(sources)} "
-                "data-parallel ranks share their SGLang servers (rollout.engine.urls / router_url), so one rank's "
-                "weight push would abort another's rollout; set rollout.overlap=false, or let each rank launch "
-                "its own servers (drop urls / router_url)"
-            )
-        group = dist.new_group(sources)  # every rank creates it, as torch requires
-        if self.peers.is_source:
-            self._shared = {"pushes": dist.get_rank() == sources[0], "group": group}
+        """Every rank (a collective): engines reaching the same workers push weights once (`sharing`)."""
+        self._shared = shared_workers(self.engine, self.peers, overlap=self._prefetch is not None)
+        if self._shared is not None:
             self.engine = SharedWorkersEngine(self.engine, **self._shared)
 
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
