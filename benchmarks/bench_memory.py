@@ -2,7 +2,7 @@
 and without `parallel.distributed_optimizer`), measured inside real `train.py` runs on CPU (issue 21 part 7).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--arms w1,fsdp2,fsdp4,cp2,cp2dp2,cp2dp2_distopt] \
-        [--steps 2 --prompts 4 --samples 2 --new-tokens 8 --micro-tokens 64] [--out docs/results/memory]
+        [--steps 2 --prompts 4 --samples 2 --new-tokens 8 --micro-tokens 24] [--out docs/results/memory]
 
 Each arm is one `train.py model=smollm2 rollout.top_p=0.9 callbacks=minimal logger=csv` subprocess (Lightning
 starts the other ranks) with two extra callbacks: `LogProbMismatch` (the masked train / rollout
@@ -19,7 +19,7 @@ sums `numel * element_size` over the tensors each rank actually holds (DTensors:
 - RSS now (VmRSS at the step's end) and peak RSS (`ru_maxrss`, as `perf/peak_rss_mb`, but per rank). The runs get
   `MALLOC_MMAP_THRESHOLD_=65536` (`--mmap-threshold`): with glibc's default dynamic threshold, freed layer-sized
   blocks (gathered weights, full gradients) stay in the heap and RSS never comes down from its high-water mark.
-`data.max_tokens_per_micro_batch` is small (default 64) so that each rank accumulates over several micro-batches
+`data.max_tokens_per_micro_batch` is small (default 24) so that each rank accumulates over several micro-batches
 and the full-gradient peak shows. Figures are from the last step (the optimizer state exists from the first step).
 
 Writes <out>.json, <out>.md and <out>.png.
@@ -113,10 +113,12 @@ class MemoryProbe(Callback):
         self.rows: list[dict] = []
         self.grad_peak = 0
         self.grad_at_step = 0
+        self.backwards = 0  # micro-batches this step
 
     def on_after_backward(self, trainer, pl_module) -> None:
         held = _bytes(_grads(pl_module)) + _bytes(_fsdp_unsharded_grads(pl_module))
         self.grad_peak = max(self.grad_peak, held)
+        self.backwards += 1
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grad_at_step = _bytes(_grads(pl_module))
@@ -129,14 +131,15 @@ class MemoryProbe(Callback):
         engine_copy = 0 if engine_model is None else _bytes(p for p in engine_model.parameters() if id(p) not in own)
         self.rows.append({
             "step": trainer.global_step, "params": _bytes(params), "grads_at_step": self.grad_at_step,
-            "grads_peak": self.grad_peak, "optimizer_state": sum(map(_optimizer_state_bytes, trainer.strategy.optimizers)),
+            "grads_peak": self.grad_peak, "micro_batches": self.backwards, "optimizer_state": sum(map(_optimizer_state_bytes, trainer.strategy.optimizers)),
             "engine_copy": engine_copy, "rss_now": _rss_now(),
             "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         })
-        self.grad_peak = 0
+        self.grad_peak = self.backwards = 0
         print(f"[bench_memory] rank {trainer.global_rank} step {trainer.global_step}: "
-              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.rows[-1].items() if isinstance(v, int) and k != "step"),
+              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.rows[-1].items() if isinstance(v, int) and k not in ("step", "micro_batches"))
+              + f", {self.rows[-1]['micro_batches']} micro-batches",
               flush=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -265,7 +268,7 @@ def plot(res: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("steps", 2), ("prompts", 4), ("samples", 2), ("new-tokens", 8), ("micro-tokens", 64)):
+    for name, default in (("steps", 2), ("prompts", 4), ("samples", 2), ("new-tokens", 8), ("micro-tokens", 24)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--arms", default="w1,fsdp2,fsdp4")
     parser.add_argument("--mmap-threshold", type=int, default=65536,
