@@ -55,7 +55,10 @@ ARMS = {  # name -> (world, overrides)
 LABELS = {"w1": "world 1 (parallel=none)", "fsdp2": "FSDP world 2", "fsdp4": "FSDP world 4",
           "cp2": "Megatron CP2 (world 2)", "cp2dp2": "Megatron CP2 x DP2 (world 4)",
           "cp2dp2_distopt": "Megatron CP2 x DP2 + dist. optimizer"}
-SHARDS = {"w1": 1, "fsdp2": 2, "fsdp4": 4, "cp2": 1, "cp2dp2": 1, "cp2dp2_distopt": 4}  # what sharding should give
+# What sharding should give: world 1's (params, grads, optimizer state) divided by these. CP replicates weights;
+# the distributed optimizer shards AdamW over DP x CP only (its float32 gradient buffer stays whole).
+SHARDS = {"w1": (1, 1, 1), "fsdp2": (2, 2, 2), "fsdp4": (4, 4, 4), "cp2": (1, 1, 1), "cp2dp2": (1, 1, 1),
+          "cp2dp2_distopt": (1, 1, 4)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -167,10 +170,11 @@ def run_arm(args, name: str, run_dir: Path) -> dict:
            "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     if args.mmap_threshold:  # glibc returns freed blocks above it to the OS at once: RSS then tracks live tensors
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     out = {"world": world, "overrides": overrides, "process_wall_s": round(wall, 1),
+           "load_average": [[round(x, 2) for x in load], [round(x, 2) for x in os.getloadavg()]],
            "command": " ".join(["python", "train.py", *cmd[2:]])}
     if proc.returncode:
         tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines()
@@ -206,10 +210,15 @@ def rank_total(r: dict) -> int:
     return r["params"] + r["grads_at_step"] + r["optimizer_state"]
 
 
+def ideal_total(base: dict, name: str) -> float:
+    p, g, o = SHARDS[name]
+    return base["params"] / p + base["grads_at_step"] / g + base["optimizer_state"] / o
+
+
 def markdown(res: dict) -> str:
     base = res["arms"].get("w1", {}).get("ranks", [None])[0]
     lines = [f"SmolLM2-135M, float32, AdamW; {res['settings']}. MiB per rank (max over ranks); ratio: to world 1; "
-             "ideal: 1/N of world 1 for what the arm shards.", "",
+             "ideal: world 1's parts divided by what the arm shards them over.", "",
              "| arm | params | grads at step | grads peak (micro-batches) | optimizer state | total (params + grads "
              "at step + state) | vs world 1 | ideal | engine copy | RSS at step end | peak RSS | step s | masked "
              "mismatch max |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -219,12 +228,12 @@ def markdown(res: dict) -> str:
             continue
         rk = arm["ranks"]
 
-        def mx(key):
+        def mx(key, rk=rk):
             return max(r[key] for r in rk)
 
         total = max(map(rank_total, rk))
         ratio = f"{total / rank_total(base):.3f}" if base else ""
-        ideal = f"{1 / SHARDS[name]:.3f}"
+        ideal = f"{ideal_total(base, name) / rank_total(base):.3f}" if base else ""
         step_s = statistics.median(arm["step_s"][1:] or arm["step_s"])
         lines.append(f"| {LABELS[name]} | {mib(mx('params'))} | {mib(mx('grads_at_step'))} | {mib(mx('grads_peak'))} "
                      f"| {mib(mx('optimizer_state'))} | {mib(total)} | {ratio} | {ideal} | {mib(mx('engine_copy'))} "
@@ -233,6 +242,8 @@ def markdown(res: dict) -> str:
     m = res["machine"]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, torch {m['torch']}; load average "
               f"{m['load_average_start']} at the start, {m.get('load_average_end')} at the end; {m['date']}."]
+    lines += [f"Arms {', '.join(e.get('arms', []))} (kept from an earlier run): load average {e['load_average_start']} at "
+              f"the start, {e.get('load_average_end')} at the end; {e['date']}." for e in res.get("earlier_machine", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -256,12 +267,12 @@ def plot(res: dict, path: Path) -> None:
                label="peak RSS", zorder=3)
     base = res["arms"].get("w1", {}).get("ranks")
     if base:
-        ax.scatter(xs, [rank_total(base[0]) / SHARDS[n] / 2**20 for n, _ in arms], marker="x", color="r",
-                   label="ideal (world 1 / N)", zorder=3)
+        ax.scatter(xs, [ideal_total(base[0], n) / 2**20 for n, _ in arms], marker="x", color="r",
+                   label="ideal (world 1's, sharded)", zorder=3)
     ax.set_xticks(list(xs), [LABELS[n].replace(" (", "\n(").replace(" + ", "\n+ ") for n, _ in arms], fontsize=8)
     ax.set_ylabel("MiB per rank (max over ranks)")
     ax.set_title("SmolLM2-135M training state per rank, CPU (gloo)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -274,15 +285,24 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", type=int, default=65536,
                         help="MALLOC_MMAP_THRESHOLD_ for the runs (0: glibc's default, whose dynamic threshold keeps "
                              "freed layer-sized blocks in the heap, so RSS stays at its high-water mark)")
+    parser.add_argument("--replot", action="store_true", help="rewrite <out>.md and <out>.png from <out>.json, run nothing")
     parser.add_argument("--keep", action="store_true", help="merge into <out>.json's arms (re-measure some only)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "memory")
     args = parser.parse_args()
+    if args.replot:
+        res = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text(markdown(res))
+        plot(res, args.out.with_suffix(".png"))
+        print(markdown(res))
+        return
     res = {"machine": machine(), "argv": sys.argv[1:], "arms": {},
            "settings": f"{args.steps} steps, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new "
                        f"tokens per step, micro-batches of <= {args.micro_tokens} tokens, MALLOC_MMAP_THRESHOLD_="
                        f"{args.mmap_threshold or 'unset'}"}
     if args.keep and args.out.with_suffix(".json").exists():
-        res["arms"] = json.loads(args.out.with_suffix(".json").read_text())["arms"]
+        old = json.loads(args.out.with_suffix(".json").read_text())
+        res["arms"] = old["arms"]
+        res["earlier_machine"] = old.get("earlier_machine", []) + [old["machine"]]  # the kept arms' machine lines
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for name in args.arms.split(","):
