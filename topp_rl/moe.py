@@ -16,7 +16,6 @@ engine sampling with the same module (shared weights) routes by itself.
 
 import contextlib
 import re
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from topp_rl.data.routes import MoeRouting, replay_ids, route_agreement
+from topp_rl.data.routes import MoeRouting, ReplayState, replay_ids
 
 ROUTERS = (Qwen3MoeTopKRouter, Qwen2MoeTopKRouter)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -117,28 +116,17 @@ class _ReplayHook:
         return self.replay.apply(self.slot, module, output)
 
 
-class RouterReplay:
+class RouterReplay(ReplayState):
     """Permanent hooks on a training model's routers. Inside `using(routes)` (int64 [rows, num_layers, k] over the
     rows the routers see; NO_ROUTE rows route by themselves): each router's own ids are kept for `agreement`, and
     with `force` its output becomes (logits, `replayed_weights`(logits, routes), routes) on the rows with a route.
     Outside `using`, the routers run untouched."""
 
     def __init__(self, model: nn.Module, routing: MoeRouting, *, force: bool) -> None:
-        self.routing, self.force = routing, force
-        self._routes: Tensor | None = None
         routers = find_routers(model)
-        self._own: list[Tensor | None] = [None] * len(routers)
+        super().__init__(routing, force=force, routers=len(routers))
         for slot, (_, router) in enumerate(routers):
             router.register_forward_hook(_ReplayHook(self, slot))
-
-    @contextlib.contextmanager
-    def using(self, routes: Tensor | None) -> Iterator[None]:
-        previous, self._routes = self._routes, routes
-        self._own = [None] * len(self._own)
-        try:
-            yield
-        finally:
-            self._routes = previous
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """`context_fn` of torch's non-reentrant checkpoint: a layer recomputed in the backward (gradient
@@ -155,9 +143,3 @@ class RouterReplay:
         chosen = replay_ids(self._routes[:, slot], ids)  # rows without a route keep the router's own ids
         return logits, replayed_weights(logits, chosen, norm_topk_prob=bool(module.norm_topk_prob)), chosen
 
-    def agreement(self) -> tuple[int, int]:
-        """(token-layer routes whose own top-k set equals the replayed one, token-layer routes recorded) of the
-        last forward inside `using`."""
-        if self._routes is None or any(own is None for own in self._own):
-            raise RuntimeError("RouterReplay.agreement: no forward ran inside `using` with routes")
-        return route_agreement(self._routes, torch.stack(self._own))  # type: ignore[arg-type]

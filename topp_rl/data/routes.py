@@ -7,6 +7,8 @@ dtype that holds them (uint8 up to 256 experts, else int16): `moe_layers * k` by
 (Qwen3-30B-A3B: 48 layers x top-8 = 384 B). Pure data: no model code here (`topp_rl.moe` reads HF routers).
 """
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +90,31 @@ def route_agreement(want: torch.Tensor, own: torch.Tensor) -> tuple[int, int]:
     recorded = want[..., 0] != NO_ROUTE
     same = (own.sort(dim=-1).values == want.to(own.dtype).sort(dim=-1).values).all(dim=-1) & recorded
     return int(same.sum()), int(recorded.sum())
+
+
+class ReplayState:
+    """What a backbone's route replay keeps between its routers' calls (HF: `topp_rl.moe.RouterReplay`; Megatron:
+    `topp_rl.megatron.replay.MegatronRouterReplay`): the routes of the forward inside `using(routes)` (int64
+    [rows, num_layers, k]; NO_ROUTE rows route by themselves), whether to `force` them, and each router's own
+    top-k ids of that forward for `agreement`. Outside `using`, the routers run untouched."""
+
+    def __init__(self, routing: MoeRouting, *, force: bool, routers: int) -> None:
+        self.routing, self.force = routing, force
+        self._routes: torch.Tensor | None = None
+        self._own: list[torch.Tensor | None] = [None] * routers
+
+    @contextlib.contextmanager
+    def using(self, routes: torch.Tensor | None) -> Iterator[None]:
+        previous, self._routes = self._routes, routes
+        self._own = [None] * len(self._own)
+        try:
+            yield
+        finally:
+            self._routes = previous
+
+    def agreement(self) -> tuple[int, int]:
+        """(token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded) over the
+        rows of the last forward inside `using`."""
+        if self._routes is None or any(own is None for own in self._own):
+            raise RuntimeError(f"{type(self).__name__}.agreement: no forward ran inside `using` with routes")
+        return route_agreement(self._routes, torch.stack(self._own))  # type: ignore[arg-type]

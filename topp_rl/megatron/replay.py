@@ -21,13 +21,10 @@ the routes given to `using` are `cp_shard(batch routes, layout.local_positions(.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor
 
-from topp_rl.data.routes import MoeRouting, replay_ids, route_agreement
+from topp_rl.data.routes import MoeRouting, ReplayState, replay_ids
 from topp_rl.megatron.hf_config import moe_layers
 
 
@@ -53,7 +50,7 @@ class _Slot:
         return self.replay.apply(self.slot, scores, values, ids)
 
 
-class MegatronRouterReplay:
+class MegatronRouterReplay(ReplayState):
     """Installed on every MoE router of a megatron GPTModel (in layer order). Inside `using(routes)` (int64
     [rows, num_layers, k] over the rows the routers see; NO_ROUTE rows route by themselves) each router's own
     ids are kept for `agreement`, and with `force` it routes every row with a route to the recorded experts.
@@ -73,18 +70,7 @@ class MegatronRouterReplay:
                                  f"no sinkhorn); got fusion={router.config.moe_router_fusion}, "
                                  f"routing_type={router.routing_type!r}")
             router.router_replay = _Slot(self, slot)
-        self.routing, self.force = routing, force
-        self._routes: Tensor | None = None
-        self._own: list[Tensor | None] = [None] * len(routers)
-
-    @contextlib.contextmanager
-    def using(self, routes: Tensor | None) -> Iterator[None]:
-        previous, self._routes = self._routes, routes
-        self._own = [None] * len(self._own)
-        try:
-            yield
-        finally:
-            self._routes = previous
+        super().__init__(routing, force=force, routers=len(routers))
 
     def apply(self, slot: int, scores: Tensor, values: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """(values, ids) of one router's top-k: its own, or the gathered scores at the recorded ids."""
@@ -95,10 +81,3 @@ class MegatronRouterReplay:
             return values, ids
         chosen = replay_ids(self._routes[:, slot].to(ids.device), ids)
         return scores.gather(1, chosen), chosen
-
-    def agreement(self) -> tuple[int, int]:
-        """(token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded) over the
-        rows of the last forward inside `using` (this rank's CP shard; CP padding rows carry no route)."""
-        if self._routes is None or any(own is None for own in self._own):
-            raise RuntimeError("MegatronRouterReplay.agreement: no forward ran inside `using` with routes")
-        return route_agreement(self._routes, torch.stack(self._own))  # type: ignore[arg-type]
