@@ -13,6 +13,7 @@
 """
 
 import csv
+import gc
 import hashlib
 import importlib.util
 import os
@@ -69,6 +70,7 @@ def _digests():
 
 def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = None) -> tuple[dict, dict]:
     from helpers import compose_config
+    from transformers import PreTrainedModel
 
     from topp_rl.engines.embedded import EmbeddedEngine
     from topp_rl.train import build_run
@@ -86,7 +88,10 @@ def _run(output_dir: Path, parallel: str, *extra: str, ckpt_path: Path | None = 
             synced = all(torch.equal(engine.model.state_dict()[n], t) for n, t in exported.items())
     finally:
         run.datamodule.close_engine()
-    info = {"has_engine": engine is not None, "synced": synced, "digests": digests.steps,
+    # A peer lets go of the engine factory, and with it the full HF model the factory holds (2 per rank before).
+    gc.collect()
+    hf_models = sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())
+    info = {"has_engine": engine is not None, "synced": synced, "digests": digests.steps, "hf_models": hf_models,
             "is_source": run.datamodule.peers.is_source}
     return (_metrics(output_dir) if run.trainer.is_global_zero else {}), info
 
@@ -111,6 +116,7 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     for parallel in ("tp2", "cp2"):
         infos = [results[rank][parallel][1] for rank in range(2)]
         assert [i["has_engine"] for i in infos] == [True, False], parallel  # the source rank alone generates
+        assert infos[1]["hf_models"] == 0, parallel  # the peer holds no copy of the HF model
         assert infos[0]["synced"], f"{parallel}: engine weights != exported Megatron weights"
         assert len(infos[0]["digests"]) == 3 and infos[0]["digests"] == infos[1]["digests"], parallel
         metrics, _ = results[0][parallel]
