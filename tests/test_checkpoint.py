@@ -114,6 +114,8 @@ class RolloutDump(Callback):
         self.path = Path(path)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:  # several ranks (parallel=fsdp): rank 0's share
+            return
         rollout = outputs["rollout"]
         line = {"global_step": trainer.global_step, "step": rollout.step,
                 "responses": [s.response_ids for s in rollout.samples]}
@@ -138,16 +140,22 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    """The rollouts of an uninterrupted 6-step run, which every interrupted-and-resumed run must reproduce."""
-    tmp = tmp_path_factory.mktemp("reference")
-    ref = subprocess.run(_cmd(tmp / "ref", tmp / "ref.jsonl", "checkpoint.every_n_steps=0"), cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+FSDP = ("parallel=fsdp", "trainer.devices=2")
+
+
+def _reference(tmp: Path, *extra: str) -> list[dict]:
+    ref = subprocess.run(_cmd(tmp / "ref", tmp / "ref.jsonl", "checkpoint.every_n_steps=0", *extra), cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     lines = _lines(tmp / "ref.jsonl")
     assert [r["global_step"] for r in lines] == list(range(1, 7))
     return lines
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The rollouts of an uninterrupted 6-step run, which every interrupted-and-resumed run must reproduce."""
+    return _reference(tmp_path_factory.mktemp("reference"))
 
 
 def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: int, last_step: int = 6) -> None:
@@ -178,18 +186,18 @@ def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: in
     return proc, stderr
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
+def _sigkill_then_resume(tmp_path: Path, reference: list[dict], *extra: str) -> None:
     dump = tmp_path / "run.jsonl"
     out = tmp_path / "run"
     last = out / "checkpoints" / "last.ckpt"
-    proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2"), cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its own session: SIGKILL goes to the whole group, so Lightning's rank-1 child (parallel=fsdp) dies with rank 0
+    # as on a preempted node, instead of being left waiting in a collective.
+    proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2", *extra), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     saved_step = torch.load(last, weights_only=False)["global_step"]
@@ -198,10 +206,25 @@ def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(t
     # resumed run count below.
     killed_lines = len(_lines(dump)) if dump.exists() else 0
 
-    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=2", "ckpt_path=last"), cwd=ROOT,
+    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=2", "ckpt_path=last", *extra), cwd=ROOT,
                              env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_rollouts(_lines(dump)[killed_lines:], reference, saved_step + 1)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
+    _sigkill_then_resume(tmp_path, reference)
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path):
+    """The same under FSDP on 2 ranks (both ranks killed): the full weights and full AdamW state of last.ckpt,
+    resharded on load, give the uninterrupted FSDP run's rollouts (rank 0's dump: its share of each step)."""
+    _sigkill_then_resume(tmp_path, _reference(tmp_path / "ref", *FSDP), *FSDP)
 
 
 @pytest.mark.subprocess
