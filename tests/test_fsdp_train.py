@@ -13,6 +13,8 @@ run's within 1e-5 at every step. Cases (one spawn per world size, every case ins
 - tiny Qwen3-MoE at world 2 and 4;
 - checkpoints: world 2 stops after step 2 (full weights + full AdamW state) and world 4 resumes it for step 3,
   equal to the uninterrupted world-2 run's step 3.
+Gradient checkpointing (a tiny 2-rank spawn of `FSDPBackbone` alone, dense and MoE): one backward with HF's layer
+recompute gives the gradients of one without it, bit for bit.
 And `rollout=sglang` at world 2: both data-parallel ranks sample from one real SGLang server (float32), which gets the
 weights gathered from the shards after every step; the trainer's masked log-probs equal the server's within 1e-4.
 """
@@ -167,3 +169,47 @@ def test_fsdp_with_sglang_rollouts(tmp_path, tiny_sglang_url):
     # The server (float32) and the FSDP trainer agree over the server's candidate sets, at every step.
     assert max(got["train/rollout_logprob_abs_diff_max"]) <= 1e-4, got["train/rollout_logprob_abs_diff_max"]
     assert min(got["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3  # the sets came from the server
+
+
+def _checkpointing_worker(rank: int) -> dict:
+    """Per family: the full gradients of one backward through `FSDPBackbone` (this rank's own micro-batch), without
+    and with the HF layer recompute; and how often layer 0 ran in the recompute's backward."""
+    from test_module import make_samples, pack
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from topp_rl.backbone import HFBackbone
+    from topp_rl.fsdp.backbone import FSDPBackbone, full_tensor
+    from topp_rl.models import build_char_tokenizer, build_tiny_model
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for family in ("qwen2", "qwen3_moe"):
+        model = build_tiny_model(family, vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, seed=3,
+                                 tokenizer=build_char_tokenizer())
+        samples = make_samples(model)
+        batch = pack(samples, [2 * rank, 2 * rank + 1, 4 + rank], advantages=torch.zeros(6))
+        for checkpointing in (False, True):
+            fsdp = FSDPBackbone(HFBackbone(copy.deepcopy(model), gradient_checkpointing=checkpointing), mesh=mesh)
+            calls = []
+            fsdp.model.model.layers[0].input_layernorm.register_forward_hook(lambda *_, c=calls: c.append(1))
+            hidden, weight = fsdp.forward_hidden(batch)
+            logp = torch.log_softmax(hidden @ weight.T, dim=-1)
+            logp[torch.arange(len(batch.tokens) - 1), batch.tokens[1:]].sum().backward()
+            grads = {name: full_tensor(p.grad).clone() for name, p in fsdp.model.named_parameters()}
+            out[family, checkpointing] = grads, len(calls)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_gradient_checkpointing_gives_the_same_gradients():
+    """HF's layer recompute runs inside FSDP2's per-layer units (the recompute's forward hooks find the layer
+    already gathered by its pre-backward, and neither gather nor reshard again): the same gradients, bit for bit."""
+    for result in run_distributed(_checkpointing_worker, 2, timeout=300, preload=PRELOAD):
+        for family in ("qwen2", "qwen3_moe"):
+            (plain, calls_plain), (ckpt, calls_ckpt) = result[family, False], result[family, True]
+            assert (calls_plain, calls_ckpt) == (1, 2), family  # the layer ran again in the backward
+            assert plain.keys() == ckpt.keys()
+            assert all(plain[f"model.layers.{i}.self_attn.q_proj.weight"].abs().sum() > 0 for i in (0, 1))
+            for name in plain:
+                torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=0, msg=f"{family} {name}")
