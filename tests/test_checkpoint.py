@@ -108,7 +108,8 @@ def test_unreadable_checkpoint_error_names_the_file_its_size_and_the_fix(tmp_pat
 
 
 class RolloutDump(Callback):
-    """Test callback (loaded by the subprocess through PYTHONPATH=tests): one JSON line per rollout step."""
+    """Test callback (loaded by the subprocess through PYTHONPATH=tests): one JSON line per rollout step, rank r > 0
+    (parallel=fsdp) to its own file (`_rank_dump`)."""
 
     def __init__(self, *, path: str) -> None:
         self.path = Path(path)
@@ -117,7 +118,7 @@ class RolloutDump(Callback):
         rollout = outputs["rollout"]
         line = {"global_step": trainer.global_step, "step": rollout.step,
                 "responses": [s.response_ids for s in rollout.samples]}
-        with self.path.open("a") as f:
+        with _rank_dump(self.path, trainer.global_rank).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
 
@@ -134,20 +135,32 @@ def _env() -> dict[str, str]:
     return train_env(PYTHONPATH=str(ROOT / "tests"))  # the run loads this module's RolloutDump
 
 
+def _rank_dump(dump: Path, rank: int) -> Path:
+    return dump if rank == 0 else dump.with_name(f"{dump.name}.rank{rank}")
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+FSDP = ("parallel=fsdp", "trainer.devices=2")
+
+
+def _reference(tmp: Path, *extra: str, ranks: int = 1) -> list[list[dict]]:
+    """Each rank's rollouts of an uninterrupted 6-step run."""
+    ref = subprocess.run(_cmd(tmp / "ref", tmp / "ref.jsonl", "checkpoint.every_n_steps=0", *extra), cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    per_rank = [_lines(_rank_dump(tmp / "ref.jsonl", rank)) for rank in range(ranks)]
+    for lines in per_rank:
+        assert [r["global_step"] for r in lines] == list(range(1, 7))
+    return per_rank
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The rollouts of an uninterrupted 6-step run, which every interrupted-and-resumed run must reproduce."""
-    tmp = tmp_path_factory.mktemp("reference")
-    ref = subprocess.run(_cmd(tmp / "ref", tmp / "ref.jsonl", "checkpoint.every_n_steps=0"), cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    lines = _lines(tmp / "ref.jsonl")
-    assert [r["global_step"] for r in lines] == list(range(1, 7))
-    return lines
+    return _reference(tmp_path_factory.mktemp("reference"))[0]
 
 
 def _assert_same_rollouts(after: list[dict], reference: list[dict], first_step: int, last_step: int = 6) -> None:
@@ -178,30 +191,48 @@ def _start_and_signal(out: Path, dump: Path, signum: int, *extra: str, steps: in
     return proc, stderr
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
+def _sigkill_then_resume(tmp_path: Path, references: list[list[dict]], *extra: str) -> None:
+    """`references`: each rank's uninterrupted rollouts; every rank's resumed rollouts must equal its own."""
     dump = tmp_path / "run.jsonl"
     out = tmp_path / "run"
     last = out / "checkpoints" / "last.ckpt"
-    proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2"), cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its own session: SIGKILL goes to the whole group, so Lightning's rank-1 child (parallel=fsdp) dies with rank 0
+    # as on a preempted node, instead of being left waiting in a collective.
+    proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2", *extra), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     saved_step = torch.load(last, weights_only=False)["global_step"]
     assert saved_step in (2, 4)
     # The killed run may finish a step past its last checkpoint before SIGKILL lands: only lines written by the
     # resumed run count below.
-    killed_lines = len(_lines(dump)) if dump.exists() else 0
+    dumps = [_rank_dump(dump, rank) for rank in range(len(references))]
+    killed_lines = [len(_lines(d)) if d.exists() else 0 for d in dumps]
 
-    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=2", "ckpt_path=last"), cwd=ROOT,
+    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=2", "ckpt_path=last", *extra), cwd=ROOT,
                              env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_same_rollouts(_lines(dump)[killed_lines:], reference, saved_step + 1)
+    for d, killed, reference in zip(dumps, killed_lines, references, strict=True):
+        _assert_same_rollouts(_lines(d)[killed:], reference, saved_step + 1)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path, reference):
+    _sigkill_then_resume(tmp_path, [reference])
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path):
+    """The same under FSDP on 2 ranks (both ranks killed): the full weights and full AdamW state of last.ckpt,
+    resharded on load, give each rank the uninterrupted FSDP run's rollouts (its own share of each step)."""
+    _sigkill_then_resume(tmp_path, _reference(tmp_path / "ref", *FSDP, ranks=2), *FSDP)
 
 
 @pytest.mark.subprocess

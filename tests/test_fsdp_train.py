@@ -13,6 +13,8 @@ run's within 1e-5 at every step. Cases (one spawn per world size, every case ins
 - tiny Qwen3-MoE at world 2 and 4;
 - checkpoints: world 2 stops after step 2 (full weights + full AdamW state) and world 4 resumes it for step 3,
   equal to the uninterrupted world-2 run's step 3.
+Gradient checkpointing (a tiny 2-rank spawn of `FSDPBackbone` alone, dense and MoE): one backward with HF's layer
+recompute gives the gradients of one without it, bit for bit; and the bf16-mixed GPU policy's dtypes on gloo.
 And `rollout=sglang` at world 2: both data-parallel ranks sample from one real SGLang server (float32), which gets the
 weights gathered from the shards after every step; the trainer's masked log-probs equal the server's within 1e-4.
 """
@@ -167,3 +169,78 @@ def test_fsdp_with_sglang_rollouts(tmp_path, tiny_sglang_url):
     # The server (float32) and the FSDP trainer agree over the server's candidate sets, at every step.
     assert max(got["train/rollout_logprob_abs_diff_max"]) <= 1e-4, got["train/rollout_logprob_abs_diff_max"]
     assert min(got["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3  # the sets came from the server
+
+
+def _checkpointing_worker(rank: int) -> dict:
+    """Per family: the full gradients of one backward through `FSDPBackbone` (this rank's own micro-batch), without
+    and with the HF layer recompute; and how often layer 0 ran in the recompute's backward."""
+    from test_module import make_samples, pack
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from topp_rl.backbone import HFBackbone
+    from topp_rl.fsdp.backbone import FSDPBackbone, full_tensor
+    from topp_rl.fsdp.strategy import mixed_precision_policy
+    from topp_rl.models import build_char_tokenizer, build_tiny_model
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for family in ("qwen2", "qwen3_moe"):
+        model = build_tiny_model(family, vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, seed=3,
+                                 tokenizer=build_char_tokenizer())
+        samples = make_samples(model)
+        batch = pack(samples, [2 * rank, 2 * rank + 1, 4 + rank], advantages=torch.zeros(6))
+        for checkpointing in (False, True):
+            fsdp = FSDPBackbone(HFBackbone(copy.deepcopy(model), gradient_checkpointing=checkpointing), mesh=mesh)
+            calls = []
+            fsdp.model.model.layers[0].input_layernorm.register_forward_hook(lambda *_, c=calls: c.append(1))
+            hidden, weight = fsdp.forward_hidden(batch)
+            logp = torch.log_softmax(hidden @ weight.T, dim=-1)
+            logp[torch.arange(len(batch.tokens) - 1), batch.tokens[1:]].sum().backward()
+            grads = {name: full_tensor(p.grad).clone() for name, p in fsdp.model.named_parameters()}
+            out[family, checkpointing] = grads, len(calls)
+    # The bf16-mixed GPU policy, here on gloo: bf16 gathers (the root's output weight reaches the head in bf16),
+    # float32 shards and float32 sharded gradients.
+    policy = mixed_precision_policy("bf16-mixed", "cuda")
+    fsdp = FSDPBackbone(HFBackbone(copy.deepcopy(model)), mesh=mesh, mp_policy=policy)
+    hidden, weight = fsdp.forward_hidden(batch)
+    hidden.float().sum().backward()
+    out["mixed"] = {"gathered": weight.dtype, "hidden": hidden.dtype,
+                    "shards": {p.dtype for p in fsdp.parameters()}, "grads": {p.grad.dtype for p in fsdp.parameters()}}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_gradient_checkpointing_gives_the_same_gradients():
+    """HF's layer recompute runs inside FSDP2's per-layer units (the recompute's forward hooks find the layer
+    already gathered by its pre-backward, and neither gather nor reshard again): the same gradients, bit for bit.
+    Same spawn: `FSDPBackbone` under the bf16-mixed GPU policy gathers in bf16 and keeps float32 shards and grads."""
+    for result in run_distributed(_checkpointing_worker, 2, timeout=300, preload=PRELOAD):
+        for family in ("qwen2", "qwen3_moe"):
+            (plain, calls_plain), (ckpt, calls_ckpt) = result[family, False], result[family, True]
+            assert (calls_plain, calls_ckpt) == (1, 2), family  # the layer ran again in the backward
+            assert plain.keys() == ckpt.keys()
+            assert all(plain[f"model.layers.{i}.self_attn.q_proj.weight"].abs().sum() > 0 for i in (0, 1))
+            for name in plain:
+                torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=0, msg=f"{family} {name}")
+        assert result["mixed"] == {"gathered": torch.bfloat16, "hidden": torch.bfloat16, "shards": {torch.float32},
+                                   "grads": {torch.float32}}
+
+
+@pytest.mark.parametrize(("precision", "device", "policy"), [
+    ("bf16-mixed", "cuda", (torch.bfloat16, torch.float32)),  # FSDP2's bf16 gathers, float32 reduce-scatter
+    ("bf16-mixed", "cpu", None),  # autocast alone, as the unsharded HF backbone
+    ("32-true", "cuda", None), ("32-true", "cpu", None),
+    ("16-mixed", "cuda", None),  # LossScaledFP16: autocast and the loss scale, float32 gathers
+    ("bf16-true", "cuda", None),  # the weights themselves are bf16: nothing to cast
+])
+def test_fsdp_mixed_precision_policy_follows_the_trainer_precision(precision, device, policy):
+    from topp_rl.fsdp.strategy import mixed_precision_policy
+
+    got = mixed_precision_policy(precision, device)
+    if policy is None:
+        assert got is None
+    else:
+        param_dtype, reduce_dtype = policy
+        assert (got.param_dtype, got.reduce_dtype, got.output_dtype) == (param_dtype, reduce_dtype, None)
+        assert got.cast_forward_inputs

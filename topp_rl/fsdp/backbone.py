@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from topp_rl.backbone import HFBackbone
@@ -47,12 +47,15 @@ def _tied(model: nn.Module) -> bool:
 class FSDPBackbone(nn.Module):
     """`HFBackbone` sharded in place over `mesh` (see module docstring); `inner` is the sharded HFBackbone."""
 
-    def __init__(self, inner: HFBackbone, *, mesh: DeviceMesh, cpu_offload: bool = False) -> None:
+    def __init__(self, inner: HFBackbone, *, mesh: DeviceMesh, cpu_offload: bool = False,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> None:
         super().__init__()
         if not isinstance(inner, HFBackbone):
             raise TypeError(f"FSDPBackbone shards an HFBackbone, got a {type(inner).__name__}")
         model = inner.model
         kwargs = {"mesh": mesh} | ({"offload_policy": CPUOffloadPolicy()} if cpu_offload else {})
+        if mp_policy is not None:  # gathers in its param_dtype; the shards (and AdamW) stay in their own dtype
+            kwargs["mp_policy"] = mp_policy
         units = _decoder_layers(model)
         if not _tied(model):
             units.insert(0, model.get_input_embeddings())

@@ -9,6 +9,12 @@ checks it on resume), and its mesh is 2-D (dp x tp) with tp defaulting to the de
   already), shard the policy and the reference (`FSDPBackbone`) over a 1-D mesh of all ranks and hand them to the
   module; optimizers are built afterwards, over the shards (each rank holds 1/world of AdamW's moments). A shared
   embedded engine samples with the sharded module, gathered around each `generate` (`EmbeddedEngine.sample_sharded`).
+- mixed precision (`mixed_precision_policy`): `trainer.precision=bf16-mixed` on GPU also gives FSDP2's own
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`: each unit is all-gathered in bf16 (half the
+  bytes and the transient memory of float32 gathers) and its gradients reduce-scattered in float32 into the float32
+  shards; Lightning's autocast stays on around the step, so ops autocast keeps in float32 (softmax, log-softmax,
+  norms) stay so. On CPU, and for every other precision, no policy: float32 gathers, and the plugin's autocast
+  alone (as the unsharded HF backbone runs) — gloo all-gathers in bf16 would save little on one host.
 - every rank is a data-parallel rank and its own rollout source (Lightning's DDP sampler kwargs; no `rollout_peers`).
 - checkpoints: the FULL weights under the keys of an unsharded `PolicyModule` (so a checkpoint loads before the
   sharding, at any world size, and an `HFBackbone` run's checkpoint loads too) and the FULL optimizer state keyed by
@@ -29,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.engines.embedded import EmbeddedEngine
@@ -36,6 +43,14 @@ from topp_rl.fsdp.backbone import FSDPBackbone, full_tensor
 
 _SLOTS = ("policy", "reference")
 _STATE_KEY = "fsdp_full_optimizer_state"
+
+
+def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for Lightning's `precision` on `device_type` (see module docstring): bf16 gathers with float32
+    gradient reduction for `bf16-mixed` on GPU, else None (float32 gathers; autocast, if any, is the plugin's)."""
+    if precision == "bf16-mixed" and device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
 
 
 class FSDPStrategy(DDPStrategy):
@@ -55,13 +70,15 @@ class FSDPStrategy(DDPStrategy):
                              "parallel.cpu_offload=false, or train on GPUs (trainer=gpu)")
         module = self.lightning_module
         mesh = init_device_mesh(self.root_device.type, (dist.get_world_size(),))
+        mp_policy = mixed_precision_policy(str(self.precision_plugin.precision), self.root_device.type)
         backbones = {}
         for slot in _SLOTS:
             backbone = getattr(module, slot)
             if backbone is not None and not isinstance(backbone, HFBackbone):
                 raise TypeError(f"FSDPStrategy shards HFBackbone policies, got a {type(backbone).__name__} as {slot}")
-            backbones[slot] = None if backbone is None else FSDPBackbone(backbone, mesh=mesh,
-                                                                          cpu_offload=self.cpu_offload)
+            backbones[slot] = None if backbone is None else FSDPBackbone(
+                backbone, mesh=mesh, cpu_offload=self.cpu_offload, mp_policy=mp_policy
+            )
         module.use_backbones(**backbones)
         self._share_with_engine(backbones["policy"])
 
