@@ -212,6 +212,7 @@ def _share(rank: int, states: list[dict]) -> list:
     return [s.routes for s in got]
 
 
+@pytest.mark.distributed
 def test_the_tp_cp_broadcast_carries_the_routes():
     _, samples = rollout(moe())
     samples[2].routes = None
