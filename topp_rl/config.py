@@ -6,23 +6,15 @@ can do is asked of its class (`_target_`), never guessed from names.
 """
 
 import difflib
-import functools
 import inspect
-from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from topp_rl.config_keys import validate_known_keys
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-# Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
-# they do not define (`+rollout.topp=0.9`: Hydra's `+` adds it, nothing reads it) is a typo. "" is the top level.
-# Open, and not checked here: `_target_` nodes (their keys are constructor kwargs: model, task, data, optimizer,
-# rollout.engine, algo.*, trainer, logger.*, callbacks.*: `+callbacks.<name>` adds a callback) and `hydra`.
-CLOSED_SECTIONS = ("", "paths", "module", "lr_schedule", "eval", "checkpoint", "export", "resume", "rollout")
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
 BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
@@ -68,75 +60,6 @@ def _world_size(cfg: DictConfig) -> int:
     if isinstance(devices, int) and isinstance(nodes, int):
         return devices * nodes
     return 1  # "auto" / device lists: checked again by Lightning once the devices are known
-
-
-def _yaml_keys(path: Path) -> set[str]:
-    """Top-level keys a group option defines, with those its `<file>@_here_` defaults merge in."""
-    data = yaml.safe_load(path.read_text()) or {}
-    keys = set(data) - {"defaults"}
-    for entry in data.get("defaults", []):
-        if isinstance(entry, str) and entry.endswith("@_here_"):
-            keys |= _yaml_keys(path.parent / f"{entry.removesuffix('@_here_')}.yaml")
-    return keys
-
-
-@functools.cache
-def shipped_keys() -> dict[str, frozenset[str]]:
-    """Per closed section, the keys the shipped yaml defines: `conf/config.yaml` (its defaults' group names at
-    the top level) and the nodes the `callbacks` options bring (`eval`, `export`)."""
-    main = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
-    groups = {next(iter(d)) for d in main["defaults"] if isinstance(d, dict)}
-    top = set(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}
-    sections = {section: set(main.get(section) or ()) for section in CLOSED_SECTIONS[1:]}
-    for path in (CONF_DIR / "callbacks").glob("*.yaml"):  # `# @package _global_`: nodes beside `callbacks`
-        for name, node in (yaml.safe_load(path.read_text()) or {}).items():
-            top.add(name)
-            if name in sections and isinstance(node, dict):
-                sections[name] |= set(node)
-    sections.pop("rollout")  # per choice: `rollout_keys`
-    return {"": frozenset(top)} | {k: frozenset(v) for k, v in sections.items()}
-
-
-@functools.cache
-def rollout_keys() -> dict[str, frozenset[str]]:
-    """Per rollout choice, keyed by its engine's `_target_`: the `rollout.*` keys that choice defines (a key of
-    another choice does nothing under this one, e.g. `rollout.max_candidates` under rollout=embedded)."""
-    out = {}
-    for path in sorted((CONF_DIR / "rollout").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text()) or {}
-        out[data["engine"]["_target_"]] = frozenset(_yaml_keys(path))
-    return out
-
-
-def _known_keys(cfg: DictConfig, section: str) -> frozenset[str]:
-    if section != "rollout":
-        return shipped_keys()[section]
-    choices = rollout_keys()
-    engine = cfg.rollout.get("engine")
-    target = engine.get("_target_") if isinstance(engine, DictConfig) else None
-    # A user's own engine class: any key a shipped choice defines (its constructor checks its own).
-    return choices.get(target) or frozenset().union(*choices.values())
-
-
-def validate_known_keys(cfg: DictConfig) -> None:
-    """A key the shipped config does not define, in a closed section (`CLOSED_SECTIONS`), is refused naming the
-    nearest known key: Hydra's `+` adds any key, and nothing would ever read a misspelt one (or one of another
-    rollout choice)."""
-    for section in CLOSED_SECTIONS:
-        node = cfg if not section else cfg.get(section)
-        if not isinstance(node, DictConfig) or "_target_" in node:
-            continue
-        known = _known_keys(cfg, section)
-        for key in node:
-            if key in known:
-                continue
-            dotted = f"{section}.{key}" if section else str(key)
-            near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
-            hint = f"did you mean {section + '.' if section else ''}{near[0]}? " if near else ""
-            _fail(dotted, node._get_node(key)._value(),
-                  f"a key the shipped config defines (in {section or 'the top level'}: "
-                  f"{', '.join(sorted(known))})",
-                  f"{hint}fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads this one)")
 
 
 def validate_target_kwargs(cfg: DictConfig, section: str) -> None:
