@@ -99,17 +99,20 @@ class DatasetTask(Task):
         score the training rows; slices (`task.split='train[:90%]' eval.split='train[90%:]'`) hold rows out."""
         lengths, one_split = self._split_lengths()
         if one_split:  # every name reads the same rows: give each name the source's row count
+            known = f"one of {lengths['']} rows, under any name"
             lengths = dict.fromkeys(splits.split_names(self.split) | splits.split_names(split), lengths[""])
+        else:
+            known = ", ".join(f"{name} ({n} rows)" for name, n in sorted(lengths.items()))
         where = f"{self.path}" + (" (a one-split source: every split name reads all its rows)" if one_split else "")
-        train = splits.row_spans(self.split, lengths, key="task.split", where=where)
-        held = splits.row_spans(split, lengths, key="eval.split", where=where)
+        train = splits.row_spans(self.split, lengths, key="task.split", where=where, splits=known)
+        held = splits.row_spans(split, lengths, key="eval.split", where=where, splits=known)
         if one_split:
             train, held = ([("", a, b) for _, a, b in spans] for spans in (train, held))
         shared = splits.shared_rows(train, held)
         if shared:
             fix = ("hold rows out with slices of it, e.g. task.split='train[:90%]' eval.split='train[90%:]', or set "
                    "eval.task to a task on a separate test file") if one_split else (
-                   f"pick rows the training does not read (splits: {', '.join(sorted(lengths))})")
+                   f"pick rows the training does not read (splits: {known})")
             raise ValueError(
                 f"eval.split={split!r} reads {shared} of the rows task.split={self.split!r} trains on in {where}; "
                 f"{fix}"

@@ -52,17 +52,16 @@ def split_names(spec: str) -> set[str]:
     return {part.strip().partition("[")[0] for part in spec.split("+")}
 
 
-def row_spans(spec: str, lengths: dict[str, int], *, key: str, where: str) -> list[Span]:
+def row_spans(spec: str, lengths: dict[str, int], *, key: str, where: str, splits: str) -> list[Span]:
     """The absolute row ranges `spec` reads, given each split's row count; a ValueError naming `key` (the config
-    key that holds the spec) and the splits there are when it names another split or is malformed."""
+    key that holds the spec) and `splits` (the splits there are) when it names another split or is malformed."""
     import datasets
 
     try:
         spans = datasets.ReadInstruction.from_spec(spec).to_absolute(lengths)
     except (ValueError, AssertionError) as err:
-        sizes = ", ".join(f"{name} ({n} rows)" for name, n in sorted(lengths.items()))
         raise ValueError(
-            f"{key}={spec!r} is not a split of {where} (splits: {sizes}); set {key} to one of them or a slice of "
+            f"{key}={spec!r} is not a split of {where} (splits: {splits}); set {key} to one of them or a slice of "
             f"one, e.g. 'train[90%:]' ({err})"
         ) from err
     return [(s.splitname, s.from_, s.to) for s in spans]
