@@ -246,3 +246,40 @@ def test_math_answer_without_a_reference_raises():
         "reward function math_answer raised on sample 3 (prompt 'q', response '15'): ValueError: the record has no "
         "reference answer; set the task's answer_key to the answer column"
     )
+
+
+def test_unimportable_reward_module_fails_before_the_model_loads(tmp_path, monkeypatch):
+    """Issue 22 part 5: `task.reward_fn=myrewards:exact` with myrewards.py beside the user (the working directory
+    is not on sys.path) failed with a bare "No module named 'myrewards'" once the model had loaded; now the
+    config check says so first, names the working directory and gives the file.py:fn form."""
+    from helpers import ROOT, compose_cfg
+
+    from topp_rl.train import build_run
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    # A model path that does not exist: had the model loaded first, its error would come instead.
+    cfg = compose_cfg(tmp_path / "run", "task=dataset", f"task.path={ROOT / 'data/gsm8k_sample.jsonl'}",
+                      "task.prompt_key=question", "task.reward_fn=myrewards_issue22:exact", "model=hf_path",
+                      f"model.path={tmp_path / 'no_model'}")
+    with pytest.raises(ValueError) as info:
+        build_run(cfg)
+    assert str(info.value) == (
+        "reward_fn 'myrewards_issue22:exact' cannot be imported: no module named 'myrewards_issue22' on sys.path "
+        f"(the script's directory, PYTHONPATH and installed packages; the working directory is {work}); name its "
+        "file instead, e.g. myrewards_issue22.py:exact or path/to/myrewards_issue22.py:exact (a relative path is "
+        "taken from the working directory), or install the module or put its directory on PYTHONPATH"
+    )
+    (work / "myrewards_issue22.py").write_text("def exact(response, record):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=rf"the working directory is {work}\); {work}/myrewards_issue22.py exists: "
+                       r"name it by its file, myrewards_issue22.py:exact$"):
+        build_run(cfg)
+    # The same check covers task.rewards entries; a module that imports something missing says what is missing.
+    (work / "needs_dep.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(work))
+    cfg.task.reward_fn = None
+    cfg.task.rewards = [{"fn": "needs_dep:f", "weight": 1.0}]
+    with pytest.raises(ValueError, match=r"importing needs_dep raised ModuleNotFoundError: No module named "
+                       r"'no_such_dependency_xyz'; install what it imports"):
+        build_run(cfg)
