@@ -168,6 +168,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
         if self.peers.is_source:
             self.ensure_engine()
+            if strategy is not None:  # a reward model scores on the trainer's device (it runs on this rank)
+                self.task.reward_set.to_device(strategy.root_device)
         else:  # a TP x CP peer never generates: let go of the factory and the full HF model it holds
             self._engine_factory = None
         self._share_workers()
