@@ -283,3 +283,57 @@ def test_unimportable_reward_module_fails_before_the_model_loads(tmp_path, monke
     with pytest.raises(ValueError, match=r"importing needs_dep raised ModuleNotFoundError: No module named "
                        r"'no_such_dependency_xyz'; install what it imports"):
         build_run(cfg)
+
+
+def test_overlap_computes_a_steps_rewards_while_the_next_step_generates():
+    """rollout.overlap=true: step k's reward runs once step k + 1's generation has begun. The reward function
+    waits for that generation to start (a rollout that scored first and generated after would time out), and the
+    step still trains on its own rewards."""
+    import threading
+
+    from topp_rl.engines.embedded import EmbeddedEngine
+    from topp_rl.models import build_char_tokenizer, build_tiny_model
+    from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
+    from topp_rl.tasks import CopyDigitTask
+    from topp_rl.tasks.rewards import RewardTerm
+
+    inner = EmbeddedEngine(build_tiny_model(seed=0), progress=False, share_weights=False)
+    began = {2: threading.Event(), 3: threading.Event()}  # generate calls 2 and 3 (steps 1, 2) have begun
+
+    class Counting(RolloutEngine):
+        vocab_size = inner.vocab_size
+        calls = 0
+
+        def generate(self, prompts, params, *, seed=None):
+            self.calls += 1
+            if self.calls in began:
+                began[self.calls].set()
+            return inner.generate(prompts, params, seed=seed)
+
+        def update_weights(self, named_tensors):
+            inner.update_weights(named_tensors)
+
+        def close(self):
+            pass
+
+    scored: list[int] = []
+
+    def next_step_began(response, record):
+        step = record.index // 2  # 2 prompts per step
+        if not began[step + 2].wait(20):
+            raise TimeoutError(f"step {step}'s reward ran before step {step + 1} began generating")
+        scored.append(step)
+        return float(step + 1)
+
+    task = CopyDigitTask()
+    task.reward_set = RewardSet([RewardTerm(name="gate", fn=next_step_began)])
+    dm = RolloutDataModule(engine=Counting(), task=task, tokenizer=build_char_tokenizer(),
+                           params=SamplingParams(top_p=0.9, max_new_tokens=3, n=2), prompts_per_step=2,
+                           overlap=True)
+    try:
+        for step in (0, 1):
+            batch = dm.rollout(dm.ticket(step))
+            assert [s.reward for s in batch.samples] == [float(step + 1)] * 4
+        assert scored == [0] * 4 + [1] * 4
+    finally:
+        dm.close_engine()

@@ -228,7 +228,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- one rollout step -----
     def generate(self, ticket: RolloutTicket) -> list[Sample]:
-        """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here)."""
+        """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here).
+        With overlap the next step's generation starts first, so it runs while this step's rewards are computed
+        (the same weights either way: no update comes in between)."""
         ahead = self._prefetch.take(ticket.step) if self._prefetch is not None else None
         if ahead is not None:
             samples, self.last_generate_s = ahead
@@ -236,6 +238,8 @@ class RolloutDataModule(L.LightningDataModule):
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
+        if self._prefetch is not None:
+            self._prefetch_next(ticket.step + 1)
         # Step-global numbers across DP ranks: this rank's prompts start at group `first_group`.
         number_samples(samples, prompts=len(ticket.records), n=self.params.n, first_group=ticket.first_group)
         records = {ticket.first_group + j: r for j, r in enumerate(ticket.records)}
@@ -254,9 +258,7 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
         own = self.generate(ticket) if self.peers.is_source else None
-        overlapped = own is not None and self._prefetch is not None
-        if overlapped:
-            self._prefetch_next(ticket.step + 1)
+        overlapped = own is not None and self._prefetch is not None  # `generate` started the next step
         generated = time.perf_counter()
         samples, shared_bytes = share_samples(own, self.peers)
         share_seconds = time.perf_counter() - generated
