@@ -177,13 +177,15 @@ def test_the_service_scores_while_the_other_terms_compute(server, tmp_path):
 
 def test_an_http_reward_run_trains_on_cpu(server, tmp_path):
     """Issue 22: an HTTP-reward run trains in the suite. Each step sends its 4 samples in one request, and
-    rollout/reward_mean is the mean of the scores the server returned for that step."""
+    rollout/reward_mean is twice (the entry's weight) the mean of the scores the server returned for that step."""
     from topp_rl.train import train
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{d}:", "answer": str(d)}) + "\n" for d in range(8)))
     out = tmp_path / "run"
-    entry = f"{{_target_: topp_rl.tasks.RewardService, url: '{server.url}', timeout_s: 30}}"
+    # the documented form with a weight and a name: the service node sits under fn
+    node = f"{{_target_: topp_rl.tasks.RewardService, url: '{server.url}', timeout_s: 30}}"
+    entry = f"{{fn: {node}, weight: 2.0, name: judge}}"
     train(compose_cfg(out, "task=dataset", f"task.path={data}", f"task.rewards=[{entry}]",
                       f"task.cache_dir={tmp_path / 'cache'}", "logger=csv"))
     assert [len(r["completions"]) for r in server.requests] == [4, 4]
@@ -195,5 +197,5 @@ def test_an_http_reward_run_trains_on_cpu(server, tmp_path):
                                                                               strict=True)]
     means = [sum(map(length_score, r["completions"])) / 4 for r in server.requests]
     metrics = read_metrics(out)
-    assert column(metrics, "rollout/reward_mean") == pytest.approx(means, rel=1e-6)
-    assert column(metrics, "rollout/reward/reward_service_mean") == pytest.approx(means, rel=1e-6)
+    assert column(metrics, "rollout/reward_mean") == pytest.approx([2 * m for m in means], rel=1e-6)
+    assert column(metrics, "rollout/reward/judge_mean") == pytest.approx(means, rel=1e-6)

@@ -195,7 +195,8 @@ def test_reward_set_errors(tmp_path):
         with pytest.raises(RewardError, match=rf"function {name} returned {shown} for sample 4; return a float, or a "
                            "dict with a 'score' key"):
             run({"fn": f"{bad}:{name}"})
-    with pytest.raises(RewardError, match=r"shifting returned keys \('b', 'score'\) for sample 5, earlier \('a', 'score'\)"):
+    with pytest.raises(RewardError, match=r"shifting returned keys \('b', 'score'\) for sample 5, earlier "
+                       r"\('a', 'score'\)"):
         run({"fn": f"{bad}:shifting"})
     with pytest.raises(RewardError, match=r"batched reward function short returned 1 values for 2 responses"):
         run({"fn": f"{bad}:short", "batched": True})
@@ -208,13 +209,14 @@ def test_reward_set_errors(tmp_path):
         "declared in the entry's terms)"
     )
     # issue 22 part 3: a dict without `score` had every entry summed into the reward
-    with pytest.raises(RewardError, match=r"no_score returned a dict without a 'score' key \(keys \['correct', 'len'\]\) "
-                       "for sample 4"):
+    with pytest.raises(RewardError, match=r"no_score returned a dict without a 'score' key "
+                       r"\(keys \['correct', 'len'\]\) for sample 4"):
         run({"fn": f"{bad}:no_score"})
     with pytest.raises(RewardError, match=r"scored returned \{'score': 1.0, 'len': 3\} for sample 4, without the "
                        r"entries \['bonus'\] its terms declare"):
         run({"fn": f"{bad}:scored", "terms": {"bonus": 1.0}})
-    with pytest.raises(ValueError, match=r"task.rewards\[0\].terms \(\{'score': 2.0\}\) must map dict keys other than 'score'"):
+    with pytest.raises(ValueError, match=r"task.rewards\[0\].terms \(\{'score': 2.0\}\) must map dict keys "
+                       "other than 'score'"):
         RewardSet.from_config([{"fn": f"{bad}:scored", "terms": {"score": 2.0}}])
     with pytest.raises(ValueError, match=r"task.rewards\[0\].terms \(\{'len': 'x'\}\) must map"):
         RewardSet.from_config([{"fn": f"{bad}:scored", "terms": {"len": "x"}}])

@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from topp_rl.models import _check_tokenizer_files, _load_tokenizer
-
 if TYPE_CHECKING:
     from topp_rl.data import PromptRecord
 
@@ -46,6 +44,10 @@ class RewardModel:
         name: str = "reward_model",
     ) -> None:
         from transformers import AutoConfig
+
+        # models.py owns reading a checkpoint directory (which tokenizer class reloads it exactly); imported here,
+        # lazily, because the tasks room imports no model code when it loads (tests/test_imports.py).
+        from topp_rl.models import _check_tokenizer_files, _load_tokenizer
 
         self.path = Path(path).expanduser()
         if not (self.path / "config.json").is_file():
@@ -78,7 +80,9 @@ class RewardModel:
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         if self.pad_id is None:
-            raise ValueError(f"the tokenizer of reward model {self.path} has neither a pad nor an EOS token to pad with")
+            raise ValueError(
+                f"the tokenizer of reward model {self.path} has neither a pad nor an EOS token to pad with"
+            )
         if chat_template and not self.tokenizer.chat_template:
             raise ValueError(
                 f"RewardModel chat_template=true, but the tokenizer of {self.path} has no chat template; set "
@@ -125,14 +129,17 @@ class RewardModel:
         return self.template.format(prompt=record.text, completion=response, answer=record.answer)
 
     def encode(self, text: str) -> list[int]:
-        ids = list(self.tokenizer(text, add_special_tokens=self.add_special_tokens and not self.chat_template)["input_ids"])
+        special = self.add_special_tokens and not self.chat_template  # a chat template writes its own
+        ids = list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
         if self.max_length is not None:
             ids = ids[-self.max_length:]
         if not ids or ids[-1] == self.pad_id:
+            problem = (
+                "has no tokens" if not ids else f"ends in the pad token (id {self.pad_id}), which HF's pooling skips"
+            )
             raise ValueError(
-                f"reward model {self.path}: the text {text[-80:]!r} "
-                + ("has no tokens" if not ids else f"ends in the pad token (id {self.pad_id}), which HF's pooling skips")
-                + "; change the template, or use a tokenizer with its own pad token"
+                f"reward model {self.path}: the text {text[-80:]!r} {problem}; change the template, or use a "
+                "tokenizer with its own pad token"
             )
         return ids
 

@@ -190,11 +190,11 @@ class RewardSet:
 
 
 def _term(i: int, entry: Any) -> RewardTerm:
-    if isinstance(entry, str) or isinstance(entry, ScoresBatches) or (isinstance(entry, Mapping) and "_target_" in entry):
-        entry = {"fn": entry}
+    if isinstance(entry, str) or callable(entry) or (isinstance(entry, Mapping) and "_target_" in entry):
+        entry = {"fn": entry}  # a name, a callable (a function, a built reward model) or a node to build
     if not isinstance(entry, Mapping):
         raise ValueError(
-            f"task.rewards[{i}] ({entry!r:.80}) must be 'pkg.mod:fn', {{fn: ..., weight: ...}} or "
+            f"task.rewards[{i}] ({entry!r:.80}) must be 'pkg.mod:fn', a callable, {{fn: ..., weight: ...}} or "
             "{_target_: ..., ...}"
         )
     unknown = set(entry) - ENTRY_KEYS
@@ -284,7 +284,9 @@ def _result(term: RewardTerm, future: Future, count: int):
     except RewardError:
         raise
     except Exception as err:
-        raise RewardError(f"reward {term.name} raised on a batch of {count} samples: {type(err).__name__}: {err}") from err
+        raise RewardError(
+            f"reward {term.name} raised on a batch of {count} samples: {type(err).__name__}: {err}"
+        ) from err
 
 
 def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
@@ -294,7 +296,9 @@ def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
             f"{sample_id}; return a float, or a dict of floats with a {SCORE_KEY!r} key"
         )
     if not math.isfinite(value):
-        raise RewardError(f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite")
+        raise RewardError(
+            f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite"
+        )
     if abs(value) > MAX_ABS_REWARD:
         raise RewardError(
             f"reward function {fn_name} returned {value:g} as {key} for sample {sample_id}; rewards must lie in "
