@@ -6,8 +6,9 @@
 - `prompt_key` names the prompt column: strings, or chat conversations (`[{role, content}, ...]`, rendered
   by the tokenizer's chat template: needs `chat_template=true`). `system_prompt` goes first in each
   conversation that has none. `answer_key` (or null) names the reference answer, `record.answer` for the reward.
-- Rewards: `reward_fn` ("pkg.mod:fn" or "path/to/file.py:fn") or `rewards` (weighted named functions,
-  `topp_rl.tasks.rewards.RewardSet`); each function's value is logged as `rollout/reward/<name>_mean`.
+- Rewards: `reward_fn` ("pkg.mod:fn" or "path/to/file.py:fn") or `rewards` (weighted named terms: functions,
+  reward models, reward services; `topp_rl.tasks.rewards.RewardSet`); each term's score is logged as
+  `rollout/reward/<name>_mean`.
 - `max_prompt_tokens`: prompts whose token count exceeds it are dropped once, with the first tokenizer
   seen (the count is printed and logged as `rollout/filtered_prompts`).
 - Order: a fresh permutation per pass over the kept rows, fixed by (seed, epoch), so the data position stays
