@@ -33,6 +33,7 @@ from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
+from topp_rl.sweep import run_dir_override
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -175,7 +176,7 @@ def print_summary(summary: dict[str, float | str], output_dir: str) -> None:
         lines.append(f"  resumed from: {summary['resumed_from']} (step {summary['resumed_step']})")
     if "checkpoint" in summary:
         lines.append(f"  checkpoint: {summary['checkpoint']} (step {summary['checkpoint_step']}); resume with "
-                     f"hydra.run.dir={output_dir} ckpt_path=last")
+                     f"{run_dir_override(output_dir)} ckpt_path=last")
     print("\n".join(lines), flush=True)
 
 
