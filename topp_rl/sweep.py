@@ -22,7 +22,7 @@ MAX_GROUP_CHARS = 128  # W&B's limit on a group name
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+@%-]")  # '/' would nest dirs; spaces, quotes, brackets need shell quoting
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 _HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./+%@:-]*")  # a value Hydra's override grammar reads unquoted
-_SHELL_DOUBLE_QUOTED = re.compile(r"[^\"$`\\!']*")  # nothing a shell expands inside "..."
+_SHELL_DOUBLE_QUOTED = re.compile(r"[^\"$`\\!]*")  # nothing a shell expands or ends inside "..."
 
 
 def swept_keys(sweep_overrides: list[str]) -> list[str]:
@@ -51,7 +51,11 @@ def sweep_keys_of(sweep_dir: str | Path, job_overrides: list[str]) -> list[str]:
         keys = swept_keys(typed + list(recorded.overrides.task))
     except (OSError, AttributeError):
         keys = []
-    return keys or [o.split("=", 1)[0].lstrip("+~") for o in job_overrides]
+    if keys:
+        return keys
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.get_key_element() for o in OverridesParser.create().parse_overrides(job_overrides)]
 
 
 def safe_dir_name(label: str, *, max_chars: int = MAX_DIR_LABEL_CHARS) -> str:
@@ -88,11 +92,16 @@ def group_label(sweep_dir: str | Path, keys: list[str]) -> str:
 def run_dir_override(path: str | Path) -> str:
     """`hydra.run.dir=PATH` as one shell word that Hydra reads back as PATH: a sweep job's dir holds `=` and `,`,
     which Hydra's override grammar takes only inside quotes (unquoted, `a=1,b=2` is a parse error or a sweep)."""
-    if _HYDRA_PLAIN.fullmatch(str(path)):
+    path = str(path)
+    if _HYDRA_PLAIN.fullmatch(path):
         return f"hydra.run.dir={path}"
-    if _SHELL_DOUBLE_QUOTED.fullmatch(str(path)):
-        return f"\"hydra.run.dir='{path}'\""
-    return shlex.quote(f"hydra.run.dir='{path}'")  # correct, if less readable
+    if "'" not in path:
+        word = f"hydra.run.dir='{path}'"
+    elif '"' not in path:
+        word = f'hydra.run.dir="{path}"'
+    else:  # both quotes: Hydra's escape inside single quotes
+        word = "hydra.run.dir='" + path.replace("'", "\\'") + "'"
+    return f'"{word}"' if _SHELL_DOUBLE_QUOTED.fullmatch(word) else shlex.quote(word)
 
 
 def register_resolvers() -> None:
