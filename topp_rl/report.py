@@ -245,7 +245,8 @@ def _save(fig: Figure | None, path: Path) -> Path | None:
         return None
     for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and set sizes are integers
-    fig.tight_layout()
+    if not fig.legends:  # a figure-level legend (seeds.png) was laid out with the room it needs below the panels
+        fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
