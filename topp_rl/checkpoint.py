@@ -91,6 +91,17 @@ def read_checkpoint(path: str | Path, **load_kwargs) -> dict[str, Any]:
         return torch.load(path, **load_kwargs)
 
 
+def write_failed(path: Path, err: Exception) -> CheckpointWriteError:
+    """The error for a checkpoint write that failed, naming the path and the free space. torch reports a full disk
+    as an internal error ("unexpected pos 704 vs 598")."""
+    free = shutil.disk_usage(path.parent).free
+    return CheckpointWriteError(
+        f"could not write checkpoint {path}: {type(err).__name__}: {err}; {mib(free)} free in {path.parent}; free "
+        f"space there (or point hydra.run.dir at a larger disk) and resume with ckpt_path=last; the previous "
+        f"{path.name}, if any, is kept"
+    )
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` whose saves are write-temp-then-rename in the target directory (local paths)."""
 
@@ -112,13 +123,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         except Exception as err:
             tmp.unlink(missing_ok=True)
-            # torch reports a full disk as an internal error ("unexpected pos 704 vs 598"): name file and space.
-            free = shutil.disk_usage(path.parent).free
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {type(err).__name__}: {err}; {mib(free)} free in "
-                f"{path.parent}; free space there (or point hydra.run.dir at a larger disk) and resume with "
-                f"ckpt_path=last; the previous {path.name}, if any, is kept"
-            ) from err
+            raise write_failed(path, err) from err
         except BaseException:  # KeyboardInterrupt mid-write: no partial temp file left behind
             tmp.unlink(missing_ok=True)
             raise
