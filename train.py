@@ -11,6 +11,8 @@ os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end:
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import topp_rl  # noqa: E402, F401  (registers the resolver of hydra.sweep.subdir; light: no torch, no Lightning)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:

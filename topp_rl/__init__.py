@@ -1,7 +1,12 @@
 """topp_rl: exact top-p / top-k / min-p log-probs for LLM RL post-training.
 
-Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import.
+Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import. Importing the package
+registers the OmegaConf resolver that names a sweep's job dirs (`topp_rl.sweep`; omegaconf only).
 """
+
+from topp_rl.sweep import register_resolvers
+
+register_resolvers()
 
 __all__ = ["ToppLogProb"]
 

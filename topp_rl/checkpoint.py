@@ -34,6 +34,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from topp_rl.sweep import run_dir_override
+
 RECORD_KEY = "topp_rl"  # checkpoint[RECORD_KEY] = {"config": the run's resolved config}
 _TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
 
@@ -236,7 +238,7 @@ class LastCheckpoint(Checkpoint):
         name = signal.Signals(self.signum).name
         return RunInterrupted(self.signum, (
             f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.path}; resume with the same "
-            f"overrides plus hydra.run.dir={self.path.parent.parent} ckpt_path=last (exit status "
+            f"overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit status "
             f"{128 + self.signum})"
         ))
 
