@@ -187,7 +187,8 @@ def _term(i: int, entry: Mapping[str, Any]) -> RewardTerm:
             f"task.rewards[{i}] ({dict(entry)}) has {problem}; an entry takes {sorted(ENTRY_KEYS)}, "
             "e.g. {fn: 'topp_rl.tasks.rewards:math_answer', weight: 1.0}"
         )
-    fn = resolve_reward_fn(entry["fn"])
+    # A Python callable (topp_rl.fit's reward_fn / rewards, which also names it) is used as given.
+    fn = entry["fn"] if callable(entry["fn"]) else resolve_reward_fn(entry["fn"])
     is_batched = entry.get("batched")
     if is_batched is None:  # not said in the config: the function's own @batched mark
         is_batched = getattr(fn, "batched", False)
