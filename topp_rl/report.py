@@ -284,8 +284,8 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
     return [p for p in written if p is not None]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m topp_rl.report", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.report") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])  # `topp-rl report` names itself
     parser.add_argument("run_dir", help="a training run's output directory, or a sweep's (one curve per job)")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots)")
     parser.add_argument("--group-seeds", action="store_true",
