@@ -92,7 +92,7 @@ def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path) -> Callable
 def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     """Every part of a run; `rewards` (entries whose `fn` may be a Python callable: `topp_rl.fit`) replace the
     task's configured reward functions."""
-    validate_config(cfg)
+    validate_config(cfg, check_rewards=rewards is None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
