@@ -72,6 +72,16 @@ class SyncsGradients(Protocol):
 
 
 @runtime_checkable
+class FrozenBase(Protocol):
+    """A backbone that trains adapters on a frozen base (`topp_rl.lora.LoraBackbone`): the base, the adapters off,
+    is the KL reference, so no copy of the model is made for it."""
+
+    def base_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside the block use the frozen base weights (the adapters disabled)."""
+        ...
+
+
+@runtime_checkable
 class ReportsRouting(Protocol):
     """A backbone of an MoE model that compares its own routes with the rollout's (optional for backbones)."""
 

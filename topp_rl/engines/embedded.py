@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.lora import has_adapters
 from topp_rl.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.ops.sampling import nonfinite_row_error
@@ -198,6 +199,10 @@ class EmbeddedEngine(RolloutEngine):
         is the engine's own parameter (a shared engine synced from the module it samples with) is skipped; a
         sharded shared module (`sample_sharded`) takes nothing, and the tensors are not even drawn (no gather)."""
         if self._gathered is not None:
+            return
+        if self.share_weights and has_adapters(self.model):
+            # The trainer's own LoRA-adapted module: what it exports is its merged view under the plain HF
+            # names, which this module does not hold (it holds base_layer + lora_A / lora_B); nothing to copy.
             return
         state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():

@@ -1,0 +1,219 @@
+"""LoRA adapters (PEFT) on the HF backbone: `module.lora.rank > 0` trains low-rank adapters on a frozen base.
+
+- `LoraSettings`: the validated `module.lora` node (rank, alpha, dropout, target modules).
+- `LoraBackbone`: an `HFBackbone` over a PEFT-adapted model. Only the adapter weights require gradients, so only
+  they reach the optimizer (`PolicyModule.configure_optimizers` takes the parameters that require grad). It is a
+  `FrozenBase`: the KL reference is the policy's own base with the adapters disabled (PEFT's `disable_adapter()`),
+  so no second copy of the model is held. Its `hf_named_tensors` are the MERGED weights under the plain HF names
+  (W + B @ A * alpha / rank for each adapted linear layer, every other weight as it is): what a server that was
+  started without LoRA (SGLang on CPU, see docs/lora.md) and an HF export need.
+
+PEFT injects its layers into the HF model in place (`q_proj` becomes a `lora.Linear` holding `base_layer` and
+`lora_A` / `lora_B`), so the embedded engine that shares the policy's module samples with the adapted weights, and
+a checkpoint's state dict holds `policy.model.<HF path>.base_layer.weight` and the `lora_A` / `lora_B` weights.
+
+Departures: LoRA dropout is refused (> 0): the policy is scored in eval mode so that its log-probs equal the
+rollout's, where dropout would be off anyway. Megatron and FSDP backbones are refused at start.
+PEFT costs about 5 s to import here, so it is imported only when LoRA is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from topp_rl.backbone import HFBackbone
+
+ADAPTER = "default"  # PEFT's name of the one adapter a run trains
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KEYS = ("rank", "alpha", "dropout", "target_modules")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """`module.lora`: rank r (0: off), alpha (None: 2 r), dropout (must be 0), the target linear layers' names."""
+
+    rank: int = 0
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"module.lora.rank={self.rank!r}: must be an integer >= 0 (0: LoRA off); use e.g. "
+                             "module.lora.rank=16")
+        if self.alpha is not None and not (isinstance(self.alpha, int | float) and self.alpha > 0):
+            raise ValueError(f"module.lora.alpha={self.alpha!r}: must be > 0, or null for 2 x rank")
+        if self.dropout != 0:
+            raise ValueError(
+                f"module.lora.dropout={self.dropout!r}: must be 0. The policy is scored in eval mode so that its "
+                "log-probs equal the rollout's (the on-policy ratio is exactly 1), which turns dropout off: a "
+                "nonzero value would never be applied. Set module.lora.dropout=0"
+            )
+        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(f"module.lora.target_modules={list(self.target_modules)!r}: must be a non-empty list of "
+                             f"linear layer names, e.g. {list(DEFAULT_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: the factor of B @ A in the adapted weight."""
+        return self.lora_alpha / self.rank
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any] | DictConfig | None) -> LoraSettings:
+        if node is None:
+            return cls()
+        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        unknown = sorted(set(values) - set(KEYS))
+        if unknown:
+            raise ValueError(f"module.lora.{unknown[0]}: not a LoRA setting; the keys are {', '.join(KEYS)}")
+        if "target_modules" in values:
+            targets = values["target_modules"]
+            values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets or ())
+        return cls(**values)
+
+
+def check_lora_config(cfg: DictConfig) -> LoraSettings:
+    """The run's `module.lora`, refused at start where the run cannot honour it (a parallel strategy)."""
+    settings = LoraSettings.from_config(cfg.module.get("lora"))
+    if settings.enabled and cfg.parallel.get("strategy"):
+        target = cfg.parallel.strategy.get("_target_")
+        raise ValueError(
+            f"module.lora.rank={settings.rank} with a parallel strategy ({target}): LoRA runs on the HF backbone "
+            "only (Megatron's sharded layers and FSDP's sharded parameters are not adapted); use parallel=none, "
+            "or train the full model (module.lora.rank=0) with this strategy"
+        )
+    return settings
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings):
+    """Inject LoRA layers into `model` in place and freeze everything else; returns the `PeftModel` around it.
+
+    B starts at zero (PEFT's default), so the adapted model equals the base until the first update."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in settings.target_modules if t not in present]
+    if missing:
+        raise ValueError(
+            f"module.lora.target_modules names {missing}, which {type(model).__name__} does not have (its layer "
+            f"names include {sorted(n for n in present if n.endswith('proj'))}); drop them or name existing layers"
+        )
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
+                        target_modules=list(settings.target_modules), bias="none")
+    peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    layers = adapter_layers(model)
+    wrong = [name for name, layer in layers.items() if type(layer) is not LoraLinear]
+    if wrong:
+        raise ValueError(f"module.lora.target_modules adapted {wrong[0]} as a {type(layers[wrong[0]]).__name__}; "
+                         "topp_rl's merged weight sync supports LoRA on nn.Linear layers only: target linear layers")
+    return peft_model
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether PEFT layers were injected into `model` (False without importing PEFT when nothing imported it)."""
+    return "peft" in sys.modules and bool(adapter_layers(model))
+
+
+def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The PEFT layers of `model` by module path (`model.layers.0.self_attn.q_proj`)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+
+def delta_weight(layer: nn.Module) -> Tensor:
+    """B @ A * alpha / rank of one `lora.Linear` ([out, in], the base weight's shape)."""
+    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    return (b @ a) * layer.scaling[ADAPTER]
+
+
+def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(plain HF name, tensor) of an adapted model as if merged: `<path>.base_layer.weight` + `delta_weight` under
+    `<path>.weight`, the adapters' own weights left out, every other weight as it is (detached, not copied)."""
+    layers = adapter_layers(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            path, sep, leaf = name.rpartition(".base_layer.")
+            if sep:
+                tensor = param.detach()
+                if leaf == "weight":
+                    tensor = tensor + delta_weight(layers[path]).to(tensor.dtype)
+                yield f"{path}.{leaf}", tensor
+            elif ".lora_A." not in name and ".lora_B." not in name:
+                yield name, param.detach()
+
+
+class _PeftHandle:
+    """Holds the `PeftModel` outside nn.Module registration: registered, its parameters (the backbone's own)
+    would appear twice in the state dict under a second prefix."""
+
+    def __init__(self, peft_model) -> None:
+        self.peft_model = peft_model
+
+
+class LoraBackbone(HFBackbone):
+    """`HFBackbone` over a PEFT-adapted model (see the module docstring); a `FrozenBase`."""
+
+    def __init__(self, peft_model, *, settings: LoraSettings, **kwargs) -> None:
+        super().__init__(peft_model.get_base_model(), **kwargs)
+        self.settings = settings
+        self._peft = _PeftHandle(peft_model)
+
+    @property
+    def peft_model(self):
+        return self._peft.peft_model
+
+    def base_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The frozen base for the block (adapters disabled: PEFT's `disable_adapter()`), then the adapters again."""
+        return self.peft_model.disable_adapter()
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        return merged_named_tensors(self.model)
+
+    def merged_model(self) -> nn.Module:
+        """A plain HF model holding the merged weights (a copy: PEFT's `merge_and_unload()` on a deep copy)."""
+        return copy.deepcopy(self.peft_model).merge_and_unload()
+
+    def adapter_state(self) -> dict[str, Tensor]:
+        """The adapter weights as PEFT saves them (`adapter_model.safetensors` keys)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft_model, adapter_name=ADAPTER)
+
+
+def build_policy_backbone(policy: nn.Module, settings: LoraSettings, **kwargs) -> HFBackbone:
+    """`HFBackbone(policy)`, or with LoRA on, a `LoraBackbone` after injecting the adapters into `policy`."""
+    if not settings.enabled:
+        return HFBackbone(policy, **kwargs)
+    return LoraBackbone(apply_lora(policy, settings), settings=settings, **kwargs)
+
+
+def engine_model_factory(backbone: HFBackbone, *, shares_weights: bool):
+    """What the rollout engine is built on: None (the policy itself) unless LoRA is on and the engine keeps its
+    own weights (SGLang, `share_weights=false`): then a callable making the plain merged model, called when the
+    engine is built so that no extra copy is held before."""
+    if not isinstance(backbone, LoraBackbone) or shares_weights:
+        return None
+    return backbone.merged_model
+
+
+def trainable_parameter_names(module: nn.Module) -> Sequence[str]:
+    return [n for n, p in module.named_parameters() if p.requires_grad]
