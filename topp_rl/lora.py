@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import shutil
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -215,5 +219,70 @@ def engine_model_factory(backbone: HFBackbone, *, shares_weights: bool):
     return backbone.merged_model
 
 
-def trainable_parameter_names(module: nn.Module) -> Sequence[str]:
-    return [n for n, p in module.named_parameters() if p.requires_grad]
+def adapt_checkpoint_model(model: nn.Module, cfg: DictConfig) -> None:
+    """Inject the adapters of the run config's `module.lora` into `model` (a skeleton a LoRA checkpoint's
+    `policy.model.*` weights are loaded into); nothing when LoRA was off."""
+    settings = LoraSettings.from_config(cfg.get("module", {}).get("lora"))
+    if settings.enabled:
+        apply_lora(model, settings)
+
+
+def hf_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(plain HF name, tensor) of `model`: its parameters, or merged (`merged_named_tensors`) when adapted."""
+    if has_adapters(model):
+        return merged_named_tensors(model)
+    return ((n, p.detach()) for n, p in model.named_parameters())
+
+
+# ----- export: the adapter directory in PEFT's format -----
+def adapter_dir_for(out_dir: str | os.PathLike) -> Path:
+    """Where the adapters go beside a merged export: `<out_dir>_adapter` (a sibling, not inside: transformers
+    would read an adapter_config.json inside the merged model's dir as an adapter to load onto another base)."""
+    out = Path(out_dir)
+    return out.with_name(out.name + "_adapter")
+
+
+def lora_settings_of(model: nn.Module) -> LoraSettings | None:
+    """The settings PEFT injected `model`'s adapters with (None without adapters)."""
+    if not has_adapters(model):
+        return None
+    config = model.peft_config[ADAPTER]
+    return LoraSettings(rank=config.r, alpha=float(config.lora_alpha), target_modules=tuple(sorted(config.target_modules)))
+
+
+def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Mapping[str, Any]) -> Path:
+    """Write `model`'s adapters (an HF model with PEFT layers injected) as a PEFT adapter directory:
+    `adapter_config.json` (PEFT's `LoraConfig`) and `adapter_model.safetensors` (`base_model.model.<path>.lora_A
+    .weight` / `.lora_B.weight`, PEFT's key format), plus the export manifest; `PeftModel.from_pretrained(base,
+    out_dir)` loads it. Staged and swapped in like the merged export (`topp_rl.export`), with the same target rule."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from topp_rl.checkpoint import temp_path
+    from topp_rl.export import INFO_FILE, check_target, remove_stale_exports, swap_in
+
+    settings = lora_settings_of(model)
+    if settings is None:
+        raise ValueError(f"no LoRA adapters to export to {out_dir}: the model has no PEFT layers")
+    state = {}
+    for path, layer in adapter_layers(model).items():
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(layer, part)[ADAPTER].weight
+            state[f"base_model.model.{path}.{part}.weight"] = weight.detach().to("cpu").contiguous()
+    target = check_target(out_dir, name="export.adapter_dir")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_exports(target)
+    staged = temp_path(target)
+    try:
+        staged.mkdir()
+        LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0, bias="none",
+                   target_modules=list(settings.target_modules),
+                   base_model_name_or_path=model.config.name_or_path or None).save_pretrained(staged)
+        save_file(state, str(staged / "adapter_model.safetensors"), metadata={"format": "pt"})
+        files = sorted({p.name for p in staged.iterdir()} | {INFO_FILE})
+        (staged / INFO_FILE).write_text(json.dumps({**info, "files": files}, indent=2, default=str) + "\n")
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    swap_in(staged, target)
+    return target

@@ -15,6 +15,7 @@ import copy
 import inspect
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from transformers import DynamicCache, PreTrainedModel
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
-from topp_rl.lora import has_adapters
 from topp_rl.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates, sampling_candidates
 from topp_rl.ops.sampling import nonfinite_row_error
@@ -200,7 +200,7 @@ class EmbeddedEngine(RolloutEngine):
         sharded shared module (`sample_sharded`) takes nothing, and the tensors are not even drawn (no gather)."""
         if self._gathered is not None:
             return
-        if self.share_weights and has_adapters(self.model):
+        if self.share_weights and _has_peft_layers(self.model):
             # The trainer's own LoRA-adapted module: what it exports is its merged view under the plain HF
             # names, which this module does not hold (it holds base_layer + lora_A / lora_B); nothing to copy.
             return
@@ -250,6 +250,15 @@ def _inverse_cdf(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index [B] of the first entry of each row's cumulative mass [B, V] above u x the row's total."""
     target = (u * cum[:, -1])[:, None]
     return torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1).squeeze(1)
+
+
+def _has_peft_layers(model: torch.nn.Module) -> bool:
+    """Whether PEFT injected adapter layers into `model` (`topp_rl.lora`); never imports PEFT itself."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
