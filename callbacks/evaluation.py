@@ -2,16 +2,20 @@
 checkpoint.
 
 Per evaluation, on the rank that owns an engine in each TP x CP group (its peers take part in the reductions
-and the checkpoint save only), this DP rank's share of `num_prompts` held-out prompts is generated twice:
+and the checkpoint save only), this DP rank's share of `num_prompts` held-out prompts (at most the evaluated
+task's number of examples) is generated twice:
 - greedily (`top_k=1`, one sample): `val/accuracy` (a sample is correct when the task marks it so, else when its
   reward is >= `correct_reward`) and `val/response_length_mean`;
 - `k` samples at the rollout's own sampling settings: `val/pass@k` (share of prompts with at least one correct
   sample) and `val/mean@k` (mean correctness over the k samples), k being `k`.
-Held-out prompts: `task` when given (e.g. the dataset task on its test split), else the training task's
-examples far beyond any training index (generated tasks draw them from the same distribution); a finite
-dataset needs an explicit `task`. With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that
+Held-out prompts (`topp_rl.tasks.splits.eval_examples`, resolved at fit start): `task` when given; else the
+training task on `split` (`eval.split=test`: a dataset task's test split, a generated task's examples far beyond
+any training index; a split that shares rows with the training split is refused); with neither, a generated
+training task's `test` examples. With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that
 metric improves (every rank takes part: Megatron gathers its shards there). Metrics are (sum, count) pairs
-reduced once over all ranks, so DP ranks with different numbers of prompts weigh correctly.
+reduced once over all ranks, so DP ranks with different numbers of prompts weigh correctly. Each evaluation
+prints one console line on global rank 0; `summary()` gives the last one's figures and the best checkpoint for
+the end-of-run summary (summary.json).
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import math
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
+from tqdm.auto import tqdm
 
 from topp_rl.data.sample import SampleStatus, number_samples
 from topp_rl.metrics import add_sums, reduce_sums
 from topp_rl.tasks import Task
+from topp_rl.tasks.base import HELD_OUT_OFFSET
+from topp_rl.tasks.splits import EvalExamples, eval_examples
 
-HELD_OUT_OFFSET = 10**9  # example indices past every training step's
+__all__ = ["HELD_OUT_OFFSET", "METRICS", "Evaluation"]
 METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs
 
 
 class Evaluation(Callback):
     def __init__(self, *, every_n_steps: int = 10, num_prompts: int = 32, k: int = 4, task: Task | None = None,
-                 correct_reward: float = 1.0, best_metric: str | None = "val/accuracy",
+                 split: str | None = None, correct_reward: float = 1.0, best_metric: str | None = "val/accuracy",
                  checkpoint_dir: str | Path | None = None) -> None:
         if every_n_steps < 0 or num_prompts < 1 or k < 1:
             raise ValueError(
@@ -41,27 +48,39 @@ class Evaluation(Callback):
             )
         _check_best_metric(best_metric, METRICS)
         self.every_n_steps, self.num_prompts, self.k = every_n_steps, num_prompts, k
-        self.task, self.correct_reward = task, correct_reward
+        self.task, self.split, self.correct_reward = task, split, correct_reward
         self.best_metric, self.checkpoint_dir = best_metric, checkpoint_dir
-        self.best = -math.inf
+        self.best, self.best_step = -math.inf, None
         self.history: list[dict[str, float]] = []
+        self.examples: EvalExamples | None = None  # resolved at fit start
+        self.prompt_count = 0  # prompts per evaluation: num_prompts, or all of a smaller split
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Resolve the held-out examples before the first rollout: a split the task lacks, one that shares rows
+        with training, or a chat template the tokenizer lacks fails here, not at the first evaluation."""
+        if self.every_n_steps:  # eval.every_n_steps=0 (the default): the entry is there, switched off
+            self.resolve(trainer.datamodule)
+
+    def resolve(self, datamodule) -> None:
+        """Pick the held-out examples and how many of them an evaluation scores."""
+        self.examples = eval_examples(datamodule.task, split=self.split, task=self.task)
+        task, tokenizer = self.examples.task, datamodule.tokenizer
+        task.check_tokenizer(tokenizer, key="eval.task" if self.task is not None else "task")
+        task.prompt(self.examples.first_index, tokenizer)  # a dataset task drops over-long prompts here
+        available = task.num_examples  # after that filtering
+        self.prompt_count = self.num_prompts if available is None else min(self.num_prompts, available)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if not self.every_n_steps:  # eval.every_n_steps=0 (the default): the entry is there, switched off
-            return
-        datamodule = trainer.datamodule
-        if self.task is None and datamodule.task.num_examples is not None:
-            raise ValueError(
-                f"eval: the training task {type(datamodule.task).__name__} has a finite dataset, so its examples "
-                "are not held out; set eval.task (e.g. the same task on its test split)"
-            )
-        self.evaluate(trainer, pl_module)
+        if self.every_n_steps:
+            self.evaluate(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.evaluate(trainer, pl_module)
 
     def evaluate(self, trainer, pl_module) -> dict[str, float]:
+        if self.examples is None:  # called outside a fit (tests, scripts): resolve as the fit start would
+            self.resolve(trainer.datamodule)
         datamodule = trainer.datamodule
         sums: dict[str, tuple[float, float]] = {}
         if datamodule.peers.is_source:
@@ -73,22 +92,49 @@ class Evaluation(Callback):
         self.history.append({"step": float(step), **values})
         _check_best_metric(self.best_metric, tuple(values))  # a subclass may log other names
         metric = values[self.best_metric] if self.best_metric else None
-        if metric is not None and metric > self.best and self.checkpoint_dir is not None:
-            self.best = metric
-            trainer.save_checkpoint(Path(self.checkpoint_dir) / "best.ckpt")
+        improved = metric is not None and metric > self.best and self.checkpoint_dir is not None
+        if improved:
+            self.best, self.best_step = metric, step
+            trainer.save_checkpoint(self.best_path)
+        if trainer.is_global_zero:
+            tqdm.write(self.console_line(step, values, best=improved))  # above a live progress bar
         return values
 
+    @property
+    def best_path(self) -> Path | None:
+        return None if self.checkpoint_dir is None else Path(self.checkpoint_dir) / "best.ckpt"
+
+    def console_line(self, step: int, values: dict[str, float], *, best: bool) -> str:
+        """`[topp_rl] eval at step 10 (data.jsonl [test], 16 prompts): accuracy 0.438, pass@4 0.625, ...`."""
+        names = {"val/accuracy": "accuracy", "val/pass@k": f"pass@{self.k}", "val/mean@k": f"mean@{self.k}",
+                 "val/response_length_mean": "response length"}
+        figures = ", ".join(f"{names.get(key, key)} {value:.3g}" for key, value in values.items())
+        mark = f" -> best {self.best_metric}: {self.best_path}" if best else ""
+        return f"[topp_rl] eval at step {step} ({self.examples.label}, {self.prompt_count} prompts): {figures}{mark}"
+
+    def summary(self) -> dict[str, float | str]:
+        """The last evaluation's figures (under their metric names) and the best checkpoint, for summary.json."""
+        if not self.history:
+            return {}
+        *_, last = self.history
+        out: dict[str, float | str] = {"eval_set": self.examples.label, "eval_prompts": self.prompt_count,
+                                       "eval_step": int(last["step"])}
+        out |= {key: value for key, value in last.items() if key != "step"}
+        if self.best_step is not None and self.best_path.is_file():
+            out |= {"best_metric": self.best_metric, "best_value": self.best, "best_step": self.best_step,
+                    "best_checkpoint": str(self.best_path)}
+        return out
+
     def _prompts(self, datamodule) -> list:
-        task = self.task or datamodule.task
-        offset = 0 if self.task is not None else HELD_OUT_OFFSET
-        mine = range(datamodule.dp_rank, self.num_prompts, datamodule.dp_size)
-        return [task.prompt(offset + i, datamodule.tokenizer) for i in mine]
+        task, first = self.examples.task, self.examples.first_index
+        mine = range(datamodule.dp_rank, self.prompt_count, datamodule.dp_size)
+        return [task.prompt(first + i, datamodule.tokenizer) for i in mine]
 
     def _score(self, datamodule) -> dict[str, tuple[float, float]]:
         records = self._prompts(datamodule)
         if not records:
             return {}
-        task, engine, params = self.task or datamodule.task, datamodule.ensure_engine(), datamodule.params
+        task, engine, params = self.examples.task, datamodule.ensure_engine(), datamodule.params
         greedy = dataclasses.replace(params, top_k=1, n=1)
         sampled = dataclasses.replace(params, n=self.k)
         sums: dict[str, tuple[float, float]] = {}
@@ -116,10 +162,11 @@ class Evaluation(Callback):
         return {n: sums.get(n, (0.0, 0.0)) for n in METRICS}
 
     def state_dict(self) -> dict:
-        return {"best": self.best}
+        return {"best": self.best, "best_step": self.best_step}
 
     def load_state_dict(self, state: dict) -> None:
         self.best = state["best"]
+        self.best_step = state.get("best_step")  # checkpoints written before best_step was kept have none
 
 
 def _check_best_metric(best_metric: str | None, logged: tuple[str, ...]) -> None:

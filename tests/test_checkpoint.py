@@ -19,6 +19,7 @@ from helpers import ROOT, train_env
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.checkpoint import AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, temp_writer_pid
+from topp_rl.rundir import read_record
 
 
 def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
@@ -206,7 +207,7 @@ def _sigkill_then_resume(tmp_path: Path, references: list[list[dict]], *extra: s
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
-    saved_step = torch.load(last, weights_only=False)["global_step"]
+    saved_step = read_record(last)[1]  # a file, or (parallel=fsdp) a link to a sharded checkpoint's dir
     assert saved_step in (2, 4)
     # The killed run may finish a step past its last checkpoint before SIGKILL lands: only lines written by the
     # resumed run count below.
@@ -230,9 +231,15 @@ def test_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(t
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_sigkill_then_resume_continues_at_the_same_step_with_the_same_rollouts(tmp_path):
-    """The same under FSDP on 2 ranks (both ranks killed): the full weights and full AdamW state of last.ckpt,
-    resharded on load, give each rank the uninterrupted FSDP run's rollouts (its own share of each step)."""
+    """The same under FSDP on 2 ranks (both ranks killed): last.ckpt links the sharded checkpoint (each rank's
+    shards of the weights and AdamW state), which gives each rank the uninterrupted FSDP run's rollouts (its own
+    share of each step); the resumed run leaves one data dir, the one last.ckpt names, at its last step."""
     _sigkill_then_resume(tmp_path, _reference(tmp_path / "ref", *FSDP, ranks=2), *FSDP)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    assert last.is_symlink() and read_record(last)[1] == 6
+    assert [p.name for p in checkpoints.glob("*.dcp")] == [os.readlink(last)]
+    assert os.readlink(last).startswith("last-step6-")
 
 
 @pytest.mark.subprocess

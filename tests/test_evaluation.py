@@ -21,6 +21,7 @@ def test_figures_equal_a_direct_computation():
     params = SamplingParams(top_p=0.9, max_new_tokens=2, n=2)
     dm = RolloutDataModule(engine=engine, task=task, tokenizer=tok, params=params, prompts_per_step=2)
     ev = Evaluation(every_n_steps=1, num_prompts=16, k=4, correct_reward=0.2)  # any digit: a random model hits
+    ev.resolve(dm)
     sums = ev._score(dm)
     records = [task.prompt(HELD_OUT_OFFSET + i, tok) for i in range(16)]
     prompts = [r.prompt_ids for r in records]
@@ -55,7 +56,8 @@ def test_a_finite_dataset_needs_an_explicit_eval_task(tmp_path):
     data.write_text('{"prompt": "1:", "answer": "1"}\n')
     cfg = compose_cfg(tmp_path / "run", "task=jsonl", f"task.path={data}", "task.reward_fn=json:loads",
                       "eval.every_n_steps=1", "trainer.max_steps=1")
-    with pytest.raises(ValueError, match=r"finite dataset, so its examples are not held out; set eval.task"):
+    with pytest.raises(ValueError, match=r"finite dataset, so its examples are not held out; set eval.split to a "
+                                         r"split it does not train on \(eval.split=test, or a slice"):
         train(cfg)
 
 

@@ -11,8 +11,9 @@ run's within 1e-5 at every step. Cases (one spawn per world size, every case ins
   the embedded engine sharing the sharded module (gathered around each generate);
 - tiny Qwen2 at world 2 with the engine's own full copy (`share_weights=false`), synced from gathered weights;
 - tiny Qwen3-MoE at world 2 and 4;
-- checkpoints: world 2 stops after step 2 (full weights + full AdamW state) and world 4 resumes it for step 3,
-  equal to the uninterrupted world-2 run's step 3.
+- checkpoints: world 2 stops after step 2 (sharded: each rank's shards of the weights and AdamW state) and resumes
+  for step 3, equal to the uninterrupted world-2 run's step 3; world 4 resumes the same checkpoint (resharded);
+  the export command assembles the shards into the weights the run exported at step 2.
 Gradient checkpointing (a tiny 2-rank spawn of `FSDPBackbone` alone, dense and MoE): one backward with HF's layer
 recompute gives the gradients of one without it, bit for bit; and the bf16-mixed GPU policy's dtypes on gloo.
 And `rollout=sglang` at world 2: both data-parallel ranks sample from one real SGLang server (float32), which gets the
@@ -147,6 +148,23 @@ def test_fsdp_train_equals_one_rank_on_the_same_batches(tmp_path):
             full = results[0]["qwen2"][0]
             for key in EXACT:  # same world size: the same samples, so the uninterrupted run's step 3
                 assert abs(resumed[key][0] - full[key][-1]) <= 1e-5, key
+            _check_export_of_the_sharded_checkpoint(tmp_path / "part")
+
+
+def _check_export_of_the_sharded_checkpoint(run_dir: Path) -> None:
+    """`python -m topp_rl.export` on the sharded last.ckpt (step 2, one process assembling both ranks' shards)
+    writes the weights the run itself exported at that step (gathered from the live shards)."""
+    from safetensors.torch import load_file
+
+    from topp_rl.export import export_checkpoint
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
+    out = export_checkpoint(last, run_dir / "exported")
+    got, want = load_file(out / "model.safetensors"), load_file(run_dir / "hf" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def _sglang_worker(rank: int, tmp: str, url: str) -> dict:

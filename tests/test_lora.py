@@ -272,3 +272,17 @@ def test_export_writes_the_merged_model_and_a_peft_adapter_dir_and_the_cli_match
         tmp_path / "run" / "hf_adapter" / "adapter_model.safetensors").keys()
     export.main([str(ckpt), str(tmp_path / "only"), "--no-merge-lora"])
     assert (tmp_path / "only_adapter" / "adapter_config.json").is_file() and not (tmp_path / "only").exists()
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_server_samples_with_the_merged_weights_within_the_bound(tmp_path, tiny_sglang_url):
+    """rollout=sglang with LoRA: the server (started without LoRA) gets the merged weights each step, so its
+    sampled log-probs match the adapted policy's to the float32 server bound, at every step."""
+    run, _ = _run(tmp_path, "rollout=sglang", f"rollout.engine.urls=['{tiny_sglang_url}']", "trainer.max_steps=3")
+    rows = read_metrics(tmp_path)
+    assert max(column(rows, "train/rollout_logprob_abs_diff_max")) <= 1e-4
+    assert len(column(rows, "perf/weight_sync_bytes")) == 3
+    # The pushes are the plain model's tensors: the merged weights, never the adapters' own.
+    plain = sum(t.numel() * t.element_size() for _, t in run.module.hf_named_tensors())
+    assert column(rows, "perf/weight_sync_bytes") == [float(plain)] * 3

@@ -1,5 +1,6 @@
 """The trained policy as an HF checkpoint directory: `<run dir>/hf/` during training, and a command for a
-checkpoint file: `python -m topp_rl.export CKPT OUT_DIR`.
+checkpoint: `python -m topp_rl.export CKPT OUT_DIR` (a file, or a sharded `parallel=fsdp` checkpoint, whose
+shards are assembled into full tensors in the one process).
 
 An export directory holds `config.json` + `model.safetensors` (full weights under HF names), the tokenizer,
 `generation_config.json` with the rollout's sampling settings, and the manifest `topp_rl_export.json`: the global
@@ -50,6 +51,7 @@ from topp_rl.lora import (
     write_adapter_dir,
 )
 from topp_rl.rundir import remove_stale_temps
+from topp_rl.sharded_checkpoint import is_sharded, read_meta, read_tensors, saved_keys
 
 POLICY_PREFIX = "policy.model."  # a checkpoint's policy weights: policy.model.<HF name> (both backends)
 INFO_FILE = "topp_rl_export.json"
@@ -281,6 +283,17 @@ def policy_state(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k[len(POLICY_PREFIX):]: v for k, v in state_dict.items() if k.startswith(POLICY_PREFIX)}
 
 
+def policy_weights(checkpoint: Mapping[str, Any], path: Path, model: torch.nn.Module) -> dict[str, Tensor]:
+    """The policy's HF-named weights: a file's state dict, or a sharded checkpoint's shards (`parallel=fsdp`)
+    assembled into full tensors shaped like `model`'s, for every weight the checkpoint holds."""
+    if not is_sharded(path):
+        return policy_state(checkpoint.get("state_dict") or {})
+    saved = saved_keys(path)
+    template = {f"{POLICY_PREFIX}{name}": torch.empty_like(tensor) for name, tensor in model.state_dict().items()
+                if f"state_dict.{POLICY_PREFIX}{name}" in saved}
+    return policy_state(read_tensors(path, {"state_dict": template})["state_dict"])
+
+
 def load_policy(checkpoint: Mapping[str, Any], path: Path):
     """(HF model holding the checkpoint's policy weights, tokenizer, resolved run config)."""
     from hydra.utils import instantiate
@@ -298,7 +311,7 @@ def load_policy(checkpoint: Mapping[str, Any], path: Path):
     model, tokenizer = instantiate(cfg.model)
     model.float()  # train.py trains the float32 copy: the checkpoint's tensors are float32
     adapt_checkpoint_model(model, cfg)  # module.lora on: inject the adapters, so their weights load too
-    state = policy_state(checkpoint.get("state_dict") or {})
+    state = policy_weights(checkpoint, path, model)
     if not state:
         raise ValueError(
             f"{path} has no {POLICY_PREFIX}* weights in its state_dict; pass a topp_rl training checkpoint"
@@ -321,6 +334,8 @@ def read_checkpoint_safely(path: Path) -> dict[str, Any]:
     from topp_rl.checkpoint import CheckpointReadError, read_checkpoint
 
     try:
+        if is_sharded(path):
+            return read_meta(path)  # the weights are read by `policy_weights`
         return read_checkpoint(path, map_location="cpu", weights_only=True, mmap=True)
     except CheckpointReadError as err:
         cause = err.__cause__
@@ -342,7 +357,7 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     also writes its adapters to `adapter_dir` (default `<out_dir>_adapter`, PEFT's format) and, with `merge_lora`,
     the merged model to `out_dir`; without it, the adapter dir only (its path is returned)."""
     ckpt_path = Path(ckpt_path)
-    if not ckpt_path.is_file():
+    if not (ckpt_path.is_file() or is_sharded(ckpt_path)):
         raise ValueError(f"checkpoint {ckpt_path} does not exist; pass a file such as <run dir>/checkpoints/last.ckpt")
     parent = Path(os.path.abspath(ckpt_path)).parent
     run_dir = parent.parent if parent.name == "checkpoints" else None  # <run dir>/checkpoints/<file>

@@ -4,7 +4,8 @@ A run dir (`paths.output_dir`) holds one run:
 - `.lock`: `fcntl.flock`ed for the life of the process (the kernel drops it when the process dies, even on
   SIGKILL), so a second run in the same dir fails at start naming the holder's pid;
 - `config.yaml` (the first start's config, never rewritten) and `config.resume-<n>.yaml` (one per resume);
-- `checkpoints/` (probed for writing at start; temp files of dead writers are removed, each one reported);
+- `checkpoints/` (probed for writing at start; temp files of dead writers, and sharded checkpoint dirs no link
+  names, are removed, each one reported);
 - `wandb_id`: the W&B run id, so every resume appends to the same W&B run;
 - `.hydra/` (config, hydra, overrides of the latest start): Hydra writes it before the job runs, which let a
   refused start overwrite the first run's; conf/config.yaml sets `hydra.output_subdir: null` and `RunDir`
@@ -135,8 +136,10 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
     start from scratch)."""
     if not ckpt_path:
         return None
+    from topp_rl.sharded_checkpoint import is_sharded
+
     path = checkpoint_dir / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
-    if not path.is_file():
+    if not (path.is_file() or is_sharded(path)):
         raise ValueError(
             f"ckpt_path={ckpt_path}: no checkpoint at {path}, so there is nothing to resume; drop ckpt_path to "
             f"start a new run, or point hydra.run.dir at the dir of the run to resume (it holds "
@@ -149,10 +152,38 @@ def read_record(path: Path) -> tuple[dict | None, int | None]:
     """(the config `RunRecord` stored in a checkpoint, or None for checkpoints written before it existed;
     the checkpoint's global step)."""
     from topp_rl.checkpoint import RECORD_KEY, read_checkpoint
+    from topp_rl.sharded_checkpoint import is_sharded, read_meta
 
-    # mmap: the weights are not read, only the small pickled record.
-    checkpoint = read_checkpoint(path, map_location="cpu", mmap=True, weights_only=True)
+    # mmap: the weights are not read, only the small pickled record (a sharded checkpoint's is meta.pt).
+    checkpoint = (read_meta(path) if is_sharded(path)
+                  else read_checkpoint(path, map_location="cpu", mmap=True, weights_only=True))
     return (checkpoint.get(RECORD_KEY) or {}).get("config"), checkpoint.get("global_step")
+
+
+def writes_sharded_checkpoints(cfg: DictConfig) -> bool:
+    """The configured strategy saves sharded checkpoints (`parallel=fsdp`)."""
+    from hydra.utils import get_class
+
+    from topp_rl.fsdp.strategy import FSDPStrategy
+
+    strategy = cfg.parallel.get("strategy")
+    return bool(strategy) and issubclass(get_class(strategy._target_), FSDPStrategy)
+
+
+def check_checkpoint_format(cfg: DictConfig, path: Path) -> None:
+    """A sharded checkpoint resumes under `parallel=fsdp` only, and `parallel=fsdp` resumes sharded ones only."""
+    from topp_rl.fsdp.strategy import single_file_refusal
+    from topp_rl.sharded_checkpoint import is_sharded
+
+    sharded, sharded_run = is_sharded(path), writes_sharded_checkpoints(cfg)
+    if sharded_run and not sharded:
+        raise ValueError(single_file_refusal(path))
+    if sharded and not sharded_run:
+        raise ValueError(
+            f"checkpoint {path} is a sharded checkpoint (parallel=fsdp wrote it); resume it with parallel=fsdp (at "
+            f"any trainer.devices), or export its weights (python -m topp_rl.export {path} <hf dir>) and start a "
+            f"new run from model.path=<hf dir>"
+        )
 
 
 def report_versioned_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -309,6 +340,8 @@ class RunDir:
         self._open(cfg)
 
     def _open(self, cfg: DictConfig) -> None:
+        from topp_rl.sharded_checkpoint import remove_unreferenced
+
         if not self.owner:
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
             return
@@ -323,12 +356,15 @@ class RunDir:
             remove_stale_temps(self.checkpoint_dir)
             report_versioned_checkpoints(self.checkpoint_dir)
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
+            for path in remove_unreferenced(self.checkpoint_dir, keep=(self.resume_from,) if self.resume_from else ()):
+                _say(f"removed {path}, a sharded checkpoint no link names (a save cut short, or superseded)")
             if self.resume_from is None and (found := _existing_run(self.path)):
                 raise ValueError(
                     f"run dir {self.path} already holds a run ({found}); resume it with ckpt_path=last, or start "
                     f"this run in a new dir (another hydra.run.dir), or delete {self.path} to start over"
                 )
             if self.resume_from is not None:
+                check_checkpoint_format(cfg, self.resume_from)
                 recorded, self.resume_step = read_record(self.resume_from)
                 check_resume_config(cfg, self.resume_from, recorded)
                 _say(f"resuming from {self.resume_from} (step {self.resume_step})")

@@ -6,9 +6,6 @@ the module (loss from `algo.loss`, optimizer from `optimizer` as a partial), cal
 Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt_path=last` resumes from there.
 """
 
-import json
-import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +20,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl import loggers as run_loggers
-from topp_rl.checkpoint import AtomicCheckpointIO, LastCheckpoint, RunRecord, exit_status_on_signal
+from topp_rl.checkpoint import AtomicCheckpointIO, RunRecord, exit_status_on_signal
 from topp_rl.config import callback_entries, validate_config, validate_routing
 from topp_rl.console import StepTimer, route_lightning_logs
 from topp_rl.hook import ToppLogProb
@@ -33,40 +30,7 @@ from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
-
-SUMMARY_KEYS = (
-    "rollout/reward_mean",
-    "train/rollout_logprob_abs_diff",
-    "train/rollout_logprob_abs_diff_unmasked",
-    "train/rollout_logprob_abs_diff_max",
-)
-
-
-class RunSummary(Callback):
-    """Keeps the per-step history of a few logged metrics for the end-of-run summary (reads, never logs)."""
-
-    def __init__(self) -> None:
-        self.history: dict[str, list[float]] = {k: [] for k in SUMMARY_KEYS}
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        for key in SUMMARY_KEYS:
-            value = trainer.callback_metrics.get(key)
-            if value is not None:
-                self.history[key].append(float(value))
-
-    def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {"wall_s": time.perf_counter() - self.start}
-        rewards = self.history["rollout/reward_mean"]
-        if rewards:
-            k = max(1, len(rewards) // 5)  # mean of the first / last fifth: single steps are noisy
-            out["reward_first"] = sum(rewards[:k]) / k
-            out["reward_last"] = sum(rewards[-k:]) / k
-        for key in SUMMARY_KEYS[1:]:
-            values = self.history[key]
-            if values:
-                out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
-        return out
+from topp_rl.summary import RunSummary, outputs_summary, print_summary, write_summary
 
 
 @dataclass
@@ -170,22 +134,6 @@ def build_run(cfg: DictConfig) -> Run:
     return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
 
 
-def print_summary(summary: dict[str, float | str], output_dir: str) -> None:
-    lines = [f"[topp_rl] run finished: {summary['steps']} steps in {summary['wall_s']:.0f} s; run dir: {output_dir} "
-             "(summary.json, metrics in csv/)"]
-    if "reward_first" in summary:
-        lines.append(f"  reward mean: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f}")
-    for key in SUMMARY_KEYS[1:]:
-        if key in summary:  # NaN / inf included: a summary must never hide them
-            lines.append(f"  {key}: {summary[key]:.3g}")
-    if "resumed_from" in summary:
-        lines.append(f"  resumed from: {summary['resumed_from']} (step {summary['resumed_step']})")
-    if "checkpoint" in summary:
-        lines.append(f"  checkpoint: {summary['checkpoint']} (step {summary['checkpoint_step']}); resume with "
-                     f"hydra.run.dir={output_dir} ckpt_path=last")
-    print("\n".join(lines), flush=True)
-
-
 def train(cfg: DictConfig) -> dict[str, float | str]:
     """Fit one run from a composed config; returns the summary figures (also printed), with the checkpoint the
     run resumed from and the one it leaves, each with its step."""
@@ -201,28 +149,11 @@ def train(cfg: DictConfig) -> dict[str, float | str]:
             fit(run)
     finally:
         torch.set_num_threads(threads)  # tests run several trainings in one process
-    summary = run.summary.summary() | {"steps": run.trainer.global_step} | checkpoint_summary(run, run_dir)
+    summary = run.summary.summary() | {"steps": run.trainer.global_step} | outputs_summary(run.trainer, run_dir)
     if run.trainer.is_global_zero:
         write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
     return summary
-
-
-def checkpoint_summary(run: Run, run_dir: RunDir) -> dict[str, float | str]:
-    """Which checkpoint the run resumed from and which `last.ckpt` it leaves, with their steps."""
-    out: dict[str, float | str] = {}
-    if run_dir.resume_from is not None:
-        out |= {"resumed_from": str(run_dir.resume_from), "resumed_step": run_dir.resume_step}
-    saver = next((c for c in run.trainer.callbacks if isinstance(c, LastCheckpoint)), None)
-    if saver is not None and saver.saved_step is not None:
-        out |= {"checkpoint": str(saver.path), "checkpoint_step": saver.saved_step}
-    return out
-
-
-def write_summary(summary: dict[str, float | str], path: Path) -> None:
-    """The printed summary as JSON (NaN / inf written as strings: JSON has no such numbers)."""
-    values = {k: v if isinstance(v, str) or math.isfinite(v) else str(v) for k, v in summary.items()}
-    path.write_text(json.dumps(values, indent=2) + "\n")
 
 
 def fit(run: Run) -> None:

@@ -1,9 +1,9 @@
 """`FSDPStrategy`: Lightning's DDP strategy with the HF backbone sharded by FSDP2 over every rank (CPU gloo or GPU).
 
 Why not Lightning's `ModelParallelStrategy`: it shards inside `LightningModule.configure_model` (the FSDP code
-would live in `PolicyModule`, whose backbones strategies hand over through `use_backbones`), its checkpoints are
-torch.distributed.checkpoint directories (the project's `LastCheckpoint` writes one atomic `last.ckpt` file and
-checks it on resume), and its mesh is 2-D (dp x tp) with tp defaulting to the devices of a node. This subclass
+would live in `PolicyModule`, whose backbones strategies hand over through `use_backbones`), its sharded
+checkpoint directory is rewritten in place (a SIGKILL mid-save leaves no complete `last.ckpt`), and its mesh is
+2-D (dp x tp) with tp defaulting to the devices of a node. This subclass
 (like `MegatronStrategy`) keeps the DDP process-group, launcher and sampler handling and replaces the wrapper:
 - `configure_ddp`: after the datamodule built its engines (a `share_weights=false` engine copied the full model
   already), shard the policy and the reference (`FSDPBackbone`) over a 1-D mesh of all ranks and hand them to the
@@ -16,33 +16,34 @@ checks it on resume), and its mesh is 2-D (dp x tp) with tp defaulting to the de
   norms) stay so. On CPU, and for every other precision, no policy: float32 gathers, and the plugin's autocast
   alone (as the unsharded HF backbone runs) — gloo all-gathers in bf16 would save little on one host.
 - every rank is a data-parallel rank and its own rollout source (Lightning's DDP sampler kwargs; no `rollout_peers`).
-- checkpoints: the FULL weights under the keys of an unsharded `PolicyModule` (so a checkpoint loads before the
-  sharding, at any world size, and an `HFBackbone` run's checkpoint loads too) and the FULL optimizer state keyed by
-  parameter name (`torch.distributed.checkpoint.state_dict`, world-size independent). Both are gathered on every
-  rank; rank 0 writes. Resume at any world size; optimizer state saved by another strategy is refused.
+- checkpoints: sharded, torch.distributed.checkpoint (`topp_rl.sharded_checkpoint`: `last.ckpt` a symlink to a
+  data directory, switched atomically): each rank writes its own shards of the weights (under the keys of an
+  unsharded `PolicyModule`, so `python -m topp_rl.export` reads them like any checkpoint) and of AdamW's state
+  (keyed by parameter name); nothing is gathered. DCP reshards on load, so a run resumes at any world size.
+  Restored after setup (`restore_checkpoint_after_setup`), into the sharded module and its optimizer. A
+  single-file checkpoint (another parallel config's) is refused at start (`topp_rl.rundir`) with the way over.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import DDPStrategy
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.backbone import HFBackbone
+from topp_rl.checkpoint import AtomicCheckpointIO
 from topp_rl.engines.embedded import EmbeddedEngine
-from topp_rl.fsdp.backbone import FSDPBackbone, full_tensor
+from topp_rl.fsdp.backbone import FSDPBackbone
+from topp_rl.sharded_checkpoint import META, data_dir_for, is_sharded, publish, read_meta
 
 _SLOTS = ("policy", "reference")
-_STATE_KEY = "fsdp_full_optimizer_state"
 
 
 def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:
@@ -94,32 +95,77 @@ class FSDPStrategy(DDPStrategy):
                                  "from the policy (rollout.engine.share_weights=true) or give it its own copy (false)")
             engine.sample_sharded(policy.gathered)
 
-    # ---- checkpoints: full tensors, world-size independent ---------------------------------------------------------
+    # ---- checkpoints: sharded (torch.distributed.checkpoint), see topp_rl.sharded_checkpoint ------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the shards load into the sharded module and the optimizer built over it
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # `load_checkpoint` restores it, resharded
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsharded module's state dict (`policy.model.<HF name>`, ...): an all-gather per tensor, on every rank."""
-        state = {}
-        for name, tensor in self.lightning_module.state_dict().items():
-            slot, _, rest = name.partition(".")
-            if slot in _SLOTS and rest.startswith("inner."):
-                name = f"{slot}.{rest.removeprefix('inner.')}"
-            state[name] = full_tensor(tensor).detach().cpu().clone()
-        return state
+        """This rank's shards (DTensors, no gather) under the keys of an unsharded module (`policy.model.<HF
+        name>`, ...): the names `python -m topp_rl.export` and an `HFBackbone` run use."""
+        return {_unsharded_name(name): tensor for name, tensor in self.lightning_module.state_dict().items()}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """This rank's shards of AdamW's state, keyed by parameter name (DCP reshards them to any world size)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        options = StateDictOptions(full_state_dict=True)
-        return {_STATE_KEY: get_optimizer_state_dict(self.lightning_module.policy, optimizer, options=options)}
+        return get_optimizer_state_dict(self.lightning_module.policy, optimizer)
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        options = StateDictOptions(full_state_dict=True)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            if _STATE_KEY not in state:
-                raise ValueError(
-                    "the checkpoint's optimizer state was not saved under parallel=fsdp (its AdamW moments are keyed "
-                    "by another layout); resume it with the parallel config that wrote it, or load its weights "
-                    "alone (weights_only)"
-                )
-            set_optimizer_state_dict(self.lightning_module.policy, optimizer, state[_STATE_KEY], options=options)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Every rank writes its shards into a new data directory, rank 0 the rest (`meta.pt`) and then points
+        `filepath` (a symlink) at it: a checkpoint path always names a complete checkpoint."""
+        if storage_options is not None:
+            raise ValueError(f"parallel=fsdp writes local sharded checkpoints; storage_options={storage_options!r} "
+                             "is not supported: drop it")
+        link = Path(self.broadcast(str(filepath)))
+        data_dir = Path(self.broadcast(str(data_dir_for(link, checkpoint["global_step"]))))  # rank 0's name
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        shards |= {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
+        dcp.save(shards, checkpoint_id=str(data_dir))
+        if self.is_global_zero:
+            AtomicCheckpointIO().save_checkpoint(checkpoint, data_dir / META)
+            publish(link, data_dir)
+        self.barrier("topp_rl.fsdp.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights and optimizer state read into this rank's shards (at any world size), the rest returned."""
+        path = Path(checkpoint_path)
+        if not is_sharded(path):
+            raise ValueError(single_file_refusal(path))
+        module = self.lightning_module
+        shards = {"state_dict": self.lightning_module_state_dict()}
+        dcp.load(shards, checkpoint_id=str(path))
+        module.load_state_dict({_sharded_name(k): v for k, v in shards["state_dict"].items()})
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            state = {key: get_optimizer_state_dict(module.policy, optimizer)}  # the shapes to read into
+            dcp.load(state, checkpoint_id=str(path))
+            set_optimizer_state_dict(module.policy, optimizer, state[key])
+        return read_meta(path)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        pass  # `load_checkpoint` loaded the shards
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: FSDP2 reduce-scatters the gradients
+
+
+def _unsharded_name(name: str) -> str:
+    """`policy.inner.model.x` (the sharded module's key) -> `policy.model.x` (an unsharded PolicyModule's)."""
+    slot, _, rest = name.partition(".")
+    return f"{slot}.{rest.removeprefix('inner.')}" if slot in _SLOTS and rest.startswith("inner.") else name
+
+
+def _sharded_name(name: str) -> str:
+    slot, _, rest = name.partition(".")
+    return f"{slot}.inner.{rest}" if slot in _SLOTS else name
+
+
+def single_file_refusal(path: Path) -> str:
+    return (f"checkpoint {path} is a single-file checkpoint (another parallel config wrote it); parallel=fsdp "
+            f"resumes its own sharded checkpoints only (at any world size). Resume it with the parallel config "
+            f"that wrote it, or start an FSDP run from its weights: python -m topp_rl.export {path} <hf dir>, "
+            f"then model.path=<hf dir>")

@@ -117,6 +117,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._engine_factory = None if isinstance(engine, RolloutEngine) else engine
         self._shared: dict[str, Any] | None = None  # SharedWorkersEngine's settings, set at setup
         self.peers = RolloutPeers()  # alone until `setup` asks the strategy
+        task.check_tokenizer(tokenizer)  # chat_template=true without a template: now, not at the first rollout
         self.task, self.tokenizer, self.params = task, tokenizer, params
         self.prompts_per_step = prompts_per_step
         self.max_tokens = max_tokens_per_micro_batch

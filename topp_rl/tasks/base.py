@@ -22,6 +22,8 @@ from topp_rl.data.prompt import Messages, PromptRecord, prompt_text
 from topp_rl.data.sample import Sample
 from topp_rl.tasks.rewards import RewardSet, RewardTerm
 
+HELD_OUT_OFFSET = 10**9  # a generated task's held-out examples start here, past every training step's index
+
 
 class Task(ABC):
     """Base class: subclasses define `example` and `reward` (or `reward_set`); encoding and scoring live here."""
@@ -59,6 +61,38 @@ class Task(ABC):
     def stats(self) -> dict[str, float]:
         """Figures about the task's data that `RolloutStats` logs every step (e.g. filtered prompts)."""
         return {}
+
+    def describe(self) -> str:
+        """The task's name on the console (a dataset task adds its file and split)."""
+        return type(self).__name__
+
+    def held_out(self, split: str) -> tuple["Task", int]:
+        """(task, first example index) that evaluation on `split` (`eval.split`) reads. A generated task has one
+        held-out split, `test`: its own examples from index 10**9 on, drawn like the training ones but at indices
+        no training step reaches (a task with few distinct prompts, such as copy_digit, repeats them)."""
+        name = type(self).__name__
+        if self.num_examples is not None:
+            raise ValueError(
+                f"eval.split={split!r}: the task {name} has a fixed set of {self.num_examples} examples and no other "
+                "split; set eval.task to the task to evaluate (e.g. its test data) instead"
+            )
+        if split != "test":
+            raise ValueError(
+                f"eval.split={split!r}: the task {name} generates its examples, and its one held-out split is "
+                "'test' (examples at indices no training step reaches); set eval.split=test"
+            )
+        return self, HELD_OUT_OFFSET
+
+    def check_tokenizer(self, tokenizer, *, key: str = "task") -> None:
+        """Refuse at start what `encode` would fail on at the first rollout: `chat_template=true` with a
+        tokenizer that has no chat template (`key` is the task's config node, named in the message)."""
+        if self.chat_template and tokenizer.chat_template is None:
+            where = tokenizer.name_or_path or f"{type(tokenizer).__name__} built in memory (no path)"
+            raise ValueError(
+                f"{key}.chat_template=true, but the tokenizer of {where} has no chat template; set "
+                f"{key}.chat_template=false to encode prompts as plain text, or use a model whose tokenizer has a "
+                "chat template (e.g. model=smollm2, or model=hf_path model.path=<an instruct model's dir>)"
+            )
 
     def prompt(self, index: int, tokenizer) -> PromptRecord:
         prompt, answer, data = self.example(index)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from topp_rl.data import Messages, PromptRecord, prompt_text
+from topp_rl.tasks import splits
 from topp_rl.tasks.base import Task
 from topp_rl.tasks.rewards import RewardSet
 
@@ -47,6 +48,10 @@ class DatasetTask(Task):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # What `held_out` builds the same task on another split from.
+        self.init_args = dict(path=path, split=split, prompt_key=prompt_key, answer_key=answer_key,
+                              reward_fn=reward_fn, rewards=rewards, max_prompt_tokens=max_prompt_tokens,
+                              shuffle=shuffle, cache_dir=cache_dir, **kwargs)
         if (reward_fn is None) == (not rewards):
             raise ValueError(
                 f"set exactly one of task.reward_fn ({reward_fn!r}) and task.rewards ({rewards!r}): "
@@ -84,6 +89,48 @@ class DatasetTask(Task):
 
     def stats(self) -> dict[str, float]:
         return {"rollout/filtered_prompts": float(self.filtered_prompts)} if self._tokenizer is not None else {}
+
+    def describe(self) -> str:
+        return f"{self.path} [{self.split}]"
+
+    def held_out(self, split: str) -> tuple["DatasetTask", int]:
+        """This task (same file, columns, rewards, template, prompt limit) on `split`, refused when it reads a
+        row the training split reads: a data file is one split whatever its name, so `eval.split=test` on it would
+        score the training rows; slices (`task.split='train[:90%]' eval.split='train[90%:]'`) hold rows out."""
+        lengths, one_split = self._split_lengths()
+        if one_split:  # every name reads the same rows: give each name the source's row count
+            known = f"one of {lengths['']} rows, under any name"
+            lengths = dict.fromkeys(splits.split_names(self.split) | splits.split_names(split), lengths[""])
+        else:
+            known = ", ".join(f"{name} ({n} rows)" for name, n in sorted(lengths.items()))
+        where = f"{self.path}" + (" (a one-split source: every split name reads all its rows)" if one_split else "")
+        train = splits.row_spans(self.split, lengths, key="task.split", where=where, splits=known)
+        held = splits.row_spans(split, lengths, key="eval.split", where=where, splits=known)
+        if one_split:
+            train, held = ([("", a, b) for _, a, b in spans] for spans in (train, held))
+        shared = splits.shared_rows(train, held)
+        if shared:
+            fix = ("hold rows out with slices of it, e.g. task.split='train[:90%]' eval.split='train[90%:]', or set "
+                   "eval.task to a task on a separate test file") if one_split else (
+                   f"pick rows the training does not read (splits: {known})")
+            raise ValueError(
+                f"eval.split={split!r} reads {shared} of the rows task.split={self.split!r} trains on in {where}; "
+                f"{fix}"
+            )
+        return type(self)(**self.init_args | {"split": split}), 0
+
+    def _split_lengths(self) -> tuple[dict[str, int], bool]:
+        """({split: rows}, False) for a saved DatasetDict; ({"": rows}, True) for a data file or saved Dataset."""
+        if self.path.is_dir():
+            import datasets
+
+            saved = datasets.load_from_disk(str(self.path))
+            if isinstance(saved, datasets.DatasetDict):
+                return {name: len(part) for name, part in saved.items()}, False
+            return {"": len(saved)}, True
+        base = self.split.partition("[")[0]  # the training load's own name: the datasets cache has it
+        rows = self.rows if base == self.split else load_rows(self.path, base, cache_dir=self.init_args["cache_dir"])
+        return {"": len(rows)}, True
 
     # ----- prompts -----
     def prepare(self, tokenizer) -> None:

@@ -1,0 +1,112 @@
+"""The end-of-run summary: a few figures kept during the run (`RunSummary`), what the run leaves behind
+(checkpoints, the HF export, the last evaluation), `summary.json`, and the console lines.
+
+The console lines name only what exists: a logger directory, `hf/`, `best.ckpt` or the report command
+appear when the run wrote them (`logger=none` writes no `csv/`, so neither it nor the report command is named).
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+
+from topp_rl.callbacks.evaluation import Evaluation
+from topp_rl.checkpoint import LastCheckpoint
+from topp_rl.export import HFExport
+
+SUMMARY_KEYS = (
+    "rollout/reward_mean",
+    "train/rollout_logprob_abs_diff",
+    "train/rollout_logprob_abs_diff_unmasked",
+    "train/rollout_logprob_abs_diff_max",
+)
+# Per logger directory a run may hold: what the summary says about it.
+LOGGER_DIRS = (("csv", "metrics.csv"), ("tensorboard", "tensorboard --logdir"), ("wandb", "W&B"))
+REPORT_COMMAND = "python -m topp_rl.report"  # reads csv/
+
+
+class RunSummary(Callback):
+    """Keeps the per-step history of a few logged metrics for the end-of-run summary (reads, never logs)."""
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {k: [] for k in SUMMARY_KEYS}
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for key in SUMMARY_KEYS:
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                self.history[key].append(float(value))
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {"wall_s": time.perf_counter() - self.start}
+        rewards = self.history["rollout/reward_mean"]
+        if rewards:
+            k = max(1, len(rewards) // 5)  # mean of the first / last fifth: single steps are noisy
+            out["reward_first"] = sum(rewards[:k]) / k
+            out["reward_last"] = sum(rewards[-k:]) / k
+        for key in SUMMARY_KEYS[1:]:
+            values = self.history[key]
+            if values:
+                out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        return out
+
+
+def outputs_summary(trainer, run_dir) -> dict[str, float | str]:
+    """What the run resumed from and leaves: `last.ckpt` and the HF export with their steps, and the last
+    evaluation's figures with the best checkpoint (`Evaluation.summary`)."""
+    out: dict[str, float | str] = {}
+    if run_dir.resume_from is not None:
+        out |= {"resumed_from": str(run_dir.resume_from), "resumed_step": run_dir.resume_step}
+    for callback in trainer.callbacks:
+        if isinstance(callback, LastCheckpoint) and callback.saved_step is not None:
+            out |= {"checkpoint": str(callback.path), "checkpoint_step": callback.saved_step}
+        elif isinstance(callback, HFExport) and callback.exported_step is not None:
+            out |= {"hf_export": str(callback.dirpath), "hf_export_step": callback.exported_step}
+        elif isinstance(callback, Evaluation):
+            out |= callback.summary()
+    return out
+
+
+def write_summary(summary: dict[str, float | str], path: Path) -> None:
+    """The printed summary as JSON (NaN / inf written as strings: JSON has no such numbers)."""
+    values = {k: v if isinstance(v, str) or math.isfinite(v) else str(v) for k, v in summary.items()}
+    path.write_text(json.dumps(values, indent=2) + "\n")
+
+
+def print_summary(summary: dict[str, float | str], output_dir: str) -> None:
+    print("\n".join(summary_lines(summary, output_dir)), flush=True)
+
+
+def summary_lines(summary: dict[str, float | str], output_dir: str) -> list[str]:
+    run_dir = Path(output_dir)
+    lines = [f"[topp_rl] run finished: {summary['steps']} steps in {summary['wall_s']:.0f} s; run dir: {output_dir}"]
+    if "reward_first" in summary:
+        lines.append(f"  reward mean: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f}")
+    for key in SUMMARY_KEYS[1:]:
+        if key in summary:  # NaN / inf included: a summary must never hide them
+            lines.append(f"  {key}: {summary[key]:.3g}")
+    if "eval_step" in summary:
+        figures = ", ".join(f"{k} {v:.3g}" for k, v in summary.items() if k.startswith("val/"))
+        lines.append(f"  eval at step {summary['eval_step']} ({summary['eval_set']}, {summary['eval_prompts']} "
+                     f"prompts): {figures}")
+    if "best_checkpoint" in summary:
+        lines.append(f"  best {summary['best_metric']}: {summary['best_value']:.3g} at step {summary['best_step']}: "
+                     f"{summary['best_checkpoint']}")
+    if "resumed_from" in summary:
+        lines.append(f"  resumed from: {summary['resumed_from']} (step {summary['resumed_step']})")
+    if "checkpoint" in summary:
+        lines.append(f"  checkpoint: {summary['checkpoint']} (step {summary['checkpoint_step']}); resume with "
+                     f"hydra.run.dir={output_dir} ckpt_path=last")
+    if "hf_export" in summary and Path(summary["hf_export"]).is_dir():
+        lines.append(f"  HF checkpoint: {summary['hf_export']} (step {summary['hf_export_step']}; loads with "
+                     "transformers' from_pretrained)")
+    logs = [f"{name}/ ({what})" for name, what in LOGGER_DIRS if (run_dir / name).is_dir()]
+    files = ["summary.json"] if (run_dir / "summary.json").is_file() else []
+    if files or logs:
+        lines.append(f"  in the run dir: {', '.join(files + logs)}")
+    if (run_dir / "csv").is_dir():
+        lines.append(f"  plots: {REPORT_COMMAND} {output_dir}")
+    return lines
