@@ -47,8 +47,8 @@ from topp_rl.lora import (
     adapt_checkpoint_model,
     adapter_dir_for,
     hf_tensors,
-    lora_settings_of,
     write_adapter_dir,
+    write_checkpoint_adapter,
 )
 from topp_rl.rundir import remove_stale_temps
 from topp_rl.sharded_checkpoint import is_sharded, read_meta, read_tensors, saved_keys
@@ -367,19 +367,12 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     rollout = {k: cfg.rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in cfg.rollout}
     named = hf_tensors(model)  # the tied head appears once, as HF saves it; LoRA: merged, under the plain names
     info = {"step": checkpoint.get("global_step"), "source": str(ckpt_path.resolve()), "rollout": dict(rollout)}
-    if (lora_dir := write_lora_checkpoint_adapter(model, out_dir, adapter_dir, info)) and not merge_lora:
+    if (lora_dir := write_checkpoint_adapter(model, out_dir, adapter_dir, info=info)) and not merge_lora:
         return lora_dir
     return write_hf_dir(
         named, out_dir, hf_config=model.config, tokenizer=tokenizer, info=info,
         generation=generation_config(rollout, vocab_size=model.config.vocab_size, tokenizer=tokenizer),
     )
-
-
-def write_lora_checkpoint_adapter(model, out_dir, adapter_dir, info) -> Path | None:
-    """A LoRA checkpoint's adapter dir (default `<out_dir>_adapter`), written; None for a model without adapters."""
-    if lora_settings_of(model) is None:
-        return None
-    return write_adapter_dir(model, adapter_dir if adapter_dir is not None else adapter_dir_for(out_dir), info=info)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -286,3 +286,12 @@ def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Map
         raise
     swap_in(staged, target)
     return target
+
+
+def write_checkpoint_adapter(model: nn.Module, out_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None, *,
+                             info: Mapping[str, Any]) -> Path | None:
+    """The adapter dir of a model rebuilt from a LoRA checkpoint (default `<out_dir>_adapter`), written; None
+    for a model without adapters."""
+    if not has_adapters(model):
+        return None
+    return write_adapter_dir(model, adapter_dir if adapter_dir is not None else adapter_dir_for(out_dir), info=info)
