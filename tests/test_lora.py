@@ -196,6 +196,7 @@ def _adapters(module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.policy.named_parameters() if ".lora_" in n}
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_adapters_and_their_optimizer_state_and_resumes_exactly(tmp_path):
     """2 steps + resume for 2 more from last.ckpt equals 4 uninterrupted steps: the same losses, rewards and
     final adapter weights, bit for bit; the checkpoint's optimizer state covers exactly the adapters."""
