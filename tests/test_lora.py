@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from topp_rl.backbone import FrozenBase, HFBackbone
 from topp_rl.hook import ToppLogProb
-from topp_rl.lora import LoraBackbone, LoraSettings, apply_lora, merged_named_tensors
+from topp_rl.lora import BASE_RECORD, LoraBackbone, LoraSettings, apply_lora, merged_named_tensors
 from topp_rl.losses import GRPOLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.module import PolicyModule
@@ -199,7 +199,8 @@ def _adapters(module) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_checkpoint_holds_adapters_and_their_optimizer_state_and_resumes_exactly(tmp_path):
     """2 steps + resume for 2 more from last.ckpt equals 4 uninterrupted steps: the same losses, rewards and
-    final adapter weights, bit for bit; the checkpoint's optimizer state covers exactly the adapters."""
+    final adapter weights, bit for bit. The checkpoint holds the adapters and their optimizer state only, with the
+    base's digest: a resume onto another base (here another seed) is refused."""
     common = ("module.lora.rank=4", "optimizer.lr=0.01", "rollout.prompts_per_step=4", "rollout.n_samples=4",
               "logger=csv", "export.hf=false", "algo.loss.kl_coef=0.1")
     whole = build_run(compose_cfg(tmp_path / "whole", *common, "trainer.max_steps=4"))
@@ -209,6 +210,12 @@ def test_checkpoint_holds_adapters_and_their_optimizer_state_and_resumes_exactly
     ckpt = torch.load(tmp_path / "split" / "checkpoints" / "last.ckpt", weights_only=False)
     lora_keys = [k for k in ckpt["state_dict"] if ".lora_" in k]
     assert len(lora_keys) == 2 * 2 * 7  # 2 layers x 7 target layers x (A, B)
+    assert sorted(ckpt["state_dict"]) == sorted(lora_keys)  # the frozen base is left out, its digest kept
+    assert len(ckpt[BASE_RECORD]["digest"]) == 32
+    with pytest.raises(ValueError, match="trained on a base model whose weights differ from the run's model"):
+        other = build_run(compose_cfg(tmp_path / "split", *common, "trainer.max_steps=4", "ckpt_path=last",
+                                      "model.seed=7", "resume.allow_config_change=true"))
+        fit(other)
     (opt,) = ckpt["optimizer_states"]
     assert len(opt["state"]) == len(lora_keys) and all(s["exp_avg"].abs().max() > 0 for s in opt["state"].values())
     resumed = build_run(compose_cfg(tmp_path / "split", *common, "trainer.max_steps=4", "ckpt_path=last"))

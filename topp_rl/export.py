@@ -46,6 +46,7 @@ from topp_rl.lora import (
     LoraBackbone,
     adapt_checkpoint_model,
     adapter_dir_for,
+    base_keys_from_model,
     hf_tensors,
     write_adapter_dir,
     write_checkpoint_adapter,
@@ -318,6 +319,7 @@ def load_policy(checkpoint: Mapping[str, Any], path: Path):
         )
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # Megatron omits the tied head
+    tied |= base_keys_from_model(model, checkpoint)  # a LoRA checkpoint leaves its base out
     if set(missing) - tied or unexpected:
         raise ValueError(
             f"{path}: the policy weights do not fit the model {cfg.model.get('_target_')} rebuilt from its config "

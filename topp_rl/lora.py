@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from topp_rl.backbone import HFBackbone
 
 ADAPTER = "default"  # PEFT's name of the one adapter a run trains
+BASE_RECORD = "topp_rl_lora_base"  # a checkpoint key: the digest of the base its state dict leaves out
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEYS = ("rank", "alpha", "dropout", "target_modules")
 
@@ -180,6 +182,7 @@ class LoraBackbone(HFBackbone):
         super().__init__(peft_model.get_base_model(), **kwargs)
         self.settings = settings
         self._peft = _PeftHandle(peft_model)
+        self._base_digest: str | None = None  # computed on first use: the base is frozen
 
     @property
     def peft_model(self):
@@ -196,11 +199,59 @@ class LoraBackbone(HFBackbone):
         """A plain HF model holding the merged weights (a copy: PEFT's `merge_and_unload()` on a deep copy)."""
         return copy.deepcopy(self.peft_model).merge_and_unload()
 
-    def adapter_state(self) -> dict[str, Tensor]:
-        """The adapter weights as PEFT saves them (`adapter_model.safetensors` keys)."""
-        from peft import get_peft_model_state_dict
+    def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict[str, Any]:
+        """Remove the frozen base's entries (`prefix` + `model.<name>`) from a checkpoint's state dict in place;
+        the record `restore_base` needs (the base's digest). The adapters stay."""
+        for key in [k for k in state_dict if k.startswith(prefix) and not _is_adapter_key(k)]:
+            del state_dict[key]
+        return {"digest": self._digest()}
 
-        return get_peft_model_state_dict(self.peft_model, adapter_name=ADAPTER)
+    def restore_base(self, state_dict: dict[str, Tensor], record: Mapping[str, Any], *, prefix: str) -> None:
+        """Put this module's own base weights back into a checkpoint's state dict written by `drop_base`, after
+        checking that they are the base the checkpoint was trained on."""
+        check_base_digest(record, base_digest(self.model), where="the run's model")
+        for name, tensor in self.state_dict().items():
+            state_dict.setdefault(prefix + name, tensor)
+
+    def _digest(self) -> str:
+        if self._base_digest is None:
+            self._base_digest = base_digest(self.model)
+        return self._base_digest
+
+
+def _is_adapter_key(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
+
+
+def base_digest(model: nn.Module) -> str:
+    """BLAKE2b of the frozen base: every state-dict entry of `model` but the adapters, with names, dtypes, shapes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        if _is_adapter_key(name):
+            continue
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def check_base_digest(record: Mapping[str, Any], digest: str, *, where: str) -> None:
+    if record.get("digest") != digest:
+        raise ValueError(
+            f"this LoRA checkpoint holds the adapters only and was trained on a base model whose weights differ from "
+            f"{where} (digest {record.get('digest')} vs {digest}): the model config (model.*) or the files it reads "
+            "changed since training; restore the original base model, or start a new run"
+        )
+
+
+def base_keys_from_model(model: nn.Module, checkpoint: Mapping[str, Any]) -> set[str]:
+    """For a LoRA checkpoint written without its base (`BASE_RECORD`): the base keys `model` (rebuilt from the
+    run config, adapters injected) supplies itself, after checking its digest; an empty set otherwise."""
+    record = checkpoint.get(BASE_RECORD)
+    if record is None:
+        return set()
+    check_base_digest(record, base_digest(model), where="the model rebuilt from the checkpoint's config")
+    return {k for k in model.state_dict() if not _is_adapter_key(k)}
 
 
 def build_policy_backbone(policy: nn.Module, settings: LoraSettings, **kwargs) -> HFBackbone:

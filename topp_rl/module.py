@@ -41,6 +41,7 @@ from topp_rl.backbone import (
 )
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
+from topp_rl.lora import BASE_RECORD
 from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout, gather_tokens
@@ -139,6 +140,14 @@ class PolicyModule(L.LightningModule):
                 f"the policy holds non-finite weights (NaN or inf) at train start ({where}); a resumed checkpoint "
                 "may be corrupt: resume from an earlier one, or start over"
             )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if isinstance(self.policy, FrozenBase):  # the adapters only: the base is rebuilt from the run config
+            checkpoint[BASE_RECORD] = self.policy.drop_base(checkpoint["state_dict"], prefix="policy.")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if isinstance(self.policy, FrozenBase) and BASE_RECORD in checkpoint:
+            self.policy.restore_base(checkpoint["state_dict"], checkpoint[BASE_RECORD], prefix="policy.")
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
