@@ -9,8 +9,10 @@
   started without LoRA (SGLang on CPU, see docs/lora.md) and an HF export need.
 
 PEFT injects its layers into the HF model in place (`q_proj` becomes a `lora.Linear` holding `base_layer` and
-`lora_A` / `lora_B`), so the embedded engine that shares the policy's module samples with the adapted weights, and
-a checkpoint's state dict holds `policy.model.<HF path>.base_layer.weight` and the `lora_A` / `lora_B` weights.
+`lora_A` / `lora_B`), so the embedded engine that shares the policy's module samples with the adapted weights.
+Checkpoints hold the adapters (`policy.model.<HF path>.lora_A.default.weight`, ...) and their optimizer state, not
+the base: `drop_base` / `restore_base` (called from `PolicyModule`'s checkpoint hooks) leave it out and put the
+run's own base back on load, after checking its digest (`base_digest`) against the one saved.
 
 Departures: LoRA dropout is refused (> 0): the policy is scored in eval mode so that its log-probs equal the
 rollout's, where dropout would be off anyway. Megatron and FSDP backbones are refused at start.
