@@ -1,23 +1,12 @@
 """Hydra entry point: `python train.py algo=grpo rollout.top_p=0.9` (sweeps: `python train.py -m ...`).
 
-All behaviour lives in `topp_rl.train.train(cfg)`, which tests call directly with a composed config.
+The same app as the installed `topp-rl train` (`topp_rl.cli.train_command`); all behaviour lives in
+`topp_rl.train.train(cfg)`, which tests call directly with a composed config, and `topp_rl.fit` from Python.
 """
 
-import os
+import sys
 
-os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network unless a user opts in
-os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end: the run prints its own summary
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
-
-    train(cfg)
-
+from topp_rl.cli import train_command
 
 if __name__ == "__main__":
-    main()
+    train_command(sys.argv[1:])

@@ -1,8 +1,9 @@
 """`TrainingHealth`: loud warnings when a run goes wrong without crashing (collapse, off-policy drift).
 
 Reads the step's reduced figures from `trainer.callback_metrics` (the same on every rank, so it must come
-after the callbacks that log them) and raises an alarm, printed once to stderr on rank 0 when it turns on and
-logged every step as a 0 / 1 flag:
+after the callbacks that log them) and raises an alarm, logged every step as a 0 / 1 flag and printed to stderr on
+rank 0 once per alarm kind and run start: the first time it turns on, on its own line above the progress bar
+(`topp_rl.console.WarnOnce`); an alarm that turns off and on again is left to its flag. The alarms:
 - `health/mismatch_alarm`: the masked on-policy mismatch `train/rollout_logprob_abs_diff` exceeds
   `max_mismatch` (default by the trainer's precision: 1e-3 at 32 bits, where engines agree to ~1e-6; 1e-2 at
   16 bits, where bf16 scoring alone gives ~2e-3 (measured: tiny model, CPU bf16-mixed, top_p 0.9). Above it
@@ -19,11 +20,20 @@ logged every step as a 0 / 1 flag:
 """
 
 import math
-import sys
 
 from lightning.pytorch.callbacks import Callback
 
+from topp_rl.console import WarnOnce
+from topp_rl.data import RolloutBatch
 from topp_rl.module import PolicyModule
+
+
+def _rollout_step(outputs, batch_idx: int) -> int:
+    """The step this batch's figures carry in metrics.csv: its rollout's step (the number CompletionsLog prints),
+    else the batch index. `trainer.global_step` has already moved past it at batch end, and counts optimizer
+    steps (several per rollout step with `module.ppo_epochs` > 1)."""
+    rollout = (outputs or {}).get("rollout")
+    return int(rollout.step) if isinstance(rollout, RolloutBatch) else batch_idx
 
 
 def _stale(outputs) -> bool:
@@ -47,7 +57,7 @@ class TrainingHealth(Callback):
         self.zero_grad_run = 0
         self.first_entropy: float | None = None
         self.min_entropy = math.inf
-        self.active: set[str] = set()
+        self.warnings = WarnOnce()  # per process: a resumed run prints an alarm that holds again
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.max_mismatch is None:
@@ -55,7 +65,7 @@ class TrainingHealth(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        step = trainer.global_step
+        step = _rollout_step(outputs, batch_idx)
         alarms: dict[str, str | None] = {}
         mismatch = metrics.get("train/rollout_logprob_abs_diff")
         if mismatch is not None and _stale(outputs):
@@ -96,12 +106,9 @@ class TrainingHealth(Callback):
         return None
 
     def _report(self, trainer, key: str, message: str | None, step: int) -> None:
-        if message is None:
-            self.active.discard(key)
-            return
-        if key not in self.active and trainer.is_global_zero:
-            print(f"[topp_rl] WARNING at step {step}: {message}", file=sys.stderr, flush=True)
-        self.active.add(key)
+        if message is not None and trainer.is_global_zero:
+            self.warnings.warn(key, f"[topp_rl] WARNING at step {step}: {message} (printed once; {key} flags every "
+                                    "step it holds)")
 
     def state_dict(self) -> dict:
         return {"zero_grad_run": self.zero_grad_run, "first_entropy": self.first_entropy,

@@ -15,7 +15,9 @@ ALLOWED = {
     # topp_rl.moe: the HF MoE router hooks, shared by the engine (records routes) and the trainer (replays them).
     "topp_rl.moe": {"topp_rl.data", "topp_rl.moe"},
     "topp_rl.engines": {"topp_rl.ops", "topp_rl.data", "topp_rl.moe", "topp_rl.engines"},
-    "topp_rl.tasks": {"topp_rl.data", "topp_rl.tasks"},
+    # topp_rl.paths: where the shipped config and data are (a leaf: it imports nothing of topp_rl).
+    "topp_rl.paths": {"topp_rl.paths"},
+    "topp_rl.tasks": {"topp_rl.data", "topp_rl.paths", "topp_rl.tasks"},
     "topp_rl.rollout": {"topp_rl.ops", "topp_rl.data", "topp_rl.engines", "topp_rl.tasks", "topp_rl.parallel",
                         "topp_rl.rollout"},
 }
@@ -23,6 +25,8 @@ ALLOWED = {
 
 # Folders installed under another name (pyproject's package-dir): the callbacks folder is `topp_rl.callbacks`.
 PACKAGE_DIRS = {"callbacks": "topp_rl.callbacks"}
+# Folders without Python installed as package data (their files through pyproject's package-data).
+DATA_DIRS = {"conf": "topp_rl.resources.conf", "data": "topp_rl.resources.data"}
 
 
 def module_name(path: Path) -> str:
@@ -145,6 +149,7 @@ def test_the_walk_sees_imports_and_skips_lazy_ones(tmp_path):
 def test_pyproject_installs_every_package():
     """The package list is written out (a folder is mapped), so a new subpackage must be added to it."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    on_disk = {module_name(p) for p in source_files() if p.name == "__init__.py"}
+    on_disk = {module_name(p) for p in source_files() if p.name == "__init__.py"} | set(DATA_DIRS.values())
     assert sorted(setuptools["packages"]) == sorted(on_disk)
-    assert setuptools["package-dir"] == {v: k for k, v in PACKAGE_DIRS.items()}
+    assert setuptools["package-dir"] == {v: k for k, v in (PACKAGE_DIRS | DATA_DIRS).items()}
+    assert not [p for folder in DATA_DIRS for p in (ROOT / folder).rglob("*.py")]  # data only: no code there

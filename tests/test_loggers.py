@@ -1,22 +1,20 @@
 """Loggers: a `logger=wandb` run has the resolved config, tags and a CSV log next to it (which the plot command
-reads); the W&B mode follows WANDB_MODE; a multirun job's swept keys are in its run name; TensorBoard."""
+reads); the W&B mode follows WANDB_MODE; TensorBoard (sweep names: test_sweep.py)."""
 
 import csv
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT
 from helpers import compose_cfg as tiny_cfg
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from topp_rl import report
 from topp_rl.callbacks.completions import COLUMNS
-from topp_rl.loggers import LogConfig, build_loggers, job_label, swept_keys, wandb_mode
+from topp_rl.loggers import LogConfig, build_loggers, wandb_mode
 from topp_rl.train import build_run, fit
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -64,32 +62,6 @@ def test_wandb_mode_follows_the_environment_unless_configured(tmp_path):
         wandb_mode(None, "onlin")
     cfg = compose_cfg(tmp_path, "logger=wandb")
     assert "offline" not in cfg.logger.wandb and cfg.logger.wandb.mode is None  # nothing pins offline
-
-
-def test_swept_keys_and_job_label():
-    keys = swept_keys(["rollout.top_p=0.8,1.0", "seed=0", "algo=glob(g*)", "optimizer.lr=range(1,3)", "+x=1"])
-    assert keys == ["rollout.top_p", "algo", "optimizer.lr"]
-    assert job_label(["rollout.top_p=0.8", "seed=0", "algo=gspo", "optimizer.lr=2"], keys) == \
-        "rollout.top_p=0.8,algo=gspo,optimizer.lr=2"
-
-
-@pytest.mark.subprocess
-def test_multirun_job_name_holds_its_swept_keys(tmp_path):
-    """A real Hydra multirun (basic sweeper) of an app that prints what the W&B logger would be named."""
-    app = tmp_path / "app.py"
-    app.write_text(
-        "import hydra\nfrom topp_rl.loggers import group_name, run_display_name\n"
-        f"@hydra.main(version_base='1.3', config_path={str(ROOT / 'conf')!r}, config_name='config')\n"
-        "def main(cfg):\n    print('NAME', run_display_name(cfg), '|', group_name(cfg))\n"
-        "main()\n"
-    )
-    cmd = [sys.executable, str(app), "-m", "rollout.top_p=0.8,1.0", "seed=3", f"hydra.sweep.dir={tmp_path}/grp",
-           "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    names = [line for line in proc.stdout.splitlines() if line.startswith("NAME ")]
-    assert names == ["NAME grpo-top_p0.8-seed3 [rollout.top_p=0.8] | grp",
-                     "NAME grpo-top_p1.0-seed3 [rollout.top_p=1.0] | grp"]
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (pip install 'topp_rl[tensorboard]')")

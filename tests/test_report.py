@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from topp_rl import report
+from topp_rl import curves, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = list(range(1, 9))
@@ -155,3 +155,112 @@ def test_val_figure_draws_each_evaluation_metric(tmp_path):
     assert list(lines["pass@k"].get_ydata()) == [0.25, 0.3125, 0.625]
     assert "val.png" in [p.name for p in report.render(tmp_path)]
     assert report.val_figure({"": {"rollout/reward_mean": [(0.0, 0.1)]}}) is None  # no evaluation, no figure
+
+
+def write_rewards(job_dir, means, stds, task_config=None):
+    write_csv(job_dir / "csv/version_0/metrics.csv", [
+        {"step": s, REWARD: m, "rollout/reward_std": sd} for s, (m, sd) in enumerate(zip(means, stds, strict=True))])
+    if task_config is not None:
+        (job_dir / "config.yaml").write_text(task_config)
+
+
+def band_ys(ax):
+    (band,) = ax.collections  # fill_between's PolyCollection
+    return band.get_paths()[0].vertices[:, 1]
+
+
+def test_metric_ranges_by_name_and_override():
+    assert curves.metric_range("rollout/truncation_rate") == (0.0, 1.0)
+    assert curves.metric_range("train/is_ratio_outside_frac_unmasked") == (0.0, 1.0)
+    assert curves.metric_range("val/pass@k") == (0.0, 1.0)
+    assert curves.metric_range("val/response_length_mean") == (0.0, None)  # a length, not a fraction
+    assert curves.metric_range("train/rollout_logprob_abs_diff_p99") == (0.0, None)
+    assert curves.metric_range("train/kl_k3_rollout") == (0.0, None)
+    assert curves.metric_range("train/loss") == (None, None)
+    assert curves.metric_range(REWARD) == (None, None)  # a reward function may return any float
+    assert curves.metric_range(REWARD, {REWARD: (-1.0, 1.0)}) == (-1.0, 1.0)
+    assert curves.parse_range("rollout/reward_mean=0:1") == (REWARD, (0.0, 1.0))
+    assert curves.parse_range("train/loss=:5") == ("train/loss", (None, 5.0))
+    for bad in ("rollout/reward_mean", "x=1:0", "x=a:b", "x=0-1"):
+        with pytest.raises(ValueError, match=r"expected METRIC=LOW:HIGH with LOW < HIGH"):
+            curves.parse_range(bad)
+
+
+def test_moving_average_is_centred_and_shrinks_at_the_ends():
+    assert curves.moving_average([0, 3, 6, 0, 9], 3) == [1.5, 3.0, 3.0, 5.0, 4.5]
+    assert curves.moving_average([1, 2], 1) == [1.0, 2.0]
+    assert [curves.smoothing_window(n) for n in (8, 11, 12, 30, 120, 10_000)] == [1, 1, 3, 5, 21, 51]
+    assert [curves.smoothing_window(100, r) for r in (0, 1, 4, 7)] == [1, 1, 5, 7]
+
+
+def test_task_reward_range_from_the_run_config(tmp_path):
+    cases = {
+        "copy": ("task:\n  _target_: topp_rl.tasks.generated.CopyDigitTask\n  digit_credit: 0.2\n", (0.0, 1.0)),
+        "penalty": ("task:\n  _target_: topp_rl.tasks.generated.ArithmeticTask\n  partial_credit: -0.5\n",
+                    (-0.5, 1.0)),
+        "own_reward": ("task:\n  _target_: topp_rl.tasks.generated.CopyDigitTask\n  reward_fn: my.mod:fn\n",
+                       (None, None)),
+        "dataset": ("task:\n  _target_: topp_rl.tasks.datasets.DatasetTask\n", (None, None)),
+    }
+    for name, (text, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(text)
+        assert curves.task_reward_range(tmp_path / name) == expected, name
+    assert curves.task_reward_range(tmp_path / "absent") == (None, None)
+
+
+def test_reward_plot_draws_raw_and_smoothed_lines_and_a_band_clipped_to_the_task_range(tmp_path):
+    means = [0.05 * (s % 5) + 0.01 * s for s in range(24)]  # a saw tooth on a rising line, all in [0, 0.43]
+    stds = [0.3] * 24  # mean - std < 0 at every step: a {0, 1} reward's spread
+    copy_digit = "task:\n  _target_: topp_rl.tasks.generated.CopyDigitTask\n  digit_credit: 0.2\n"
+    write_rewards(tmp_path / "copy", means, stds, copy_digit)
+    write_rewards(tmp_path / "custom", means, stds)  # no config.yaml: the reward's range is unknown
+    for job, low in (("copy", 0.0), ("custom", min(curves.moving_average(means, 5)) - 0.3)):  # the band is smoothed too
+        history = report.load_jobs(tmp_path / job)
+        fig = report.reward_figure(history, reward_ranges=report.reward_ranges(tmp_path / job), run=f"run {job}")
+        ax = fig.axes[0]
+        raw, smooth = ax.lines
+        window = curves.smoothing_window(24)  # 24 points: a 5-point window
+        assert window == 5 and raw.get_label() == "reward mean, each step" and smooth.get_label() == "reward mean"
+        assert list(raw.get_ydata()) == pytest.approx(means)
+        assert list(smooth.get_ydata()) == pytest.approx(curves.moving_average(means, 5))
+        assert band_ys(ax).min() == pytest.approx(low)  # clipped at 0 for copy_digit, not for an unknown task
+        assert ax.get_title() == f"Rollout reward\nrun {job}" and ax.get_xlabel() == "rollout step"
+        legend = ax.get_legend()
+        assert legend.get_title().get_text() == "thick: 5-point centred moving average\nfaint: each step"
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert labels[-1] == ("± std of the step's rewards, clipped to [0, 1]" if job == "copy"
+                              else "± std of the step's rewards")
+    # --range overrides the task's range; --smooth 0 draws the raw values alone (with markers)
+    assert report.reward_ranges(tmp_path / "custom", {REWARD: (0.0, None)}) == {"": (0.0, None)}
+    fig = report.reward_figure(report.load_jobs(tmp_path / "custom"), smooth=0)
+    assert [line.get_label() for line in fig.axes[0].lines] == ["reward mean"]
+    assert fig.axes[0].get_legend().get_title().get_text() == ""
+
+
+def test_seed_groups_read_both_job_dir_styles_and_clip_their_bands(tmp_path):
+    assert report.variant_of("4-p0.9-k0-maskTrue-tisNone-seed1") == "p0.9-k0-maskTrue-tisNone"
+    assert report.variant_of("3-seed=1,experiment=study_arith_tis") == "experiment=study_arith_tis"
+    assert report.variant_of("5-rollout.top_p=0.9,seed=12") == "rollout.top_p=0.9"
+    for seed, values in ((0, [0.0, 0.2, 0.9, 1.0]), (1, [0.1, 0.0, 1.0, 1.0])):
+        write_csv(tmp_path / f"{seed}-seed={seed},algo=gspo/csv/version_0/metrics.csv",
+                  [{"step": s, "train/clip_frac": v} for s, v in enumerate(values)])
+    groups = report.group_seeds(report.load_jobs(tmp_path))
+    assert list(groups) == ["algo=gspo"]
+    fig = report.seeds_figure(groups, smooth=3)
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "train/clip_frac" and ax.get_title() == "clip fraction"
+    assert list(ax.lines[1].get_ydata()) == pytest.approx(curves.moving_average([0.05, 0.1, 0.95, 1.0], 3))
+    ys = band_ys(ax)
+    assert ys.min() >= 0.0 and ys.max() <= 1.0
+
+
+def test_cli_takes_smoothing_and_ranges_and_names_a_bad_range(tmp_path, capsys):
+    write_rewards(tmp_path / "run", [0.1 * (s % 3) for s in range(30)], [0.5] * 30)
+    report.main([str(tmp_path / "run"), "--smooth", "7", "--range", "rollout/reward_mean=0:1"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "run/plots/reward.png")]
+    assert_real_png(tmp_path / "run/plots/reward.png")
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(tmp_path / "run"), "--range", "rollout/reward_mean=1:0"])
+    assert exc.value.code == 2 and "--range 'rollout/reward_mean=1:0': expected METRIC=LOW:HIGH" in \
+        capsys.readouterr().err

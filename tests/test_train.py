@@ -66,12 +66,15 @@ def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):
     runs = sorted((tmp_path / GROUP).glob("*/wandb/offline-run-*"))
     assert len(runs) == 2, runs
     names = []
+    assert [r.parent.parent.name for r in runs] == ["0-rollout.top_p=0.8", "1-rollout.top_p=1.0"]  # swept values
+    group = f"{GROUP} [rollout.top_p]".encode()  # the sweep: its dir and its swept keys
     for run in runs:
         data = next(run.glob("run-*.wandb")).read_bytes()
-        # The run record holds the group (the sweep directory's name) as a length-prefixed protobuf string.
-        assert bytes([len(GROUP)]) + GROUP.encode() in data
-        names += [n for n in (b"grpo-top_p0.8-seed0", b"grpo-top_p1.0-seed0") if n in data]
-    assert sorted(names) == [b"grpo-top_p0.8-seed0", b"grpo-top_p1.0-seed0"]  # one run per job
+        # The run record holds the group and the run name as length-prefixed protobuf strings.
+        assert bytes([len(group)]) + group in data
+        names += [n for n in (b"grpo-top_p0.8-seed0 [rollout.top_p=0.8]", b"grpo-top_p1.0-seed0 [rollout.top_p=1.0]")
+                  if bytes([len(n)]) + n in data]
+    assert sorted(names) == [b"grpo-top_p0.8-seed0 [rollout.top_p=0.8]", b"grpo-top_p1.0-seed0 [rollout.top_p=1.0]"]
     assert proc.stdout.count("[topp_rl] run finished") == 2
 
 

@@ -1,9 +1,18 @@
 """topp_rl: exact top-p / top-k / min-p log-probs for LLM RL post-training.
 
-Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import.
+Python API: `topp_rl.fit(overrides=[...])` trains one run and returns a `FitResult` (run dir, summary, metrics);
+`topp_rl.compose(overrides)` gives the config it would run (see `topp_rl.api`).
+Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import. Importing the package
+registers the OmegaConf resolver that names a sweep's job dirs (`topp_rl.sweep`; omegaconf only).
 """
 
-__all__ = ["ToppLogProb"]
+from topp_rl.sweep import register_resolvers
+
+register_resolvers()
+
+__all__ = ["FitResult", "ToppLogProb", "compose", "fit"]
+
+_API = ("FitResult", "compose", "fit")
 
 
 def __getattr__(name: str):
@@ -11,4 +20,8 @@ def __getattr__(name: str):
         from topp_rl.hook import ToppLogProb
 
         return ToppLogProb
+    if name in _API:
+        from topp_rl import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'topp_rl' has no attribute {name!r}")

@@ -34,6 +34,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from topp_rl.sweep import run_dir_override
+
 RECORD_KEY = "topp_rl"  # checkpoint[RECORD_KEY] = {"config": the run's resolved config}
 _TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
 
@@ -89,6 +91,17 @@ def read_checkpoint(path: str | Path, **load_kwargs) -> dict[str, Any]:
         return torch.load(path, **load_kwargs)
 
 
+def write_failed(path: Path, err: Exception) -> CheckpointWriteError:
+    """The error for a checkpoint write that failed, naming the path and the free space. torch reports a full disk
+    as an internal error ("unexpected pos 704 vs 598")."""
+    free = shutil.disk_usage(path.parent).free
+    return CheckpointWriteError(
+        f"could not write checkpoint {path}: {type(err).__name__}: {err}; {mib(free)} free in {path.parent}; free "
+        f"space there (or point hydra.run.dir at a larger disk) and resume with ckpt_path=last; the previous "
+        f"{path.name}, if any, is kept"
+    )
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` whose saves are write-temp-then-rename in the target directory (local paths)."""
 
@@ -110,13 +123,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         except Exception as err:
             tmp.unlink(missing_ok=True)
-            # torch reports a full disk as an internal error ("unexpected pos 704 vs 598"): name file and space.
-            free = shutil.disk_usage(path.parent).free
-            raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {type(err).__name__}: {err}; {mib(free)} free in "
-                f"{path.parent}; free space there (or point hydra.run.dir at a larger disk) and resume with "
-                f"ckpt_path=last; the previous {path.name}, if any, is kept"
-            ) from err
+            raise write_failed(path, err) from err
         except BaseException:  # KeyboardInterrupt mid-write: no partial temp file left behind
             tmp.unlink(missing_ok=True)
             raise
@@ -231,7 +238,7 @@ class LastCheckpoint(Checkpoint):
         name = signal.Signals(self.signum).name
         return RunInterrupted(self.signum, (
             f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.path}; resume with the same "
-            f"overrides plus hydra.run.dir={self.path.parent.parent} ckpt_path=last (exit status "
+            f"overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit status "
             f"{128 + self.signum})"
         ))
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.config_keys import validate_known_keys
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
+from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
 BOOLEAN_KEYS = (
@@ -314,6 +315,7 @@ def validate_config(cfg: DictConfig) -> None:
     validate_weight_sync(cfg)
     validate_callback_settings(cfg)
     validate_overlap(cfg)
+    check_reward_config(cfg.task)  # imports each named reward: a wrong module name fails before the model loads
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:
         _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "

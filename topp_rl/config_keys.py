@@ -8,7 +8,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from topp_rl.paths import config_dir
+
 # Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
 # they do not define (`+rollout.topp=0.9`: Hydra's `+` adds it, nothing reads it) is a typo. "" is the top level.
 # Open, and not checked here: `_target_` nodes (their keys are constructor kwargs: model, task, data, optimizer,
@@ -30,11 +31,12 @@ def _yaml_keys(path: Path) -> set[str]:
 def shipped_keys() -> dict[str, frozenset[str]]:
     """Per closed section, the keys the shipped yaml defines: `conf/config.yaml` (its defaults' group names at
     the top level) and the nodes the `callbacks` options bring (`eval`, `export`)."""
-    main = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    conf = config_dir()
+    main = yaml.safe_load((conf / "config.yaml").read_text())
     groups = {next(iter(d)) for d in main["defaults"] if isinstance(d, dict)}
     top = set(main) - {"defaults"} | {g for g in groups if not g.startswith("override ")}
     sections = {section: set(main.get(section) or ()) for section in CLOSED_SECTIONS[1:]}
-    for path in (CONF_DIR / "callbacks").glob("*.yaml"):  # `# @package _global_`: nodes beside `callbacks`
+    for path in (conf / "callbacks").glob("*.yaml"):  # `# @package _global_`: nodes beside `callbacks`
         for name, node in (yaml.safe_load(path.read_text()) or {}).items():
             top.add(name)
             if name in sections and isinstance(node, dict):
@@ -48,7 +50,7 @@ def rollout_keys() -> dict[str, frozenset[str]]:
     """Per rollout choice, keyed by its engine's `_target_`: the `rollout.*` keys that choice defines (a key of
     another choice does nothing under this one, e.g. `rollout.max_candidates` under rollout=embedded)."""
     out = {}
-    for path in sorted((CONF_DIR / "rollout").glob("*.yaml")):
+    for path in sorted((config_dir() / "rollout").glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}
         out[data["engine"]["_target_"]] = frozenset(_yaml_keys(path))
     return out

@@ -4,9 +4,12 @@ each log line once.
 Lightning's own bar counts batches per epoch; an RL run has one endless epoch of rollout steps, so it shows
 `Epoch 0/-2` and no total. `StepProgressBar` counts optimizer steps towards `trainer.max_steps` and shows the
 two figures a user watches: the reward and the masked train/rollout mismatch. `StepTimer` logs `perf/step_s`.
+Lines printed while the bar runs go through `print_line` (tqdm.write), so each lands on its own line above the bar;
+`WarnOnce` prints each kind of warning the first time only.
 """
 
 import logging
+import sys
 import time
 
 from lightning.pytorch.callbacks import Callback
@@ -64,6 +67,28 @@ class StepProgressBar(ProgressBar):
 
     def print(self, *args, sep: str = " ", **kwargs) -> None:
         tqdm.write(sep.join(map(str, args)), **kwargs)  # above the bar, which stays intact
+
+
+def print_line(text: str, *, file=None) -> None:
+    """`text` on its own line of stderr (or `file`): a live tqdm bar is cleared first and redrawn below it. A plain
+    print while the bar runs lands at the end of the bar's line (in a terminal, the bar then overwrites it)."""
+    tqdm.write(text, file=file if file is not None else sys.stderr)
+
+
+class WarnOnce:
+    """Prints each kind of warning the first time it is raised in this process, through `print_line`; later
+    occurrences print nothing (callers keep a per-step flag, e.g. TrainingHealth's `health/*` metrics)."""
+
+    def __init__(self) -> None:
+        self.printed: set[str] = set()
+
+    def warn(self, kind: str, text: str) -> bool:
+        """Print `text` unless `kind` was printed before; returns whether it printed."""
+        if kind in self.printed:
+            return False
+        self.printed.add(kind)
+        print_line(text)
+        return True
 
 
 class StepTimer(Callback):

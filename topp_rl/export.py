@@ -377,8 +377,8 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, 
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m topp_rl.export", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.export") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])  # `topp-rl export` names itself
     parser.add_argument("ckpt", help="a training checkpoint, e.g. <run dir>/checkpoints/last.ckpt")
     parser.add_argument("out_dir", help="the HF checkpoint directory to write: absent, empty, or a previous export "
                                         "(which is replaced)")

@@ -4,8 +4,9 @@
   defaults the variable to offline, so nothing reaches the network unless a user opts in). Lightning's own
   `offline=True` is not used: it rewrites `WANDB_MODE` for the whole process, so an online run was impossible.
 - Run name: `run_name`, plus the swept keys of a multirun job (`grpo-top_p0.8-seed0 [rollout.top_p=0.8]`),
-  read from the sweep's `multirun.yaml` (Hydra writes it before the first job), so jobs are told apart.
-- Group: `group`, else the sweep directory's name in multirun mode.
+  so jobs are told apart (`topp_rl.sweep` reads the swept keys from the sweep's `multirun.yaml`).
+- Group: `group`, else in multirun mode the sweep, named by its dir and swept keys
+  (`2026-12-02_14-05-09 [rollout.top_p,algo]`).
 - One W&B run id per run dir (`<run dir>/wandb_id`): a resume appends to the same run.
 - `LogConfig` hands every logger the resolved config at fit start (`log_hyperparams`: the W&B run config, the
   CSV and TensorBoard `hparams.yaml`).
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.rundir import wandb_run_id
+from topp_rl.sweep import group_label, job_label, sweep_keys_of
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -51,28 +53,13 @@ def _is_multirun(hc) -> bool:
 
 
 def group_name(cfg: DictConfig) -> str | None:
-    """W&B group: `group` when set, else the sweep directory's name in multirun mode, else none."""
+    """W&B group: `group` when set, else in multirun mode the sweep (`<sweep id> [<swept keys>]`), else none."""
     if cfg.get("group"):
         return str(cfg.group)
     hc = _hydra_config()
-    return Path(hc.sweep.dir).name if _is_multirun(hc) else None
-
-
-def swept_keys(sweep_overrides: list[str]) -> list[str]:
-    """Keys the sweep varies (`a=1,2`, `b=range(3)`, `c=choice(x,y)`), in command-line order."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(sweep_overrides)
-    return [o.get_key_element() for o in parsed if o.is_sweep_override()]
-
-
-def job_label(job_overrides: list[str], keys: list[str]) -> str:
-    """`key=value` of the swept keys as this job set them, comma-separated (keys this job lacks are left out)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    values = {o.get_key_element(): o.get_value_element_as_str()
-              for o in OverridesParser.create().parse_overrides(job_overrides)}
-    return ",".join(f"{k}={values[k]}" for k in keys if k in values)
+    if not _is_multirun(hc):
+        return None
+    return group_label(hc.sweep.dir, sweep_keys_of(hc.sweep.dir, list(hc.overrides.task)))
 
 
 def run_display_name(cfg: DictConfig) -> str:
@@ -81,15 +68,8 @@ def run_display_name(cfg: DictConfig) -> str:
     hc = _hydra_config()
     if not _is_multirun(hc):
         return name
-    sweep = Path(hc.sweep.dir) / "multirun.yaml"
     job = list(hc.overrides.task)
-    try:  # the sweep as typed: overrides plus hydra.sweeper.params (config-defined sweeps)
-        recorded = OmegaConf.load(sweep).hydra
-        typed = [f"{k}={v}" for k, v in (recorded.sweeper.get("params") or {}).items()]
-        keys = swept_keys(typed + list(recorded.overrides.task))
-    except (OSError, AttributeError):  # a sweeper that writes no multirun.yaml: name every override of the job
-        keys = [o.split("=", 1)[0].lstrip("+~") for o in job]
-    label = job_label(job, keys)
+    label = job_label(job, sweep_keys_of(hc.sweep.dir, job))
     return f"{name} [{label}]" if label else name
 
 

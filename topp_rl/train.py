@@ -92,7 +92,9 @@ def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
     return build
 
 
-def build_run(cfg: DictConfig) -> Run:
+def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
+    """Every part of a run; `rewards` (entries whose `fn` may be a Python callable: `topp_rl.fit`) replace the
+    task's configured reward functions."""
     validate_config(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output_dir = Path(cfg.paths.output_dir)
@@ -107,7 +109,7 @@ def build_run(cfg: DictConfig) -> Run:
     shares = bool(cfg.rollout.engine.get("share_weights"))
     engine_factory = engine_for(cfg, policy, tokenizer, output_dir,
                                 engine_model=engine_model_factory(backbone, shares_weights=shares))
-    task = instantiate(cfg.task)
+    task = instantiate(cfg.task) if rewards is None else instantiate(cfg.task, _partial_=True)(rewards=rewards)
     params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
     datamodule = instantiate(cfg.data, _partial_=True)(engine=engine_factory, task=task, tokenizer=tokenizer,
@@ -137,6 +139,11 @@ def build_run(cfg: DictConfig) -> Run:
 def train(cfg: DictConfig) -> dict[str, float | str]:
     """Fit one run from a composed config; returns the summary figures (also printed), with the checkpoint the
     run resumed from and the one it leaves, each with its step."""
+    return train_run(cfg)[1]
+
+
+def train_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> tuple[Run, dict[str, float | str]]:
+    """`train`, also returning the run it built (`topp_rl.fit` reads the trainer's last metrics from it)."""
     route_lightning_logs()
     threads = torch.get_num_threads()
     if cfg.get("num_threads"):
@@ -144,7 +151,7 @@ def train(cfg: DictConfig) -> dict[str, float | str]:
     try:
         # Lock the run dir and check a resume (checkpoint present, same config) before anything is built.
         with RunDir(cfg) as run_dir:
-            run = build_run(cfg)
+            run = build_run(cfg, rewards=rewards)
             run_dir.record_config(cfg)  # config.yaml, or config.resume-<n>.yaml: the history is kept
             fit(run)
     finally:
@@ -153,7 +160,7 @@ def train(cfg: DictConfig) -> dict[str, float | str]:
     if run.trainer.is_global_zero:
         write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
-    return summary
+    return run, summary
 
 
 def fit(run: Run) -> None:

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.backbone import HFBackbone
-from topp_rl.checkpoint import AtomicCheckpointIO
+from topp_rl.checkpoint import AtomicCheckpointIO, write_failed
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.fsdp.backbone import FSDPBackbone
 from topp_rl.sharded_checkpoint import META, data_dir_for, is_sharded, publish, read_meta
@@ -124,7 +124,10 @@ class FSDPStrategy(DDPStrategy):
         data_dir = Path(self.broadcast(str(data_dir_for(link, checkpoint["global_step"]))))  # rank 0's name
         shards = {"state_dict": checkpoint.pop("state_dict")}
         shards |= {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
-        dcp.save(shards, checkpoint_id=str(data_dir))
+        try:
+            dcp.save(shards, checkpoint_id=str(data_dir))  # a failure on any rank raises on every rank
+        except Exception as err:
+            raise write_failed(link, err) from err  # the unfinished data dir goes at the next start or save
         if self.is_global_zero:
             AtomicCheckpointIO().save_checkpoint(checkpoint, data_dir / META)
             publish(link, data_dir)

@@ -169,6 +169,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
         if self.peers.is_source:
             self.ensure_engine()
+            if strategy is not None:  # a reward model scores on the trainer's device (it runs on this rank)
+                self.task.reward_set.to_device(strategy.root_device)
         else:  # a TP x CP peer never generates: let go of the factory and the full HF model it holds
             self._engine_factory = None
         self._share_workers()
@@ -227,7 +229,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- one rollout step -----
     def generate(self, ticket: RolloutTicket) -> list[Sample]:
-        """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here)."""
+        """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here).
+        With overlap the next step's generation starts first, so it runs while this step's rewards are computed
+        (the same weights either way: no update comes in between)."""
         ahead = self._prefetch.take(ticket.step) if self._prefetch is not None else None
         if ahead is not None:
             samples, self.last_generate_s = ahead
@@ -235,6 +239,8 @@ class RolloutDataModule(L.LightningDataModule):
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
+        if self._prefetch is not None:
+            self._prefetch_next(ticket.step + 1)
         # Step-global numbers across DP ranks: this rank's prompts start at group `first_group`.
         number_samples(samples, prompts=len(ticket.records), n=self.params.n, first_group=ticket.first_group)
         records = {ticket.first_group + j: r for j, r in enumerate(ticket.records)}
@@ -253,9 +259,7 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
         own = self.generate(ticket) if self.peers.is_source else None
-        overlapped = own is not None and self._prefetch is not None
-        if overlapped:
-            self._prefetch_next(ticket.step + 1)
+        overlapped = own is not None and self._prefetch is not None  # `generate` started the next step
         generated = time.perf_counter()
         samples, shared_bytes = share_samples(own, self.peers)
         share_seconds = time.perf_counter() - generated

@@ -2,8 +2,9 @@
 
 `topp_rl.engines.VersionedEngine` wraps the engine: `generate` and `update_weights` take one lock, so a weight
 push waits for the generation in flight, and every sample records its weight version. `Prefetcher` runs
-`generate` for the next ticket on one background thread; everything else of a rollout step (rewards, which may use signals,
-advantages, collectives, packing) stays on the trainer's thread.
+`generate` for the next ticket on one background thread, started before the current step's rewards so the two run
+at once; everything else of a rollout step (rewards, which may use signals, advantages, collectives, packing) stays
+on the trainer's thread.
 
 Staleness is bounded by 1: step k + 1's generation starts once step k's batch is taken, with the weights of
 step k - 1's update, and step k's own update waits for it. The loss sees old log-probs (the trained policy)

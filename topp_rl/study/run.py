@@ -16,17 +16,17 @@ from omegaconf import DictConfig
 from topp_rl.backbone import HFBackbone
 from topp_rl.config import validate_config
 from topp_rl.engines.sglang.server import sglang_python
+from topp_rl.paths import config_dir
 from topp_rl.study.grid import Setting, grid
 from topp_rl.study.output import plot, rows_of, write_tables
 from topp_rl.study.ratios import EngineRun, run_engine
 from topp_rl.study.stats import TokenFigures
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 FIGURES = "figures.pt"
 
 
 def compose_config(overrides: list[str], *, engine: str, out: Path) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         # The engine's group last: the study picks it, not the overrides.
         cfg = compose("config", overrides=[f"paths.output_dir={out}", "logger=none", *overrides,
                                            f"rollout={engine}"])

@@ -2,12 +2,15 @@
 `datasets` (config `task=dataset`, `task=gsm8k`, `task=jsonl`).
 
 - `path`: a file (the loader follows the extension) or a directory written by `save_to_disk` (a `Dataset`, or a
-  `DatasetDict` whose split `split` is taken). `split` also takes HF slices: `train[:90%]`, `test[100:]`.
+  `DatasetDict` whose split `split` is taken). `split` also takes HF slices: `train[:90%]`, `test[100:]`. A
+  relative path is looked up in the working directory, then among the files topp_rl ships
+  (`topp_rl.paths.resolve_data_path`), so `task=gsm8k` works from any directory.
 - `prompt_key` names the prompt column: strings, or chat conversations (`[{role, content}, ...]`, rendered
   by the tokenizer's chat template: needs `chat_template=true`). `system_prompt` goes first in each
   conversation that has none. `answer_key` (or null) names the reference answer, `record.answer` for the reward.
-- Rewards: `reward_fn` ("pkg.mod:fn" or "path/to/file.py:fn") or `rewards` (weighted named functions,
-  `topp_rl.tasks.rewards.RewardSet`); each function's value is logged as `rollout/reward/<name>_mean`.
+- Rewards: `reward_fn` ("pkg.mod:fn" or "path/to/file.py:fn") or `rewards` (weighted named terms: functions,
+  reward models, reward services; `topp_rl.tasks.rewards.RewardSet`); each term's score is logged as
+  `rollout/reward/<name>_mean`.
 - `max_prompt_tokens`: prompts whose token count exceeds it are dropped once, with the first tokenizer
   seen (the count is printed and logged as `rollout/filtered_prompts`).
 - Order: a fresh permutation per pass over the kept rows, fixed by (seed, epoch), so the data position stays
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from topp_rl.data import Messages, PromptRecord, prompt_text
+from topp_rl.paths import resolve_data_path
 from topp_rl.tasks import splits
 from topp_rl.tasks.base import Task
 from topp_rl.tasks.rewards import RewardSet
@@ -59,7 +63,7 @@ class DatasetTask(Task):
             )
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) must be >= 1, or null for no limit")
-        self.path, self.split = Path(path), split
+        self.path, self.split = resolve_data_path(path), split
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.max_prompt_tokens, self.shuffle = max_prompt_tokens, shuffle
         self.reward_set = RewardSet.from_config(rewards or [{"fn": reward_fn}])  # replaces the base's `reward`

@@ -1,52 +1,83 @@
-"""Reward functions: weighted sets of named functions (config `task.rewards`) and two built-in checkers.
+"""Reward sets: weighted named reward terms (config `task.rewards`, or `task.reward_fn` for one function).
 
-A reward function is called `fn(response: str, record: PromptRecord) -> float | dict[str, float]`:
-`record.answer` is the reference answer (the task's answer column), `record.data` the whole dataset row,
-`record.text` the prompt. Marked batched (the `@batched` decorator, or `batched: true` in its config entry)
-it is called once per rollout step as `fn(responses, records)` and returns one value per response. A dict
-value holds named sub-scores: each is logged, and the function's value is their sum.
+A term is one of:
+- a function `fn(response: str, record: PromptRecord) -> value`, named `pkg.mod:fn` or `path/to/file.py:fn`
+  (`topp_rl.tasks.reward_import`), or passed as a Python callable. `record.answer` is the reference answer,
+  `record.data` the whole dataset row, `record.text` the prompt. Marked batched (the `@batched` decorator, or
+  `batched: true` in its entry) it is called once per rollout step as `fn(responses, records)` and returns one
+  value per response.
+- an object that `ScoresBatches`, built from a `_target_` entry: a reward model
+  (`topp_rl.tasks.reward_model.RewardModel`) or a reward service (`topp_rl.tasks.reward_service.RewardService`).
 
-`RewardSet`: reward = sum_i weight_i * value_i. Every function's unweighted value goes to
-`sample.metadata["rewards"][name]` (dict entries as `"<name>/<key>"`), which `RolloutStats` logs as
-`rollout/reward/<name>_mean`.
+Entries: `"pkg.mod:fn"`, `{fn, weight, name, batched, kwargs, terms}` (`fn` may also be a `_target_` node), or a
+bare `{_target_: ..., <its arguments>}` (weight 1, the object's own name).
 
-Functions are named `pkg.mod:fn` (imported) or `path/to/file.py:fn` (loaded from that file; a relative path
-is taken from the working directory).
+Values: a float, or a dict with a `score` key (verl's form). The score is the term's value; a dict's other
+entries are logged, never summed, unless the entry declares them as weighted terms (`terms: {key: weight}`):
+    reward = sum_i weight_i * score_i + sum_i sum_k terms_i[k] * value_i[k]
+Anything else (a string, None, a list, a dict without `score`) is a `RewardError` naming the function and the
+sample. Each term's unweighted score goes to `sample.metadata["rewards"][name]` and each other dict entry to
+`"<name>/<key>"`; `RolloutStats` logs them as `rollout/reward/<name>_mean` and `rollout/reward/<name>/<key>_mean`.
 
-Built in:
-- `math_answer`: 1.0 when the response's final answer equals the reference under math-verify (symbolic
-  equality: `\\boxed{1/2}` == `0.5`), else 0.0. The response's answer is its last `\\boxed{}`, else the text
-  after its last `####` (GSM8K's marker), else its last number ("The answer is 18."). The reference may be
-  GSM8K's full solution ("reasoning #### 18"): the part after its last `####` is the answer.
-- `countdown_score`: the Countdown rule (each given number used exactly once, or at most once; + - * / and
-  parentheses), checked with `ast` and exact `Fraction` arithmetic, never `eval`.
+Concurrency: terms that score asynchronously (`ScoresAsync`: the reward service, whose requests wait on the
+network) are started first and run on their own threads while the other terms run on the caller's thread
+(math-verify's timeouts use signals, which work only there). A reward model runs on the caller's thread: on the
+trainer's device its forward would only compete with the trainer's own work.
 """
 
-import ast
 import functools
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
-import operator
-import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from fractions import Fraction
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from topp_rl.tasks.checkers import (  # noqa: F401  (configs name them as topp_rl.tasks.rewards:<fn>)
+    countdown_expression,
+    countdown_score,
+    leading_number,
+    math_answer,
+)
+from topp_rl.tasks.reward_import import check_reward_config, resolve_reward_fn  # noqa: F401
 
 if TYPE_CHECKING:
+    import torch
+
     from topp_rl.data import PromptRecord
 
 RewardValue = float | Mapping[str, float]
-ENTRY_KEYS = {"fn", "weight", "name", "batched", "kwargs"}
+SCORE_KEY = "score"
+ENTRY_KEYS = {"fn", "weight", "name", "batched", "kwargs", "terms"}
+# Rewards beyond this are a bug or a unit mistake; their squares would overflow float32 statistics.
+MAX_ABS_REWARD = 1e6
 
 
 class RewardError(RuntimeError):
     """A reward function raised or returned a bad value; the message names the sample and the function."""
+
+
+@runtime_checkable
+class ScoresBatches(Protocol):
+    """A reward term backed by a model or a service: one call scores a whole batch."""
+
+    name: str  # the term's name unless its entry gives one
+
+    def __call__(self, responses: list[str], records: list["PromptRecord"]) -> list[RewardValue]: ...
+
+
+@runtime_checkable
+class ScoresAsync(Protocol):
+    """A batch term that can start scoring and return at once (its work waits on I/O, not on this process)."""
+
+    def submit(self, responses: list[str], records: list["PromptRecord"]) -> Future: ...
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """A term that computes on a torch device: the trainer's, handed over at setup."""
+
+    def to_device(self, device: "torch.device") -> None: ...
 
 
 def batched(fn: Callable) -> Callable:
@@ -55,60 +86,17 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
-# ----- naming functions -----
-def resolve_reward_fn(spec: str) -> Callable:
-    """ "pkg.mod:fn" or "path/to/file.py:fn" -> the function."""
-    target, sep, attr = str(spec).rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(
-            f"reward_fn ({spec!r}) must look like 'package.module:function' or 'path/to/file.py:function'"
-        )
-    module = _load_file(target, spec) if target.endswith(".py") else _import(target, spec)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward_fn {spec!r}: {target} has no attribute {attr!r}; check the function name")
-    if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def _import(module_name: str, spec: str):
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward_fn {spec!r} cannot be imported ({err}); check the module path and name") from err
-
-
-def _load_file(path_text: str, spec: str):
-    path = Path(path_text).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"reward_fn {spec!r}: file {path} does not exist; pass an existing .py file")
-    # A private module name per file: two reward files both called rewards.py must not replace each other.
-    name = f"topp_rl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # before exec: dataclasses / pickling look the module up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        raise ValueError(f"reward_fn {spec!r}: loading {path} raised {type(err).__name__}: {err}") from err
-    return module
-
-
-# ----- weighted sets -----
 @dataclass(frozen=True, kw_only=True)
 class RewardTerm:
     name: str
     fn: Callable
     weight: float = 1.0
     batched: bool = False
+    terms: Mapping[str, float] = field(default_factory=dict)  # dict entries summed with these weights
 
 
 class RewardSet:
-    """Weighted named reward functions; `__call__` scores a batch and checks every value."""
+    """Weighted named reward terms; `__call__` scores a batch and checks every value."""
 
     def __init__(self, terms: Sequence[RewardTerm]) -> None:
         if not terms:
@@ -120,53 +108,66 @@ class RewardSet:
         self._keys: dict[str, tuple[str, ...] | None] = {}  # per function: dict keys fixed by the first call
 
     @classmethod
-    def from_config(cls, entries: Sequence[Mapping[str, Any]]) -> "RewardSet":
-        """Entries `{fn: "pkg.mod:fn", weight: 1.0, name: ..., batched: false, kwargs: {...}}`."""
+    def from_config(cls, entries: Sequence[Any]) -> "RewardSet":
+        """Entries `"pkg.mod:fn"`, `{fn, weight, name, batched, kwargs, terms}`, `{_target_: ...}` or objects."""
         return cls([_term(i, entry) for i, entry in enumerate(entries)])
 
     @property
     def name(self) -> str:
         return " + ".join(f"{t.weight:g}*{t.name}" for t in self.terms)
 
+    def to_device(self, device: "torch.device") -> None:
+        """Hand the trainer's device to the terms that compute on one (a reward model)."""
+        for term in self.terms:
+            if isinstance(term.fn, OnDevice):
+                term.fn.to_device(device)
+
     def __call__(
         self, responses: list[str], records: list["PromptRecord"], sample_ids: list[int]
     ) -> tuple[list[float], list[dict[str, float]]]:
         """(weighted total per response, unweighted named values per response)."""
+        started = {t.name: t.fn.submit(responses, records) for t in self.terms if isinstance(t.fn, ScoresAsync)}
+        values = {t.name: self._values(t, responses, records, sample_ids) for t in self.terms if t.name not in started}
+        for term in self.terms:
+            if term.name in started:
+                values[term.name] = _batch_result(term, _result(term, started[term.name], len(responses)),
+                                                  len(responses))
         totals = [0.0] * len(responses)
         parts: list[dict[str, float]] = [{} for _ in responses]
         for term in self.terms:
-            for i, value in enumerate(self._values(term, responses, records, sample_ids)):
-                named = self._named(term, value, sample_ids[i])
+            for i, value in enumerate(values[term.name]):
+                contribution, named = self._named(term, value, sample_ids[i])
                 parts[i].update(named)
-                totals[i] += term.weight * sum(named.values())
+                totals[i] += contribution
         return totals, parts
 
     def _values(self, term: RewardTerm, responses, records, sample_ids) -> list[RewardValue]:
         if term.batched:
-            values = _call(term, (responses, records))
-            if not isinstance(values, Sequence) or len(values) != len(responses):
-                got = len(values) if isinstance(values, Sequence) else type(values).__name__
-                raise RewardError(
-                    f"batched reward function {term.name} returned {got} values for {len(responses)} responses; "
-                    "return a list with one value per response"
-                )
-            return list(values)
+            return _batch_result(term, _call(term, (responses, records)), len(responses))
         return [
             _call(term, (resp, rec), sample_id=sid)
             for resp, rec, sid in zip(responses, records, sample_ids, strict=True)
         ]
 
-    def _named(self, term: RewardTerm, value: RewardValue, sample_id: int) -> dict[str, float]:
+    def _named(self, term: RewardTerm, value: Any, sample_id: int) -> tuple[float, dict[str, float]]:
+        """(the term's weighted contribution to the reward, its logged values) for one returned value."""
         if isinstance(value, Mapping):
-            if not value:  # its sum would be a silent 0.0, and it would log nothing
+            if SCORE_KEY not in value:
                 raise RewardError(
-                    f"reward function {term.name} returned an empty dict for sample {sample_id}; return a float, or "
-                    "a dict with at least one named sub-score"
+                    f"reward function {term.name} returned a dict without a {SCORE_KEY!r} key (keys "
+                    f"{sorted(map(str, value))}) for sample {sample_id}; return {{'score': reward, ...}}: the score "
+                    "is the reward, the other entries are logged (and summed only when declared in the entry's terms)"
                 )
-            named = {f"{term.name}/{k}": value[k] for k in value}
-            keys = tuple(sorted(value))
+            score = value[SCORE_KEY]
+            extra = {str(k): v for k, v in value.items() if k != SCORE_KEY}
+            keys: tuple[str, ...] | None = tuple(sorted(map(str, value)))
+        elif isinstance(value, numbers.Real):  # bools count as 1 / 0; numpy scalars are Real too
+            score, extra, keys = value, {}, None
         else:
-            named, keys = {term.name: value}, None
+            raise RewardError(
+                f"reward function {term.name} returned {value!r:.80} ({type(value).__name__}) for sample "
+                f"{sample_id}; return a float, or a dict with a {SCORE_KEY!r} key"
+            )
         # Every step (and every rank) must log the same names, so a function's dict keys may not change.
         expected = self._keys.setdefault(term.name, keys)
         if keys != expected:
@@ -174,36 +175,99 @@ class RewardSet:
                 f"reward function {term.name} returned keys {keys} for sample {sample_id}, earlier {expected}; "
                 "return the same (float or dict) shape every time"
             )
-        return {k: _finite(term.name, k, v, sample_id) for k, v in named.items()}
+        missing = sorted(set(term.terms) - set(extra))
+        if missing:
+            raise RewardError(
+                f"reward function {term.name} returned {value!r:.80} for sample {sample_id}, without the entries "
+                f"{missing} its terms declare; return a dict holding them, or drop them from the entry's terms"
+            )
+        label = term.name if keys is None else repr(SCORE_KEY)
+        named = {term.name: _finite(term.name, label, score, sample_id)}
+        named |= {f"{term.name}/{k}": _finite(term.name, repr(k), v, sample_id) for k, v in extra.items()}
+        contribution = term.weight * named[term.name]
+        contribution += sum(w * named[f"{term.name}/{k}"] for k, w in term.terms.items())
+        return contribution, named
 
 
-def _term(i: int, entry: Mapping[str, Any]) -> RewardTerm:
-    if isinstance(entry, str):
-        entry = {"fn": entry}
+def _term(i: int, entry: Any) -> RewardTerm:
+    if isinstance(entry, str) or callable(entry) or (isinstance(entry, Mapping) and "_target_" in entry):
+        entry = {"fn": entry}  # a name, a callable (a function, a built reward model) or a node to build
+    if not isinstance(entry, Mapping):
+        raise ValueError(
+            f"task.rewards[{i}] ({entry!r:.80}) must be 'pkg.mod:fn', a callable, {{fn: ..., weight: ...}} or "
+            "{_target_: ..., ...}"
+        )
     unknown = set(entry) - ENTRY_KEYS
     if unknown or "fn" not in entry:
         problem = f"unknown keys {sorted(unknown)}" if unknown else "no fn"
         raise ValueError(
             f"task.rewards[{i}] ({dict(entry)}) has {problem}; an entry takes {sorted(ENTRY_KEYS)}, "
-            "e.g. {fn: 'topp_rl.tasks.rewards:math_answer', weight: 1.0}"
+            "e.g. {fn: 'topp_rl.tasks.rewards:math_answer', weight: 1.0}, or is a {_target_: ...} node"
         )
-    fn = resolve_reward_fn(entry["fn"])
-    is_batched = entry.get("batched")
-    if is_batched is None:  # not said in the config: the function's own @batched mark
-        is_batched = getattr(fn, "batched", False)
-    if entry.get("kwargs"):
-        fn = functools.partial(fn, **dict(entry["kwargs"]))
+    fn = _callable(i, entry["fn"])
     weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+    if not _is_number(weight):
         raise ValueError(f"task.rewards[{i}].weight ({weight!r}) must be a finite number")
-    name = str(entry.get("name") or str(entry["fn"]).rpartition(":")[2])
-    return RewardTerm(name=name, fn=fn, weight=float(weight), batched=bool(is_batched))
+    terms = dict(entry.get("terms") or {})
+    bad = {k: w for k, w in terms.items() if k == SCORE_KEY or not _is_number(w)}
+    if bad:
+        raise ValueError(
+            f"task.rewards[{i}].terms ({bad}) must map dict keys other than {SCORE_KEY!r} to finite weights, e.g. "
+            f"terms: {{length: -0.01}} (the score is weighted by the entry's weight)"
+        )
+    if isinstance(fn, ScoresBatches):
+        if entry.get("kwargs") or entry.get("batched") is False:
+            raise ValueError(
+                f"task.rewards[{i}]: {type(fn).__name__} scores whole batches and takes its settings in its "
+                "_target_ node; drop kwargs and batched from the entry"
+            )
+        is_batched, default_name = True, fn.name
+    else:
+        is_batched = entry.get("batched")
+        if is_batched is None:  # not said in the config: the function's own @batched mark
+            is_batched = getattr(fn, "batched", False)
+        if entry.get("kwargs"):
+            fn = functools.partial(fn, **dict(entry["kwargs"]))
+        spec = entry["fn"]
+        default_name = str(spec).rpartition(":")[2] if isinstance(spec, str) else getattr(spec, "__name__", "reward")
+    name = str(entry.get("name") or default_name)
+    return RewardTerm(name=name, fn=fn, weight=float(weight), batched=bool(is_batched),
+                      terms={str(k): float(w) for k, w in terms.items()})
+
+
+def _callable(i: int, fn: Any) -> Callable:
+    """An entry's `fn`: a name to resolve, a `_target_` node to build, or a callable as it is."""
+    if isinstance(fn, str):
+        return resolve_reward_fn(fn)
+    if isinstance(fn, Mapping) and "_target_" in fn:
+        from hydra.utils import instantiate
+
+        return instantiate(fn)
+    if callable(fn):
+        return fn
+    raise ValueError(f"task.rewards[{i}].fn ({fn!r:.80}) must be 'pkg.mod:fn', a {{_target_: ...}} node or a callable")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _batch_result(term: RewardTerm, values: Any, count: int) -> list[RewardValue]:
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != count:
+        got = len(values) if isinstance(values, Sequence) else type(values).__name__
+        raise RewardError(
+            f"batched reward function {term.name} returned {got} values for {count} responses; "
+            "return a list with one value per response"
+        )
+    return list(values)
 
 
 def _call(term: RewardTerm, args: tuple, *, sample_id: int | None = None):
     """term.fn(*args); an exception becomes a RewardError naming the function and the sample (or batch)."""
     try:
         return term.fn(*args)
+    except RewardError:
+        raise
     except Exception as err:
         response, record = args
         where = (
@@ -214,14 +278,27 @@ def _call(term: RewardTerm, args: tuple, *, sample_id: int | None = None):
         raise RewardError(f"reward function {term.name} raised on {where}: {type(err).__name__}: {err}") from err
 
 
-def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
-    if not isinstance(value, numbers.Real):  # bools count as 1 / 0; numpy scalars are Real too
+def _result(term: RewardTerm, future: Future, count: int):
+    try:
+        return future.result()
+    except RewardError:
+        raise
+    except Exception as err:
         raise RewardError(
-            f"reward function {fn_name} returned {value!r} ({type(value).__name__}) as {key} for sample "
-            f"{sample_id}; return a float or a dict of floats"
+            f"reward {term.name} raised on a batch of {count} samples: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
+    if not isinstance(value, numbers.Real):
+        raise RewardError(
+            f"reward function {fn_name} returned {value!r:.80} ({type(value).__name__}) as {key} for sample "
+            f"{sample_id}; return a float, or a dict of floats with a {SCORE_KEY!r} key"
         )
     if not math.isfinite(value):
-        raise RewardError(f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite")
+        raise RewardError(
+            f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite"
+        )
     if abs(value) > MAX_ABS_REWARD:
         raise RewardError(
             f"reward function {fn_name} returned {value:g} as {key} for sample {sample_id}; rewards must lie in "
@@ -229,123 +306,3 @@ def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
             "squared-reward statistics): rescale the reward"
         )
     return float(value)
-
-
-# Rewards beyond this are a bug or a unit mistake; their squares would overflow float32 statistics.
-MAX_ABS_REWARD = 1e6
-
-
-# ----- math answers (math-verify) -----
-def math_answer(response: str, record: "PromptRecord") -> float:
-    """1.0 when the response's final answer equals `record.answer` under math-verify, else 0.0."""
-    from math_verify import verify
-
-    if record.answer is None:
-        raise ValueError("the record has no reference answer; set the task's answer_key to the answer column")
-    return float(verify(_gold(record.answer), _parse(_final_part(response))))
-
-
-_LEADING_NUMBER = re.compile(r"\s*[-+]?\$?\d")
-
-
-def leading_number(response: str, record: "PromptRecord") -> float:
-    """1.0 when the response starts with a number ("14", "14 apples", "-3.5"), else 0.0: a format reward that
-    gives a small model asked for a bare number a signal before its answers are right."""
-    return float(_LEADING_NUMBER.match(response) is not None)
-
-
-@functools.lru_cache(maxsize=65536)
-def _gold(answer: str):
-    text = _final_part(answer)
-    parsed = _parse(text)
-    if not parsed and _LATEX.search(text):  # bare LaTeX ("x^2+1") parses only between $ signs; prose never
-        parsed = _parse(f"${text}$")
-    if not parsed:
-        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}; fix the answer column")
-    return parsed
-
-
-_LATEX = re.compile(r"[\\^_{}]")
-
-
-def _parse(text: str):
-    from math_verify import parse
-
-    return parse(text)
-
-
-def _final_part(text: str) -> str:
-    """The first line after the last GSM8K "####" marker, unless the text has a \\boxed{} answer."""
-    if "\\boxed" in text or "####" not in text:
-        return text
-    tail = text.rpartition("####")[2].strip()
-    return tail.splitlines()[0] if tail else ""
-
-
-# ----- Countdown -----
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-MAX_EXPRESSION_CHARS = 256
-
-
-def countdown_expression(response: str) -> str:
-    """The expression a response gives: the last `<answer>...</answer>`, else its first non-empty line;
-    a trailing "= value" is dropped."""
-    tagged = _ANSWER_TAG.findall(response)
-    text = tagged[-1] if tagged else next((line for line in response.splitlines() if line.strip()), "")
-    return text.partition("=")[0].strip()
-
-
-def countdown_score(
-    response: str, numbers: Sequence[int], target: int, *, use_all: bool = True, format_credit: float = 0.0
-) -> float:
-    """1.0 when the response's expression uses `numbers` by the rule and equals `target` exactly;
-    `format_credit` when it is well formed (parses, only + - * / and parentheses over the given numbers, each
-    used by the rule) but has another value (or divides by zero); 0.0 otherwise.
-
-    Rule: `use_all` -> every number exactly once (the Countdown game's and TinyZero's rule); else each number
-    at most once. A number given twice may be used twice.
-    """
-    expr = countdown_expression(response)
-    if not expr or len(expr) > MAX_EXPRESSION_CHARS:
-        return 0.0
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
-        return 0.0
-    used = _literals(tree.body)
-    if used is None or not _uses_numbers(used, numbers, use_all=use_all):
-        return 0.0
-    try:
-        value = _evaluate(tree.body)
-    except ZeroDivisionError:
-        return format_credit
-    return 1.0 if value == target else format_credit
-
-
-def _literals(node: ast.AST) -> list[int] | None:
-    """The integer literals of an expression made only of + - * / over non-negative integers, else None."""
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _literals(node.left), _literals(node.right)
-        return None if left is None or right is None else left + right
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return [node.value]
-    return None  # unary minus, names, calls, floats, **, ...: not allowed
-
-
-def _uses_numbers(used: list[int], numbers: Sequence[int], *, use_all: bool) -> bool:
-    available = sorted(int(n) for n in numbers)
-    if use_all:
-        return sorted(used) == available
-    pool = list(available)
-    for n in used:
-        if n not in pool:
-            return False
-        pool.remove(n)
-    return True
-
-
-def _evaluate(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.BinOp):
-        return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    return Fraction(node.value)

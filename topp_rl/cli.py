@@ -1,0 +1,69 @@
+"""`topp-rl`, the installed command (pyproject's console script):
+
+- `topp-rl train [GROUP=OPTION ...] [KEY=VALUE ...]`: the Hydra app of `python train.py`, same overrides and
+  flags (`-m` sweeps, `--cfg job`, `--help`), over the config tree `topp_rl.paths.config_dir()` finds (the package's
+  own copy when installed, `conf/` in a clone), so it runs from any directory;
+- `topp-rl export CKPT OUT_DIR` = `python -m topp_rl.export`; `topp-rl report RUN_DIR` = `python -m topp_rl.report`.
+"""
+
+import os
+import sys
+from collections.abc import Sequence
+
+from topp_rl.paths import config_dir
+
+USAGE = """usage: topp-rl COMMAND [ARGS ...]
+
+commands:
+  train   train a policy: topp-rl train [GROUP=OPTION ...] [KEY=VALUE ...] (the overrides of python train.py)
+  export  write a checkpoint's policy as an HF model dir: topp-rl export CKPT OUT_DIR
+  report  plot a run or a sweep from its CSV log: topp-rl report RUN_DIR [--out DIR] [--group-seeds]
+`topp-rl COMMAND --help` describes each; the train options follow."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console script: dispatch to a command; bad usage exits with status 2, as argparse does."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (args[0], args[1:]) if args else (None, [])
+    if command == "train":
+        train_command(rest)
+    elif command == "export":
+        from topp_rl import export
+
+        export.main(rest, prog="topp-rl export")
+    elif command == "report":
+        from topp_rl import report
+
+        report.main(rest, prog="topp-rl report")
+    elif command in ("-h", "--help"):
+        print(USAGE + "\n", flush=True)
+        train_command(["--help"])
+    else:
+        problem = f"unknown command {command!r}" if command else "no command given"
+        print(f"{USAGE}\ntopp-rl: error: {problem}; use train, export or report", file=sys.stderr)
+        sys.exit(2)
+
+
+def train_command(overrides: Sequence[str]) -> None:
+    """Run the Hydra app on `overrides` (exactly what `python train.py <overrides>` does)."""
+    os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network unless a user opts in
+    os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end: the run prints its own summary
+    import hydra
+
+    app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_train_job)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "topp-rl", *overrides]  # hydra.main parses sys.argv[1:]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+
+
+def _train_job(cfg) -> None:
+    from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
+
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
