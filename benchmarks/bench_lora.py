@@ -65,10 +65,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lora-lr", type=float, default=1e-4)
+    parser.add_argument("--only", choices=("full", "lora"), help="run one variant")
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     variants = {"full": [], f"lora r={args.rank}": [f"module.lora.rank={args.rank}", f"optimizer.lr={args.lora_lr}"]}
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k.startswith(args.only)}
     results = {"load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in variants.items():
