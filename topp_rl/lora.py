@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
         )
     config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
                         target_modules=list(settings.target_modules), bias="none")
-    peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    with warnings.catch_warnings():  # PEFT 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
     layers = adapter_layers(model)
     wrong = [name for name, layer in layers.items() if type(layer) is not LoraLinear]
     if wrong:
