@@ -72,6 +72,25 @@ class SyncsGradients(Protocol):
 
 
 @runtime_checkable
+class FrozenBase(Protocol):
+    """A backbone that trains adapters on a frozen base (`topp_rl.lora.LoraBackbone`): the base, the adapters off,
+    is the KL reference, so no copy of the model is made for it; checkpoints leave the base out (the run rebuilds
+    it from its config)."""
+
+    def base_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside the block use the frozen base weights (the adapters disabled)."""
+        ...
+
+    def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict:
+        """Remove the frozen base's entries from a checkpoint's state dict; a record for `restore_base`."""
+        ...
+
+    def restore_base(self, state_dict: dict[str, Tensor], record: dict, *, prefix: str) -> None:
+        """Fill the base's entries back in from this backbone, checking `record` (the same base)."""
+        ...
+
+
+@runtime_checkable
 class ReportsRouting(Protocol):
     """A backbone of an MoE model that compares its own routes with the rollout's (optional for backbones)."""
 

@@ -42,6 +42,15 @@ from torch import Tensor
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from topp_rl.checkpoint import mib, temp_path
+from topp_rl.lora import (
+    LoraBackbone,
+    adapt_checkpoint_model,
+    adapter_dir_for,
+    base_keys_from_model,
+    hf_tensors,
+    write_adapter_dir,
+    write_checkpoint_adapter,
+)
 from topp_rl.rundir import remove_stale_temps
 from topp_rl.sharded_checkpoint import is_sharded, read_meta, read_tensors, saved_keys
 
@@ -154,7 +163,7 @@ def remove_stale_exports(target: Path) -> list[Path]:
     return remove_stale_temps(target.parent, target=target.name) if target.parent.is_dir() else []
 
 
-def _swap_in(staged: Path, target: Path) -> None:
+def swap_in(staged: Path, target: Path) -> None:
     """Replace `target` by `staged` (same parent). The previous export is renamed to a temp name first and removed
     last; a kill in between leaves it (and a kill between the renames, the new one too) under a temp name that
     the next export of `target` removes, reporting it."""
@@ -217,7 +226,7 @@ def write_hf_dir(named_tensors: Iterable[tuple[str, Tensor]], out_dir: str | os.
     except BaseException:  # any other error, KeyboardInterrupt: no staged copy left behind
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    _swap_in(staged, target)
+    swap_in(staged, target)
     return target
 
 
@@ -229,21 +238,30 @@ class HFExport(Callback):
     """
 
     def __init__(self, *, dirpath: str | os.PathLike, rollout: Mapping[str, Any], on_checkpoint: bool = True,
+                 merge_lora: bool = True, adapter_dir: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None) -> None:
         self.dirpath = check_target(dirpath, run_dir=run_dir, name="export.dir")  # at start, not at step 50
         self.rollout = {k: rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in rollout}
         self.on_checkpoint = on_checkpoint
+        self.merge_lora = merge_lora
+        # Checked at start like `dirpath`, LoRA or not (the policy is not known yet; absent is allowed).
+        self.adapter_dir = check_target(adapter_dir if adapter_dir is not None else adapter_dir_for(self.dirpath),
+                                        run_dir=run_dir, name="export.adapter_dir")
         self.exported_step: int | None = None
 
     def export(self, trainer, pl_module) -> Path | None:
         hf_config = pl_module.policy.hf_config
         tokenizer = trainer.datamodule.tokenizer
-        path = write_hf_dir(
-            pl_module.hf_named_tensors(), self.dirpath, hf_config=hf_config, tokenizer=tokenizer,
-            generation=generation_config(self.rollout, vocab_size=hf_config.vocab_size, tokenizer=tokenizer),
-            info={"step": trainer.global_step, "source": "training", "rollout": self.rollout},
-            write=trainer.is_global_zero,
-        )
+        info = {"step": trainer.global_step, "source": "training", "rollout": self.rollout}
+        path = None
+        if isinstance(pl_module.policy, LoraBackbone) and trainer.is_global_zero:  # LoRA: one rank
+            path = write_adapter_dir(pl_module.policy.model, self.adapter_dir, info=info)
+        if self.merge_lora or not isinstance(pl_module.policy, LoraBackbone):
+            path = write_hf_dir(
+                pl_module.hf_named_tensors(), self.dirpath, hf_config=hf_config, tokenizer=tokenizer,
+                generation=generation_config(self.rollout, vocab_size=hf_config.vocab_size, tokenizer=tokenizer),
+                info=info, write=trainer.is_global_zero,
+            )
         self.exported_step = trainer.global_step
         return path
 
@@ -293,6 +311,7 @@ def load_policy(checkpoint: Mapping[str, Any], path: Path):
     cfg = OmegaConf.create(config)
     model, tokenizer = instantiate(cfg.model)
     model.float()  # train.py trains the float32 copy: the checkpoint's tensors are float32
+    adapt_checkpoint_model(model, cfg)  # module.lora on: inject the adapters, so their weights load too
     state = policy_weights(checkpoint, path, model)
     if not state:
         raise ValueError(
@@ -300,6 +319,7 @@ def load_policy(checkpoint: Mapping[str, Any], path: Path):
         )
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # Megatron omits the tied head
+    tied |= base_keys_from_model(model, checkpoint)  # a LoRA checkpoint leaves its base out
     if set(missing) - tied or unexpected:
         raise ValueError(
             f"{path}: the policy weights do not fit the model {cfg.model.get('_target_')} rebuilt from its config "
@@ -331,10 +351,13 @@ def read_checkpoint_safely(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, *, merge_lora: bool = True,
+                      adapter_dir: str | os.PathLike | None = None) -> Path:
     """Write the HF checkpoint directory of a training checkpoint's policy (HF or Megatron backend).
 
-    The manifest records the checkpoint (`source`, resolved) and its global step (`step`)."""
+    The manifest records the checkpoint (`source`, resolved) and its global step (`step`). A LoRA run's checkpoint
+    also writes its adapters to `adapter_dir` (default `<out_dir>_adapter`, PEFT's format) and, with `merge_lora`,
+    the merged model to `out_dir`; without it, the adapter dir only (its path is returned)."""
     ckpt_path = Path(ckpt_path)
     if not (ckpt_path.is_file() or is_sharded(ckpt_path)):
         raise ValueError(f"checkpoint {ckpt_path} does not exist; pass a file such as <run dir>/checkpoints/last.ckpt")
@@ -344,8 +367,10 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
     checkpoint = read_checkpoint_safely(ckpt_path)
     model, tokenizer, cfg = load_policy(checkpoint, ckpt_path)
     rollout = {k: cfg.rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in cfg.rollout}
-    named = ((n, p.detach()) for n, p in model.named_parameters())  # the tied head appears once, as HF saves it
+    named = hf_tensors(model)  # the tied head appears once, as HF saves it; LoRA: merged, under the plain names
     info = {"step": checkpoint.get("global_step"), "source": str(ckpt_path.resolve()), "rollout": dict(rollout)}
+    if (lora_dir := write_checkpoint_adapter(model, out_dir, adapter_dir, info=info)) and not merge_lora:
+        return lora_dir
     return write_hf_dir(
         named, out_dir, hf_config=model.config, tokenizer=tokenizer, info=info,
         generation=generation_config(rollout, vocab_size=model.config.vocab_size, tokenizer=tokenizer),
@@ -357,9 +382,13 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.export
     parser.add_argument("ckpt", help="a training checkpoint, e.g. <run dir>/checkpoints/last.ckpt")
     parser.add_argument("out_dir", help="the HF checkpoint directory to write: absent, empty, or a previous export "
                                         "(which is replaced)")
+    parser.add_argument("--adapter-dir", help="a LoRA run's adapter directory (PEFT format) to write; default "
+                                              "<out_dir>_adapter")
+    parser.add_argument("--no-merge-lora", action="store_true", help="a LoRA run: write the adapter dir only")
     args = parser.parse_args(argv)
     try:
-        path = export_checkpoint(args.ckpt, args.out_dir)
+        path = export_checkpoint(args.ckpt, args.out_dir, merge_lora=not args.no_merge_lora,
+                                 adapter_dir=args.adapter_dir)
     except ValueError as err:
         parser.error(str(err))  # exit status 2 with the message, no traceback
     except ExportWriteError as err:

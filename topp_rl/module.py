@@ -18,6 +18,7 @@ builds one. The module logs its own `train/*` figures (loss terms from the loss,
 entropy, phase timings), reduced across ranks once per step.
 """
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from topp_rl.backbone import (
     Backbone,
+    FrozenBase,
     HFBackbone,
     ReportsRouting,
     SyncsGradients,
@@ -39,6 +41,7 @@ from topp_rl.backbone import (
 )
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.hook import ToppLogProb
+from topp_rl.lora import BASE_RECORD
 from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.metrics import SumCount, add_sums, reduce_sums
 from topp_rl.parallel import ParallelLayout, gather_tokens
@@ -97,8 +100,8 @@ class PolicyModule(L.LightningModule):
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip ({grad_clip}) must be > 0, or null to disable clipping")
         self.automatic_optimization = False
-        if reference is None and loss.needs_ref_logprobs:
-            reference = copy.deepcopy(policy)
+        if reference is None and loss.needs_ref_logprobs and not isinstance(policy, FrozenBase):
+            reference = copy.deepcopy(policy)  # a FrozenBase (LoRA) is its own reference: its base, adapters off
         self.use_backbones(policy=policy, reference=reference)
         self.loss_fn = loss
         self.optimizer_factory = optimizer
@@ -137,6 +140,14 @@ class PolicyModule(L.LightningModule):
                 f"the policy holds non-finite weights (NaN or inf) at train start ({where}); a resumed checkpoint "
                 "may be corrupt: resume from an earlier one, or start over"
             )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if isinstance(self.policy, FrozenBase):  # the adapters only: the base is rebuilt from the run config
+            checkpoint[BASE_RECORD] = self.policy.drop_base(checkpoint["state_dict"], prefix="policy.")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if isinstance(self.policy, FrozenBase) and BASE_RECORD in checkpoint:
+            self.policy.restore_base(checkpoint["state_dict"], checkpoint[BASE_RECORD], prefix="policy.")
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
@@ -187,13 +198,18 @@ class PolicyModule(L.LightningModule):
         )
 
     def reference_pass(self, micro: list[PackedBatch]) -> list[torch.Tensor | None]:
-        """Reference log-probs [R] per micro-batch (None without a reference model)."""
-        if self.reference is None:
+        """Reference log-probs [R] per micro-batch (None without a reference model): the frozen copy, or a
+        `FrozenBase` policy's own base weights."""
+        if self.reference is not None:
+            model, weights = self.reference, contextlib.nullcontext()
+        elif self.loss_fn.needs_ref_logprobs and isinstance(self.policy, FrozenBase):
+            model, weights = self.policy, self.policy.base_weights()
+        else:
             return [None] * len(micro)
         # KL without the candidate mask scores the reference over the full vocabulary.
         use_mask = self.hook.use_mask and self.loss_fn.kl_use_candidate_mask
-        with torch.no_grad():
-            return [self.score(self.reference, mb, use_mask=use_mask) for mb in micro]
+        with torch.no_grad(), weights:
+            return [self.score(model, mb, use_mask=use_mask) for mb in micro]
 
     def accumulate_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None], *,
                              old: list[Tensor] | None, timer: PhaseTimer) -> tuple[dict[str, SumCount], list[OnPolicyRecord]]:

@@ -20,12 +20,12 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl import loggers as run_loggers
-from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import AtomicCheckpointIO, RunRecord, exit_status_on_signal
 from topp_rl.config import callback_entries, validate_config, validate_routing
 from topp_rl.console import StepTimer, route_lightning_logs
 from topp_rl.hook import ToppLogProb
 from topp_rl.loggers import LogConfig
+from topp_rl.lora import build_policy_backbone, check_lora_config, engine_model_factory
 from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
@@ -78,13 +78,16 @@ def _without_switch(entry: DictConfig) -> dict:
     return resolved
 
 
-def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path) -> Callable[[int], RolloutEngine]:
+def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
+               engine_model: Callable[[], torch.nn.Module] | None = None) -> Callable[[int], RolloutEngine]:
     """The engine factory the datamodule calls on each rank that generates (one per TP x CP group), once the
-    process groups exist; each data-parallel rank's engine gets its own work dir."""
+    process groups exist; each data-parallel rank's engine gets its own work dir. `engine_model`, when given,
+    makes the model the engine is built on instead of `policy` (LoRA: the merged weights)."""
     factory = instantiate(cfg.rollout.engine)
 
     def build(dp_rank: int) -> RolloutEngine:
-        return factory(model=policy, tokenizer=tokenizer, workdir=output_dir / "engine" / f"dp{dp_rank}")
+        model = engine_model() if engine_model is not None else policy
+        return factory(model=model, tokenizer=tokenizer, workdir=output_dir / "engine" / f"dp{dp_rank}")
 
     return build
 
@@ -99,7 +102,13 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
     validate_routing(cfg, policy)
-    engine_factory = engine_for(cfg, policy, tokenizer, output_dir)
+    lora = check_lora_config(cfg)
+    # Built before the engine: with LoRA on (module.lora.rank > 0) it injects the adapters into `policy`.
+    backbone = build_policy_backbone(policy, lora, gradient_checkpointing=cfg.module.gradient_checkpointing,
+                                     routing_replay=cfg.rollout.routing_replay)
+    shares = bool(cfg.rollout.engine.get("share_weights"))
+    engine_factory = engine_for(cfg, policy, tokenizer, output_dir,
+                                engine_model=engine_model_factory(backbone, shares_weights=shares))
     task = instantiate(cfg.task) if rewards is None else instantiate(cfg.task, _partial_=True)(rewards=rewards)
     params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
@@ -109,9 +118,7 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=params.temperature)
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
-        policy=HFBackbone(policy, gradient_checkpointing=cfg.module.gradient_checkpointing,
-                          routing_replay=cfg.rollout.routing_replay),
-        loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        policy=backbone, loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
         lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )

@@ -15,6 +15,7 @@ import copy
 import inspect
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -199,6 +200,10 @@ class EmbeddedEngine(RolloutEngine):
         sharded shared module (`sample_sharded`) takes nothing, and the tensors are not even drawn (no gather)."""
         if self._gathered is not None:
             return
+        if self.share_weights and _has_peft_layers(self.model):
+            # The trainer's own LoRA-adapted module: what it exports is its merged view under the plain HF
+            # names, which this module does not hold (it holds base_layer + lora_A / lora_B); nothing to copy.
+            return
         state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -245,6 +250,15 @@ def _inverse_cdf(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index [B] of the first entry of each row's cumulative mass [B, V] above u x the row's total."""
     target = (u * cum[:, -1])[:, None]
     return torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1).squeeze(1)
+
+
+def _has_peft_layers(model: torch.nn.Module) -> bool:
+    """Whether PEFT injected adapter layers into `model` (`topp_rl.lora`); never imports PEFT itself."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
