@@ -40,10 +40,11 @@ TINY = [
 PRELOAD = ("topp_rl.train", "topp_rl.fsdp", "hydra")
 KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_logprob_abs_diff_max",
         "train/rollout_logprob_abs_diff", "rollout/num_micro_batches", "train/rollout_logprob_abs_diff_unmasked",
-        "rollout/aborted_frac", "perf/weight_sync_bytes")
+        "rollout/aborted_frac", "perf/weight_sync_bytes", "train/kl_ref")
 EXACT = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_logprob_abs_diff")
 MOE = ("model.family=qwen3_moe",)
 COPY = ("rollout.engine.share_weights=false",)
+LORA = ("module.lora.rank=4", "algo.loss.kl_coef=0.1", "optimizer.lr=0.01")  # KL: the sharded base as reference
 
 
 def _metrics(output_dir: Path) -> dict[str, list[float]]:
@@ -93,6 +94,10 @@ def _worker(rank: int, tmp: str, world: int) -> dict:
     out = {"qwen2": _run(Path(tmp) / f"w{world}_qwen2", *fsdp), "moe": _run(Path(tmp) / f"w{world}_moe", *fsdp, *MOE)}
     if world == 2:
         out["copy"] = _run(Path(tmp) / "w2_copy", *fsdp, *COPY)
+        out["lora"] = _run(Path(tmp) / "w2_lora", *fsdp, *LORA)
+        _run(Path(tmp) / "lora_part", *fsdp, *LORA, "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+        out["lora_resumed"] = _run(Path(tmp) / "lora_resumed", *fsdp, *LORA,
+                                   ckpt_path=Path(tmp) / "lora_part/checkpoints/last.ckpt")
         _run(Path(tmp) / "part", *fsdp, "trainer.max_steps=2", "checkpoint.every_n_steps=1")
         out["resumed"] = _run(Path(tmp) / "resumed", *fsdp, ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
     else:  # world 2's checkpoint on 4 ranks: other prompts per rank, so no step to compare; it must load and agree
@@ -120,14 +125,15 @@ class ReplayEngine(RolloutEngine):
         pass
 
 
-def _check_against_replay(tmp_path: Path, results: list[dict], case: str, extra: tuple[str, ...], tag: str):
+def _check_against_replay(tmp_path: Path, results: list[dict], case: str, extra: tuple[str, ...], tag: str,
+                          keys: tuple[str, ...] = EXACT):
     steps = [sum((r[case][1][step] for r in results), []) for step in range(3)]
     ref, _ = _run(tmp_path / f"ref_{tag}", *extra, engine=ReplayEngine(steps, vocab_size=0))
     got = results[0][case][0]
     assert len(got["train/loss"]) == 3, tag
     assert max(got["rollout/num_micro_batches"]) > 1, tag  # gradient accumulation over micro-batches is exercised
     assert max(got["train/rollout_logprob_abs_diff_max"]) <= 1e-5, tag  # the FSDP engine and trainer agree
-    for key in EXACT:
+    for key in keys:
         diff = max(abs(a - b) for a, b in zip(got[key], ref[key], strict=True))
         assert diff <= 1e-5, (tag, key, got[key], ref[key])
     return got
@@ -149,11 +155,33 @@ def test_fsdp_train_equals_one_rank_on_the_same_batches(tmp_path):
             for key in EXACT:  # same world size: the same samples, so the uninterrupted run's step 3
                 assert abs(resumed[key][0] - full[key][-1]) <= 1e-5, key
             _check_export_of_the_sharded_checkpoint(tmp_path / "part")
+            _check_lora(tmp_path, results)
 
 
-def _check_export_of_the_sharded_checkpoint(run_dir: Path) -> None:
-    """`python -m topp_rl.export` on the sharded last.ckpt (step 2, one process assembling both ranks' shards)
-    writes the weights the run itself exported at that step (gathered from the live shards)."""
+def _check_lora(tmp_path: Path, results: list[dict]) -> None:
+    """`parallel=fsdp module.lora.rank=4`: the one-rank LoRA run's figures on the same samples (KL against the sharded
+    base, adapters off, included) and its merged export; the sharded checkpoint (base shards, adapters, their AdamW
+    state) resumes to the uninterrupted run's step 3 and exports to the merged model and adapter dir the run wrote
+    from its live shards."""
+    from safetensors.torch import load_file
+
+    keys = (*EXACT, "train/kl_ref")
+    got = _check_against_replay(tmp_path, results, "lora", LORA, "lora_w2", keys=keys)
+    assert len(got["train/kl_ref"]) == 3 and got["train/kl_ref"][-1] > 0  # the adapters moved off the base
+    merged, one_rank = (load_file(tmp_path / d / "hf" / "model.safetensors") for d in ("w2_lora", "ref_lora_w2"))
+    assert merged.keys() == one_rank.keys() and not any(".lora_" in k or "base_layer" in k for k in merged)
+    for name, tensor in one_rank.items():  # the gathered, merged weights: W + B @ A * alpha / r, as on one rank
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-5, msg=name)
+    resumed = results[0]["lora_resumed"][0]
+    assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in keys:
+        assert abs(resumed[key][0] - got[key][-1]) <= 1e-5, key
+    _check_export_of_the_sharded_checkpoint(tmp_path / "lora_part", adapter=True)
+
+
+def _check_export_of_the_sharded_checkpoint(run_dir: Path, *, adapter: bool = False) -> None:
+    """`python -m topp_rl.export` on the sharded last.ckpt (one process assembling both ranks' shards) writes the
+    weights the run itself exported at that step (gathered from the live shards); LoRA: merged, and the adapters."""
     from safetensors.torch import load_file
 
     from topp_rl.export import export_checkpoint
@@ -165,6 +193,12 @@ def _check_export_of_the_sharded_checkpoint(run_dir: Path) -> None:
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+    if adapter:  # a LoRA run: the adapter dirs (PEFT's format) beside the merged exports agree too
+        got = load_file(run_dir / "exported_adapter" / "adapter_model.safetensors")
+        want = load_file(run_dir / "hf_adapter" / "adapter_model.safetensors")
+        assert got.keys() == want.keys() and len(got) > 0
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
 
 
 def _sglang_worker(rank: int, tmp: str, url: str) -> dict:

@@ -184,7 +184,6 @@ def test_bad_lora_settings_are_refused_at_start_naming_the_key(tmp_path):
         (("module.lora.rank=4", "module.lora.alpha=0"), "module.lora.alpha=0: must be > 0"),
         (("module.lora.rank=4", "module.lora.target_modules=[q_proj,qkv]"), r"names \['qkv'\]"),
         (("module.lora.rank=4", "+module.lora.bias=all"), "module.lora.bias: not a LoRA setting"),
-        (("module.lora.rank=4", "parallel=fsdp"), "LoRA runs on the HF backbone only.*use parallel=none"),
         (("module.lora.rank=4", "parallel=tp2"), "MegatronStrategy.*use parallel=none"),
     ]
     for overrides, message in cases:

@@ -73,13 +73,19 @@ class SyncsGradients(Protocol):
 
 @runtime_checkable
 class FrozenBase(Protocol):
-    """A backbone that trains adapters on a frozen base (`topp_rl.lora.LoraBackbone`): the base, the adapters off,
-    is the KL reference, so no copy of the model is made for it; checkpoints leave the base out (the run rebuilds
-    it from its config)."""
+    """A backbone that trains adapters on a frozen base (`topp_rl.lora.LoraBackbone`, and sharded:
+    `topp_rl.fsdp.backbone.FSDPLoraBackbone`): the base, the adapters off, is the KL reference, so no copy of the
+    model is made for it."""
 
     def base_weights(self) -> contextlib.AbstractContextManager[None]:
         """Forward passes inside the block use the frozen base weights (the adapters disabled)."""
         ...
+
+
+@runtime_checkable
+class LeavesBaseOut(Protocol):
+    """A `FrozenBase` whose checkpoints leave the base out (the run rebuilds it from its config): `LoraBackbone`.
+    A sharded one (FSDP) saves its base shards like any weight."""
 
     def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict:
         """Remove the frozen base's entries from a checkpoint's state dict; a record for `restore_base`."""

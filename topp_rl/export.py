@@ -41,9 +41,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from topp_rl.backbone import FrozenBase
 from topp_rl.checkpoint import mib, temp_path
 from topp_rl.lora import (
-    LoraBackbone,
     adapt_checkpoint_model,
     adapter_dir_for,
     base_keys_from_model,
@@ -254,9 +254,13 @@ class HFExport(Callback):
         tokenizer = trainer.datamodule.tokenizer
         info = {"step": trainer.global_step, "source": "training", "rollout": self.rollout}
         path = None
-        if isinstance(pl_module.policy, LoraBackbone) and trainer.is_global_zero:  # LoRA: one rank
-            path = write_adapter_dir(pl_module.policy.model, self.adapter_dir, info=info)
-        if self.merge_lora or not isinstance(pl_module.policy, LoraBackbone):
+        lora = isinstance(pl_module.policy, FrozenBase)  # a LoraBackbone, or sharded (FSDPLoraBackbone)
+        if lora:  # every rank gathers sharded adapters (FSDP; a plain tensor is taken as it is), one rank writes
+            from topp_rl.fsdp.backbone import full_tensor
+
+            path = write_adapter_dir(pl_module.policy.model, self.adapter_dir, info=info, full=full_tensor,
+                                     write=trainer.is_global_zero)
+        if self.merge_lora or not lora:
             path = write_hf_dir(
                 pl_module.hf_named_tensors(), self.dirpath, hf_config=hf_config, tokenizer=tokenizer,
                 generation=generation_config(self.rollout, vocab_size=hf_config.vocab_size, tokenizer=tokenizer),

@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,15 +98,18 @@ class LoraSettings:
         return cls(**values)
 
 
+COMPOSES_WITH = ("topp_rl.fsdp.strategy.FSDPStrategy",)  # strategies that shard the adapted HF backbone
+
+
 def check_lora_config(cfg: DictConfig) -> LoraSettings:
-    """The run's `module.lora`, refused at start where the run cannot honour it (a parallel strategy)."""
+    """The run's `module.lora`, refused at start where the run cannot honour it (a Megatron strategy)."""
     settings = LoraSettings.from_config(cfg.module.get("lora"))
-    if settings.enabled and cfg.parallel.get("strategy"):
-        target = cfg.parallel.strategy.get("_target_")
+    target = cfg.parallel.strategy.get("_target_") if cfg.parallel.get("strategy") else None
+    if settings.enabled and target is not None and target not in COMPOSES_WITH:
         raise ValueError(
             f"module.lora.rank={settings.rank} with a parallel strategy ({target}): LoRA runs on the HF backbone "
-            "only (Megatron's sharded layers and FSDP's sharded parameters are not adapted); use parallel=none, "
-            "or train the full model (module.lora.rank=0) with this strategy"
+            "(Megatron's sharded layers are not adapted); use parallel=none or parallel=fsdp, or train the full "
+            "model (module.lora.rank=0) with this strategy"
         )
     return settings
 
@@ -150,26 +153,33 @@ def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
 
 
-def delta_weight(layer: nn.Module) -> Tensor:
-    """B @ A * alpha / rank of one `lora.Linear` ([out, in], the base weight's shape)."""
-    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+def _as_is(t: Tensor) -> Tensor:
+    return t
+
+
+def delta_weight(layer: nn.Module, full: Callable[[Tensor], Tensor] = _as_is) -> Tensor:
+    """B @ A * alpha / rank of one `lora.Linear` ([out, in], the base weight's shape); `full` makes a sharded
+    A / B whole (FSDP: an all-gather each)."""
+    a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
     return (b @ a) * layer.scaling[ADAPTER]
 
 
-def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def merged_named_tensors(model: nn.Module, full: Callable[[Tensor], Tensor] = _as_is) -> Iterator[tuple[str, Tensor]]:
     """(plain HF name, tensor) of an adapted model as if merged: `<path>.base_layer.weight` + `delta_weight` under
-    `<path>.weight`, the adapters' own weights left out, every other weight as it is (detached, not copied)."""
+    `<path>.weight`, the adapters' own weights left out, every other weight as it is (detached, not copied).
+    `full` makes each sharded tensor whole (`topp_rl.fsdp.backbone.full_tensor`: collectives in the order of
+    `named_parameters`, so every rank must walk the whole iterator)."""
     layers = adapter_layers(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             path, sep, leaf = name.rpartition(".base_layer.")
             if sep:
-                tensor = param.detach()
+                tensor = full(param.detach())
                 if leaf == "weight":
-                    tensor = tensor + delta_weight(layers[path]).to(tensor.dtype)
+                    tensor = tensor + delta_weight(layers[path], full).to(tensor.dtype)
                 yield f"{path}.{leaf}", tensor
             elif ".lora_A." not in name and ".lora_B." not in name:
-                yield name, param.detach()
+                yield name, full(param.detach())
 
 
 class _PeftHandle:
@@ -306,11 +316,13 @@ def lora_settings_of(model: nn.Module) -> LoraSettings | None:
     return LoraSettings(rank=config.r, alpha=float(config.lora_alpha), target_modules=tuple(sorted(config.target_modules)))
 
 
-def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Mapping[str, Any]) -> Path:
+def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Mapping[str, Any],
+                      full: Callable[[Tensor], Tensor] = _as_is, write: bool = True) -> Path:
     """Write `model`'s adapters (an HF model with PEFT layers injected) as a PEFT adapter directory:
     `adapter_config.json` (PEFT's `LoraConfig`) and `adapter_model.safetensors` (`base_model.model.<path>.lora_A
     .weight` / `.lora_B.weight`, PEFT's key format), plus the export manifest; `PeftModel.from_pretrained(base,
-    out_dir)` loads it. Staged and swapped in like the merged export (`topp_rl.export`), with the same target rule."""
+    out_dir)` loads it. Staged and swapped in like the merged export (`topp_rl.export`), with the same target rule.
+    Sharded adapters (FSDP): every rank calls it (`full` gathers each A / B), the rank with `write` writes."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -323,9 +335,11 @@ def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Map
     state = {}
     for path, layer in adapter_layers(model).items():
         for part in ("lora_A", "lora_B"):
-            weight = getattr(layer, part)[ADAPTER].weight
-            state[f"base_model.model.{path}.{part}.weight"] = weight.detach().to("cpu").contiguous()
+            weight = full(getattr(layer, part)[ADAPTER].weight.detach())
+            state[f"base_model.model.{path}.{part}.weight"] = weight.to("cpu").contiguous()
     target = check_target(out_dir, name="export.adapter_dir")
+    if not write:
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_exports(target)
     staged = temp_path(target)

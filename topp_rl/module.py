@@ -34,6 +34,7 @@ from topp_rl.backbone import (
     Backbone,
     FrozenBase,
     HFBackbone,
+    LeavesBaseOut,
     ReportsRouting,
     SyncsGradients,
     local_tensor,
@@ -142,11 +143,11 @@ class PolicyModule(L.LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if isinstance(self.policy, FrozenBase):  # the adapters only: the base is rebuilt from the run config
+        if isinstance(self.policy, LeavesBaseOut):  # the adapters only: the base is rebuilt from the run config
             checkpoint[BASE_RECORD] = self.policy.drop_base(checkpoint["state_dict"], prefix="policy.")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if isinstance(self.policy, FrozenBase) and BASE_RECORD in checkpoint:
+        if isinstance(self.policy, LeavesBaseOut) and BASE_RECORD in checkpoint:
             self.policy.restore_base(checkpoint["state_dict"], checkpoint[BASE_RECORD], prefix="policy.")
 
     def configure_optimizers(self):

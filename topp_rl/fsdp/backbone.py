@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.data import PackedBatch
+from topp_rl.lora import LoraBackbone, merged_named_tensors
 from topp_rl.parallel import ParallelLayout
 
 
@@ -129,6 +130,32 @@ class FSDPBackbone(nn.Module):
             # The HF model's own forward entered FSDP2 through a layer, which claimed this iteration's forward
             # root; release it so the next training forward runs the root's pre-forward (stream waits on GPU).
             self.inner._get_fsdp_state()._state_ctx.iter_forward_root = None
+
+
+class FSDPLoraBackbone(FSDPBackbone):
+    """A `LoraBackbone` sharded like any HF backbone (a `FrozenBase`): each decoder-layer unit holds its layer's
+    frozen base weights and its adapters together (FSDP2 units may mix frozen and trainable parameters), so each
+    rank keeps 1/world of both, and the optimizer (built over the parameters that require grad) 1/world of the
+    adapters' AdamW state. The KL reference is the sharded base itself, PEFT's adapters disabled around its passes.
+    Checkpoints are the strategy's sharded ones: base shards included (not left out as by `LoraBackbone`)."""
+
+    def __init__(self, inner: LoraBackbone, **kwargs) -> None:
+        if not isinstance(inner, LoraBackbone):
+            raise TypeError(f"FSDPLoraBackbone shards a LoraBackbone, got a {type(inner).__name__}")
+        super().__init__(inner, **kwargs)
+
+    def base_weights(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.base_weights()
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The MERGED full weights under plain HF names: each base weight and its A / B gathered whole, then
+        W + B @ A * alpha / rank (`merged_named_tensors`); every rank must walk the whole iterator."""
+        return merged_named_tensors(self.inner.model, full_tensor)
+
+
+def shard_backbone(inner: HFBackbone, **kwargs) -> FSDPBackbone:
+    """`FSDPLoraBackbone` for a `LoraBackbone`, else `FSDPBackbone` (keyword arguments: `FSDPBackbone`'s)."""
+    return (FSDPLoraBackbone if isinstance(inner, LoraBackbone) else FSDPBackbone)(inner, **kwargs)
 
 
 def full_tensor(t: Tensor) -> Tensor:

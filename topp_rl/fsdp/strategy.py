@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import AtomicCheckpointIO, write_failed
 from topp_rl.engines.embedded import EmbeddedEngine
-from topp_rl.fsdp.backbone import FSDPBackbone
+from topp_rl.fsdp.backbone import FSDPBackbone, shard_backbone
 from topp_rl.sharded_checkpoint import META, data_dir_for, is_sharded, publish, read_meta
 
 _SLOTS = ("policy", "reference")
@@ -77,7 +77,7 @@ class FSDPStrategy(DDPStrategy):
             backbone = getattr(module, slot)
             if backbone is not None and not isinstance(backbone, HFBackbone):
                 raise TypeError(f"FSDPStrategy shards HFBackbone policies, got a {type(backbone).__name__} as {slot}")
-            backbones[slot] = None if backbone is None else FSDPBackbone(
+            backbones[slot] = None if backbone is None else shard_backbone(  # a LoraBackbone: FSDPLoraBackbone
                 backbone, mesh=mesh, cpu_offload=self.cpu_offload, mp_policy=mp_policy
             )
         module.use_backbones(**backbones)
