@@ -10,6 +10,9 @@ run's within 1e-5 at every step. Cases (one spawn per world size, every case ins
 - tiny Qwen2 at world 2 and 4 (micro-batches of about 2 samples: several micro-batches, one reduce-scatter per step),
   the embedded engine sharing the sharded module (gathered around each generate);
 - tiny Qwen2 at world 2 with the engine's own full copy (`share_weights=false`), synced from gathered weights;
+- tiny Qwen2 at world 2 with LoRA (`module.lora.rank=4`, KL against the sharded base): against the one-rank LoRA run
+  (KL too), its merged `hf/` export against the one-rank run's; a 2-step run's sharded checkpoint resumes to the
+  uninterrupted run's step 3 and exports (merged model and adapter dir) to what the run itself exported;
 - tiny Qwen3-MoE at world 2 and 4;
 - checkpoints: world 2 stops after step 2 (sharded: each rank's shards of the weights and AdamW state) and resumes
   for step 3, equal to the uninterrupted world-2 run's step 3; world 4 resumes the same checkpoint (resharded);

@@ -14,8 +14,13 @@ Checkpoints hold the adapters (`policy.model.<HF path>.lora_A.default.weight`, .
 the base: `drop_base` / `restore_base` (called from `PolicyModule`'s checkpoint hooks) leave it out and put the
 run's own base back on load, after checking its digest (`base_digest`) against the one saved.
 
+FSDP composes: `FSDPStrategy` shards a `LoraBackbone` as `topp_rl.fsdp.backbone.FSDPLoraBackbone` (each rank
+holds 1/world of the base and of the adapters, and AdamW state for its adapter shards only; the reference is the
+sharded base, adapters disabled; `merged_named_tensors(model, full_tensor)` gathers each base weight and its A / B
+before merging). Its sharded checkpoints hold the base's shards too (no `drop_base`).
+
 Departures: LoRA dropout is refused (> 0): the policy is scored in eval mode so that its log-probs equal the
-rollout's, where dropout would be off anyway. Megatron and FSDP backbones are refused at start.
+rollout's, where dropout would be off anyway. Megatron backbones are refused at start.
 PEFT costs about 5 s to import here, so it is imported only when LoRA is on.
 """
 
