@@ -33,8 +33,8 @@ from topp_rl.ops.candidates import Candidates
 _CHUNK_ELEMENTS = 1 << 21  # [rows, vocab-chunk] logits stay at <= 8 MB (fp32)
 _PAIR_ELEMENTS = 1 << 19  # [pairs, H] gathers of 2 MB stay cache-resident; larger ones ran 2-4x slower here
 _MAX_ROWS = 4096
-_MASK_BYTES = 1 << 26  # a block of dense restricted rows holds its [rows, V_local] keep bias (64 MB); smaller
-# blocks re-read the weight and its gradient once per block (16 MB blocks cost +70% at V = 49152, 64 MB +40%)
+_MASK_BYTES = 1 << 26  # a block of dense restricted rows holds its [rows, V_local] keep bias (64 MB: 682 rows at
+# V = 49152); the bias of a single block is kept for the backward, more blocks are rebuilt there one at a time
 # The keep bias holds only 0 and -inf, both exact in bfloat16: half the bytes of float32, so twice the rows per
 # block (a SmolLM2 head's 512-row batch in one block, kept for the backward) and a cheaper fill.
 _BIAS_DTYPE = torch.bfloat16
@@ -196,23 +196,32 @@ def _keep_bias(
     elsewhere.
 
     One index_fill_ of flat positions row * (V_local + 1) + column per ~`_ID_CHUNK` ids (sets of tens of thousands
-    of ids would otherwise need several [K] int64 temporaries); positions are formed in int32 where they fit
-    (half the traffic of int64). Ids outside the shard land in a spare last column, so no boolean filtering (and
-    no sync) is needed."""
+    of ids would otherwise need several [K] int64 temporaries). Ids outside the shard land in a spare last
+    column, so no boolean filtering is needed."""
     n, width = cands.num_rows, vocab_local + 1
     device = tokens.device
     bias = torch.full((n, width), float("-inf"), dtype=_BIAS_DTYPE, device=device)
     flat = bias.view(-1)
-    pos_dtype = torch.int32 if n * width < 2**31 else torch.int64
     step = max(1, _ID_CHUNK * n // max(cands.ids.numel(), 1))  # rows per pass: ~_ID_CHUNK ids on average
     for a in range(0, n, step):
         part = cands[a : a + step]
-        row_start = torch.arange(a, a + part.num_rows, device=device, dtype=pos_dtype) * width
-        pos = torch.repeat_interleave(row_start, part.row_lengths(), output_size=part.ids.numel())
-        flat.index_fill_(0, pos.add_(_local_columns(part.ids, vocab_start, vocab_local, shard)).long(), 0.0)
+        cols = _local_columns(part.ids, vocab_start, vocab_local, shard)
+        flat.index_fill_(0, _flat_positions(cols, part.row_lengths(), first_row=a, width=width), 0.0)
     rows = torch.arange(n, device=device) * width
     flat.index_fill_(0, rows.add_(_local_columns(tokens, vocab_start, vocab_local, shard)), 0.0)
     return bias[:, :vocab_local]
+
+
+def _flat_positions(cols: torch.Tensor, lengths: torch.Tensor, *, first_row: int, width: int) -> torch.Tensor:
+    """int64 (first_row + r) * width + cols[j] for the ids j of row r. Rows of one length (sets at a top-k cap)
+    take a broadcast add; others repeat each row's start in int32 where the positions fit (half the traffic)."""
+    n, k = lengths.numel(), cols.numel()
+    start = torch.arange(first_row, first_row + n, device=cols.device)
+    if n and k % n == 0 and bool((lengths == k // n).all()):
+        return cols.view(n, k // n).long().add_(start[:, None] * width).view(-1)
+    pos_dtype = torch.int32 if (first_row + n) * width < 2**31 else torch.int64
+    pos = torch.repeat_interleave(start.to(pos_dtype) * width, lengths, output_size=k)
+    return pos.add_(cols).long()
 
 
 def _local_columns(ids: torch.Tensor, vocab_start: int, vocab_local: int, shard: bool) -> torch.Tensor:
