@@ -246,12 +246,13 @@ def _chunk_logits(h, weight, a: int, width: int, t: float, out: torch.Tensor) ->
 
 
 def _masked_exp_(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """exp(x + bias) in place, for x <= 0 wherever bias is 0: exp(x) with the dropped entries set to 0 after the
-    exp, never exp(-inf) (20x slower than a finite exp on a CPU) and never an overflow (the clamp: dropped
-    entries may exceed the kept maximum; kept ones are <= 0 already, so the clamp leaves them unchanged)."""
+    """exp(x + bias) in place, for x <= 0 wherever bias is 0: the exp of the unmasked x, then + bias and the
+    dropped entries (-inf, or nan where a dropped x overflowed the exp: inf - inf) set to 0. Never exp(-inf),
+    which runs 20x slower than a finite exp on a CPU. A nan logit still shows: it makes the row's maximum, so its
+    log-sum-exp, nan."""
     if bias is None:
         return x.exp_()
-    return x.clamp_max_(0.0).exp_().add_(bias).clamp_min_(0.0)
+    return x.exp_().add_(bias).nan_to_num_(nan=0.0, neginf=0.0)
 
 
 def _online_lse(h, weight, t: float, width: int, bias: torch.Tensor | None) -> torch.Tensor:
