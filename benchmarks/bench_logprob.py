@@ -241,17 +241,20 @@ def fixed_size_sets(num_rows: int, vocab: int, size: int, tokens: torch.Tensor, 
     return Candidates(ids=ids.flatten().to(torch.int32), offsets=(torch.arange(num_rows + 1) * size).to(torch.int32))
 
 
-def sweep(reps: int) -> list[dict]:
-    """Median over `reps` of time(mask on) / time(mask off), interleaved, per head shape and set size."""
+def sweep(reps: int, *, shapes: list[str] | None = None, min_size: int = 1) -> list[dict]:
+    """Median over `reps` of time(mask on) / time(mask off), interleaved, per head shape and set size
+    (`shapes`: a subset of SWEEP's names; sizes below `min_size` skipped)."""
     rows = []
     for name, sh in SWEEP.items():
+        if shapes and name not in shapes:
+            continue
         g = torch.Generator().manual_seed(0)
         hidden = (torch.randn(sh["rows"], sh["hidden"], generator=g) * 0.5).requires_grad_()
         weight = (torch.randn(sh["vocab"], sh["hidden"], generator=g) * 0.1).requires_grad_()
         tokens = torch.randint(0, sh["vocab"], (sh["rows"],), generator=g)
         timed = functools.partial(_timed_head, hidden, weight, tokens)
 
-        for size in sh["sizes"]:
+        for size in (s for s in sh["sizes"] if s >= min_size):
             cands = fixed_size_sets(sh["rows"], sh["vocab"], size, tokens, seed=size)
             timed(cands), timed(None)  # warm-up
             on, off = [], []
@@ -370,6 +373,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--threads", type=int, default=None, help="torch intra-op threads in every case (default: torch's)"
     )
     parser.add_argument("--sweep", action="store_true", help="mask on / mask off of the head by set size")
+    parser.add_argument(
+        "--sweep-shapes", default=None, help=f"comma-separated subset of {sorted(SWEEP)} (default: all)"
+    )
+    parser.add_argument("--sweep-min-size", type=int, default=1, help="skip sweep set sizes below this")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -379,7 +386,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(measure(args.case, SHAPES[args.shape], args.reps or 3)))
         return []
     if args.sweep:
-        rows = sweep(args.reps or 7)
+        shapes = args.sweep_shapes.split(",") if args.sweep_shapes else None
+        unknown = sorted(set(shapes or []) - set(SWEEP))
+        if unknown:
+            parser.error(f"--sweep-shapes {unknown} unknown; choose from {sorted(SWEEP)}")
+        rows = sweep(args.reps or 7, shapes=shapes, min_size=args.sweep_min_size)
         if args.json:
             args.json.write_text(json.dumps(dict(sweep=rows, threads=torch.get_num_threads()), indent=1))
         return rows

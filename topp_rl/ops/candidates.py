@@ -105,7 +105,7 @@ class Candidates:
     def validate(self, vocab_size: int) -> Candidates:
         """Raise ValueError unless every id lies in [0, vocab_size); returns self for chaining."""
         if self.ids.numel():
-            lo, hi = int(self.ids.min()), int(self.ids.max())
+            lo, hi = (int(v) for v in torch.aminmax(self.ids))  # one pass over the ids
             if lo < 0 or hi >= vocab_size:
                 bad = lo if lo < 0 else hi
                 raise ValueError(

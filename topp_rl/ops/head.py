@@ -33,8 +33,12 @@ from topp_rl.ops.candidates import Candidates
 _CHUNK_ELEMENTS = 1 << 21  # [rows, vocab-chunk] logits stay at <= 8 MB (fp32)
 _PAIR_ELEMENTS = 1 << 19  # [pairs, H] gathers of 2 MB stay cache-resident; larger ones ran 2-4x slower here
 _MAX_ROWS = 4096
-_MASK_BYTES = 1 << 26  # a block of dense restricted rows holds its [rows, V_local] keep bias (64 MB); smaller
-# blocks re-read the weight and its gradient once per block (16 MB blocks cost +70% at V = 49152, 64 MB +40%)
+_MASK_BYTES = 1 << 26  # a block of dense restricted rows holds its [rows, V_local] keep bias (64 MB: 682 rows at
+# V = 49152); the bias of a single block is kept for the backward, more blocks are rebuilt there one at a time
+# The keep bias holds only 0 and -inf, both exact in bfloat16: half the bytes of float32, so twice the rows per
+# block (a SmolLM2 head's 512-row batch in one block, kept for the backward) and a cheaper fill.
+_BIAS_DTYPE = torch.bfloat16
+_ID_CHUNK = 1 << 20  # candidate ids turned into mask positions per pass (8 MB of int64 temporaries)
 _PAIR_COST_RATIO = 32  # cost of one gathered (row, id) pair / one dense (row, vocab entry); see the module doc
 
 
@@ -147,7 +151,7 @@ class _Block:
     bias: torch.Tensor | None  # [rows, V_local] 0 = kept, -inf = dropped; None = unrestricted
 
 
-def _dense_blocks(c: _Context, num_rows: int, device: torch.device, dtype: torch.dtype) -> Iterator[_Block]:
+def _dense_blocks(c: _Context, num_rows: int, device: torch.device) -> Iterator[_Block]:
     """Row blocks of the dense path: unrestricted rows, then restricted rows with their keep masks."""
     open_rows = torch.arange(num_rows, device=device) if c.open_rows is None else c.open_rows
     for a in range(0, open_rows.numel(), _MAX_ROWS):
@@ -156,7 +160,7 @@ def _dense_blocks(c: _Context, num_rows: int, device: torch.device, dtype: torch
     if c.masked is None:
         return
     cands, rows = c.masked
-    step = _masked_block_rows(c, dtype)
+    step = _masked_block_rows(c)
     for a in range(0, rows.numel(), step):
         block = rows[a : a + step]
         bias = _keep_bias(
@@ -165,21 +169,20 @@ def _dense_blocks(c: _Context, num_rows: int, device: torch.device, dtype: torch
             vocab_start=c.plan.vocab_start,
             vocab_local=c.plan.vocab_local,
             shard=c.group is not None,
-            dtype=dtype,
         )
         yield _Block(block, _chunk_width(block.numel()), bias)
 
 
-def _masked_block_rows(c: _Context, dtype: torch.dtype) -> int:
-    return max(1, min(_MAX_ROWS, _MASK_BYTES // (dtype.itemsize * max(c.plan.vocab_local, 1))))
+def _masked_block_rows(c: _Context) -> int:
+    return max(1, min(_MAX_ROWS, _MASK_BYTES // (_BIAS_DTYPE.itemsize * max(c.plan.vocab_local, 1))))
 
 
-def _forward_blocks(c: _Context, num_rows: int, device: torch.device, dtype: torch.dtype) -> list[_Block] | None:
+def _forward_blocks(c: _Context, num_rows: int, device: torch.device) -> list[_Block] | None:
     """The dense blocks, kept for the backward when their keep biases fit one block (so the backward does not
     rebuild them); None = the backward rebuilds them block by block."""
-    if c.masked is not None and c.masked[1].numel() > _masked_block_rows(c, dtype):
+    if c.masked is not None and c.masked[1].numel() > _masked_block_rows(c):
         return None
-    return list(_dense_blocks(c, num_rows, device, dtype))
+    return list(_dense_blocks(c, num_rows, device))
 
 
 def _chunk_width(block_rows: int) -> int:
@@ -187,21 +190,46 @@ def _chunk_width(block_rows: int) -> int:
 
 
 def _keep_bias(
-    cands: Candidates, tokens: torch.Tensor, *, vocab_start: int, vocab_local: int, shard: bool, dtype
+    cands: Candidates, tokens: torch.Tensor, *, vocab_start: int, vocab_local: int, shard: bool
 ) -> torch.Tensor:
-    """[n, V_local]: 0 where row j keeps the id (cands(j) U {tokens[j]}, inside this shard), -inf elsewhere.
-    Added to the logits (an add ran ~10x faster than masked_fill here); ids outside the shard land in a spare
-    last column, so no boolean filtering (and no sync) is needed."""
+    """[n, V_local] in `_BIAS_DTYPE`: 0 where row j keeps the id (cands(j) U {tokens[j]}, inside this shard), -inf
+    elsewhere.
+
+    One index_fill_ of flat positions row * (V_local + 1) + column per ~`_ID_CHUNK` ids (sets of tens of thousands
+    of ids would otherwise need several [K] int64 temporaries). Ids outside the shard land in a spare last
+    column, so no boolean filtering is needed."""
     n, width = cands.num_rows, vocab_local + 1
-    bias = torch.full((n, width), float("-inf"), dtype=dtype, device=tokens.device)
-    for row, col in (
-        (cands.row_of_ids(), cands.ids.long() - vocab_start),
-        (torch.arange(n, device=tokens.device), tokens - vocab_start),
-    ):
-        if shard:  # under TP some ids lie in other shards
-            col = torch.where((col >= 0) & (col < vocab_local), col, vocab_local)
-        bias.view(-1).scatter_(0, row * width + col, 0.0)
+    device = tokens.device
+    bias = torch.full((n, width), float("-inf"), dtype=_BIAS_DTYPE, device=device)
+    flat = bias.view(-1)
+    step = max(1, _ID_CHUNK * n // max(cands.ids.numel(), 1))  # rows per pass: ~_ID_CHUNK ids on average
+    for a in range(0, n, step):
+        part = cands[a : a + step]
+        cols = _local_columns(part.ids, vocab_start, vocab_local, shard)
+        flat.index_fill_(0, _flat_positions(cols, part.row_lengths(), first_row=a, width=width), 0.0)
+    rows = torch.arange(n, device=device) * width
+    flat.index_fill_(0, rows.add_(_local_columns(tokens, vocab_start, vocab_local, shard)), 0.0)
     return bias[:, :vocab_local]
+
+
+def _flat_positions(cols: torch.Tensor, lengths: torch.Tensor, *, first_row: int, width: int) -> torch.Tensor:
+    """int64 (first_row + r) * width + cols[j] for the ids j of row r. Rows of one length (sets at a top-k cap)
+    take a broadcast add; others repeat each row's start in int32 where the positions fit (half the traffic)."""
+    n, k = lengths.numel(), cols.numel()
+    start = torch.arange(first_row, first_row + n, device=cols.device)
+    if n and k % n == 0 and bool((lengths == k // n).all()):
+        return cols.view(n, k // n).long().add_(start[:, None] * width).view(-1)
+    pos_dtype = torch.int32 if (first_row + n) * width < 2**31 else torch.int64
+    pos = torch.repeat_interleave(start.to(pos_dtype) * width, lengths, output_size=k)
+    return pos.add_(cols).long()
+
+
+def _local_columns(ids: torch.Tensor, vocab_start: int, vocab_local: int, shard: bool) -> torch.Tensor:
+    """ids - vocab_start (same dtype); under TP, ids outside this shard map to the spare column V_local."""
+    col = ids - vocab_start if vocab_start else ids
+    if shard:
+        col = torch.where((col >= 0) & (col < vocab_local), col, vocab_local)
+    return col
 
 
 def _pair_chunks(num_pairs: int, hidden_size: int):
@@ -210,12 +238,21 @@ def _pair_chunks(num_pairs: int, hidden_size: int):
         yield slice(a, min(a + step, num_pairs))
 
 
-def _chunk_logits(h, weight, a: int, width: int, t: float, bias: torch.Tensor | None):
-    """Logits h @ weight[a : a + width].T / t, -inf where the row drops the id."""
-    logits = (h @ weight[a : a + width].to(h.dtype).T).div_(t)
-    if bias is not None:
-        logits += bias[:, a : a + width]
-    return logits
+def _chunk_logits(h, weight, a: int, width: int, t: float, out: torch.Tensor) -> torch.Tensor:
+    """Logits h @ weight[a : a + width].T / t, written into the front of the flat scratch buffer `out`."""
+    w = weight[a : a + width].to(h.dtype)
+    z = out[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])
+    return torch.mm(h, w.T, out=z).div_(t)
+
+
+def _masked_exp_(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """exp(x + bias) in place, for x <= 0 wherever bias is 0: the exp of the unmasked x, then + bias and the
+    dropped entries (-inf, or nan where a dropped x overflowed the exp: inf - inf) set to 0. Never exp(-inf),
+    which runs 20x slower than a finite exp on a CPU. A nan logit still shows: it makes the row's maximum, so its
+    log-sum-exp, nan."""
+    if bias is None:
+        return x.exp_()
+    return x.exp_().add_(bias).nan_to_num_(nan=0.0, neginf=0.0)
 
 
 def _online_lse(h, weight, t: float, width: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -223,11 +260,21 @@ def _online_lse(h, weight, t: float, width: int, bias: torch.Tensor | None) -> t
     -inf for a row that keeps nothing in this shard."""
     m = torch.full((h.shape[0],), float("-inf"), dtype=h.dtype, device=h.device)
     s = torch.zeros_like(m)
+    size = h.shape[0] * min(width, weight.shape[0])
+    buf = torch.empty(size, dtype=h.dtype, device=h.device)
+    masked = None if bias is None else torch.empty(size, dtype=h.dtype, device=h.device)
     for a in range(0, weight.shape[0], width):
-        logits = _chunk_logits(h, weight, a, width, t, bias)
-        new_m = torch.maximum(m, logits.amax(dim=-1))
-        shift = new_m if bias is None else torch.where(torch.isfinite(new_m), new_m, 0.0)  # all-masked so far
-        s = s * torch.exp(m - shift) + torch.exp(logits - shift[:, None]).sum(dim=-1)
+        logits = _chunk_logits(h, weight, a, width, t, buf)
+        b = None if bias is None else bias[:, a : a + logits.shape[1]]
+        if b is None:
+            new_m = torch.maximum(m, logits.amax(dim=-1))
+            shift = new_m
+        else:  # the kept maximum; a row that keeps nothing so far shifts by 0 (all its entries become 0)
+            kept = torch.add(logits, b, out=masked[: logits.numel()].view_as(logits))
+            new_m = torch.maximum(m, kept.amax(dim=-1))
+            shift = torch.where(torch.isfinite(new_m), new_m, 0.0)
+        e = _masked_exp_(logits.sub_(shift[:, None]), b)
+        s = s * torch.exp(m - shift) + e.sum(dim=-1)
         m = new_m
     return m + torch.log(s)
 
@@ -257,8 +304,8 @@ class _CandidateHead(torch.autograd.Function):
         plan, t, num_rows = c.plan, c.temperature, hidden.shape[0]
         cdt = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
         dense_lse = torch.full((num_rows,), float("-inf"), dtype=cdt, device=hidden.device)
-        kept_blocks = _forward_blocks(c, num_rows, hidden.device, cdt)
-        for b in kept_blocks or _dense_blocks(c, num_rows, hidden.device, cdt):
+        kept_blocks = _forward_blocks(c, num_rows, hidden.device)
+        for b in kept_blocks or _dense_blocks(c, num_rows, hidden.device):
             dense_lse[b.rows] = _online_lse(hidden.index_select(0, b.rows).to(cdt), weight, t, b.width, b.bias)
         here, col = _dense_targets(plan, num_rows)
         target = torch.zeros(num_rows, dtype=cdt, device=hidden.device)
@@ -301,15 +348,17 @@ class _CandidateHead(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device)
         # Dense rows: d logp / d logit_v = [v = token] - softmax_v over the row's support (masked entries have
         # softmax 0); recompute each vocab chunk.
-        blocks = ctx.blocks if ctx.blocks is not None else _dense_blocks(c, num_rows, hidden.device, cdt)
+        blocks = ctx.blocks if ctx.blocks is not None else _dense_blocks(c, num_rows, hidden.device)
         for b in blocks:
             h, gb, lse = hidden.index_select(0, b.rows).to(cdt), g[b.rows], norm[b.rows]
             gh = torch.zeros_like(h)
+            buf = torch.empty(h.shape[0] * min(b.width, weight.shape[0]), dtype=cdt, device=h.device)
             for a in range(0, weight.shape[0], b.width):
                 w = weight[a : a + b.width].to(cdt)
-                p = torch.exp(_chunk_logits(h, weight, a, b.width, t, b.bias) - lse[:, None]).mul_(gb[:, None])
-                gh -= p @ w
-                grad_w[a : a + b.width] -= p.T @ h
+                z = _chunk_logits(h, weight, a, b.width, t, buf).sub_(lse[:, None])  # <= 0 where kept
+                p = _masked_exp_(z, None if b.bias is None else b.bias[:, a : a + b.width]).mul_(gb[:, None])
+                gh.addmm_(p, w, alpha=-1)
+                grad_w[a : a + b.width].addmm_(p.T, h, alpha=-1)
             grad_h.index_add_(0, b.rows, gh)
         # Dense rows' own tokens and the pairs of gathered rows: one coefficient per (row, column),
         # d logp / d logit = [column = token] - softmax over the row's support.
