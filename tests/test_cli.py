@@ -119,6 +119,15 @@ def test_fit_twice_in_one_process_with_python_rewards(tmp_path, monkeypatch, cap
     assert "GPU available" not in capsys.readouterr().out  # the console as the command line's: no Lightning INFO
 
 
+def test_fit_refuses_a_multi_process_run_at_start(tmp_path, monkeypatch):
+    """Lightning would start rank 1 by re-running this process's command line (a notebook's, `python -c`'s)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^topp_rl.fit runs one process, and trainer.devices x trainer.num_nodes "
+                                         r"is 2: .* Run multi-device jobs with the command \(topp-rl train"):
+        topp_rl.fit(overrides=["parallel=fsdp", "trainer.devices=2"])
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_fit_refuses_rewards_a_task_cannot_take_before_training(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="task CopyDigitTask .* takes none"):
@@ -237,8 +246,10 @@ def test_the_installed_wheel_trains_from_outside_the_clone(installed, tmp_path):
     user_conf.mkdir(parents=True)
     (user_conf / "mine.yaml").write_text("# @package _global_\nrollout:\n  top_p: 0.9\n")
     env = outside_env(tmp_path)
+    # Two ranks: Lightning starts rank 1 by re-running the command line, which must be `topp-rl train ...` again.
     job = [*TINY[:-1], "task=gsm8k", "logger=csv", "model=hf_path", f"model.path={HUB_ID}",
-           f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", "experiment=mine", "hydra.run.dir=run"]
+           f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", "experiment=mine", "hydra.run.dir=run",
+           "parallel=fsdp", "trainer.devices=2"]
     done = subprocess.run([str(installed / "bin" / "topp-rl"), "train", *job], cwd=work, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -248,6 +259,7 @@ def test_the_installed_wheel_trains_from_outside_the_clone(installed, tmp_path):
     assert config["rollout"]["top_p"] == 0.9 and config["model"]["path"] == HUB_ID
     assert json.loads((work / "run" / "summary.json").read_text())["steps"] == 2
     assert (work / "run" / "train.log").is_file()
+    assert "layout: world=2 dp=2 tp=1 cp=1 ep=1 fsdp=2" in done.stdout + done.stderr
 
     code = textwrap.dedent(f"""
         import json, topp_rl

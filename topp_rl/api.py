@@ -81,6 +81,7 @@ def fit(
     if reward_fn is not None and rewards is not None:
         raise ValueError("pass reward_fn (one function) or rewards (several), not both")
     cfg = compose(overrides) if config is None else copy.deepcopy(config)
+    refuse_several_processes(cfg)
     if _is_default_output_dir(cfg):
         raise ValueError(f"config's paths.output_dir is {DEFAULT_OUTPUT_DIR}, which only a Hydra app resolves; "
                          "compose the config with topp_rl.compose(overrides), or set cfg.paths.output_dir")
@@ -93,6 +94,20 @@ def fit(
         run, summary = train_run(cfg, rewards=entries)
     metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items()}
     return FitResult(run_dir=Path(cfg.paths.output_dir), summary=summary, metrics=metrics, config=cfg)
+
+
+def refuse_several_processes(cfg: DictConfig) -> None:
+    """`fit` trains in this process: Lightning starts the other ranks of a multi-device run by re-running the
+    command line (`sys.argv`), which in a notebook or `python -c` is not the run; `topp-rl train` is."""
+    from topp_rl.config import world_size
+
+    world = world_size(cfg)
+    if world > 1:
+        raise ValueError(
+            f"topp_rl.fit runs one process, and trainer.devices x trainer.num_nodes is {world}: Lightning would "
+            "start the other ranks by re-running this process's command line. Run multi-device jobs with the "
+            "command (topp-rl train ... or python train.py ...), or set trainer.devices=1"
+        )
 
 
 def reward_entries(specs: Sequence[RewardSpec] | None) -> list[dict[str, Any]] | None:

@@ -50,19 +50,22 @@ def train_command(overrides: Sequence[str]) -> None:
     os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end: the run prints its own summary
     import hydra
 
-    app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_train_job)
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "topp-rl", *overrides]  # hydra.main parses sys.argv[1:]
+    # Lightning starts a multi-device run's other ranks by re-running `sys.argv` (+ the run dir): that must be the
+    # command as typed (`topp-rl train ...`), while Hydra parses the overrides alone from `sys.argv[1:]`.
+    launched_as = list(sys.argv)
+
+    def job(cfg) -> None:
+        sys.argv = launched_as
+        from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
+
+        train(cfg)
+
+    app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(job)
+    sys.argv = [launched_as[0] if launched_as else "topp-rl", *overrides]  # hydra.main parses sys.argv[1:]
     try:
         app()
     finally:
-        sys.argv = saved
-
-
-def _train_job(cfg) -> None:
-    from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
-
-    train(cfg)
+        sys.argv = launched_as
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def target_class(node: DictConfig) -> Any:
     return getattr(target, "__self__", target)
 
 
-def _world_size(cfg: DictConfig) -> int:
+def world_size(cfg: DictConfig) -> int:
+    """trainer.devices x trainer.num_nodes where both are integers (else 1: Lightning checks once it knows)."""
     devices = cfg.trainer.get("devices", 1)
     nodes = cfg.trainer.get("num_nodes", 1)
     if isinstance(devices, int) and isinstance(nodes, int):
@@ -157,7 +158,7 @@ def validate_fsdp(cfg: DictConfig, world: int) -> None:
 
 
 def validate_parallel(cfg: DictConfig) -> None:
-    p, world = cfg.parallel, _world_size(cfg)
+    p, world = cfg.parallel, world_size(cfg)
     fsdp = _is_fsdp(cfg)
     if fsdp:
         validate_fsdp(cfg, world)
