@@ -91,6 +91,15 @@ def read_checkpoint(path: str | Path, **load_kwargs) -> dict[str, Any]:
         return torch.load(path, **load_kwargs)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_failed(path: Path, err: Exception) -> CheckpointWriteError:
     """The error for a checkpoint write that failed, naming the path and the free space. torch reports a full disk
     as an internal error ("unexpected pos 704 vs 598")."""
@@ -127,11 +136,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:  # KeyboardInterrupt mid-write: no partial temp file left behind
             tmp.unlink(missing_ok=True)
             raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)  # make the rename itself durable
 
     def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
         with named_read_errors(path):

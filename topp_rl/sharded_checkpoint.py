@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from topp_rl.checkpoint import named_read_errors, temp_path
+from topp_rl.checkpoint import fsync_dir, named_read_errors, temp_path
 
 META = "meta.pt"
 _DATA = re.compile(r"^(?P<link>.+)-step(?P<step>\d+)-[0-9a-f]+\.dcp$")
@@ -46,24 +46,13 @@ def data_dir_for(link: Path, step: int) -> Path:
     return link.parent / f"{link.stem}-step{step}-{secrets.token_hex(2)}.dcp"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(link: Path, data_dir: Path) -> None:
     """Point `link` at the complete `data_dir` (one atomic `os.replace` of a symlink), then remove the data
     directories of `link` it no longer names. A regular file at `link` (a single-file checkpoint) is replaced."""
     if link.is_dir() and not link.is_symlink():
         raise IsADirectoryError(f"{link} is a directory, not a topp_rl checkpoint link; move it away and resume "
                                 f"from it explicitly (ckpt_path=<dir>) or start a new run dir")
-    for path in data_dir.rglob("*"):  # DCP fsyncs its shard files; the directory entries need it too
-        if path.is_dir():
-            _fsync_dir(path)
-    _fsync_dir(data_dir)
+    fsync_dir(data_dir)  # DCP fsyncs its (flat) shard files; their directory entries need it too
     tmp = temp_path(link)
     os.symlink(data_dir.name, tmp)  # relative: the run dir can be moved or copied as a whole
     try:
@@ -71,7 +60,7 @@ def publish(link: Path, data_dir: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(link.parent)
+    fsync_dir(link.parent)
     remove_unreferenced(link.parent, keep=(data_dir,))
 
 
