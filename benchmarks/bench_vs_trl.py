@@ -130,6 +130,32 @@ def summarise(results: dict[str, list[dict]], tokens_per_step: dict[str, float])
     return table
 
 
+def measure_floor(scale: str) -> dict:
+    """flop_floor.py's floors of this scale's step, in this (otherwise idle) parent process."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from flop_floor import floors, smollm2_config
+
+    torch.set_num_threads(SCALES[scale]["threads"])
+    # the prompt's token count under the chat template: '<|im_start|>3+4=' is 5 SmolLM2 tokens
+    return floors(smollm2_config(), batch=COMMON["prompts_per_step"] * COMMON["n_samples"], prompt=5,
+                  new=SCALES[scale]["max_new_tokens"], reps=3)
+
+
+def summarise_floor(runs: list[dict], table: dict[str, dict]) -> dict:
+    """Median floors (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) and each arm's
+    step / floor; printed."""
+    out = {}
+    for kind in ("streamed", "cache-hot"):
+        med = {k: statistics.median(r[kind][k] for r in runs) for k in runs[0][kind]}
+        ratios = {arm: m["step_s"] / med["full vocab" if arm in TRL_ARMS else "topp_rl"] for arm, m in table.items()}
+        out[kind] = dict(floor=med, step_over_floor=ratios)
+        print(f"floor ({kind}): topp_rl {med['topp_rl']:.2f} s (generate {med['generate']:.2f} + train "
+              f"{med['train topp_rl']:.2f} + AdamW {med['optimizer']:.2f}), full vocab {med['full vocab']:.2f} s; "
+              "step / floor: " + ", ".join(f"{a} {r:.2f}" for a, r in ratios.items()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
@@ -138,6 +164,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--arms", default="topp_mask_on,topp_mask_off,trl",
                     help=f"comma-separated, from {', '.join([*TOPP_ARMS, *TRL_ARMS])} ('trl' is the reference)")
+    ap.add_argument("--floor", action="store_true",
+                    help="smollm2: measure benchmarks/flop_floor.py's floors once per repeat, between the arms")
     ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -151,10 +179,15 @@ def main() -> None:
                                 text=True, check=False).stdout.strip()
     if not trl_python:
         raise SystemExit("the TRL venv is not built; run scripts/setup_trl.sh first (it prints the venv's python)")
+    if args.floor and args.scale != "smollm2":
+        raise SystemExit("--floor is for --scale smollm2 (flop_floor.py models SmolLM2's step)")
     results: dict[str, list[dict]] = {a: [] for a in arms}
+    floor_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as workdir:
         model_dir = model_dir_for(args.scale, workdir)
         for rep in range(args.repeats):
+            if args.floor:
+                floor_runs.append(measure_floor(args.scale))
             for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:  # rotated: no arm always runs first
                 results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
                 last = results[arm][-1]["rows"]
@@ -175,8 +208,10 @@ def main() -> None:
         speedup = table["trl"]["step_s"] / m["step_s"]
         print(f"{arm:<15}{m['generate_s']:>8.3f}{m['score_s']:>9.3f}{m['optim_s']:>9.3f}{m['step_s']:>8.3f}"
               f"{m['tokens_per_s']:>8.0f}{m['peak_rss_mb']:>9.0f}{speedup:>9.2f}")
+    floor = summarise_floor(floor_runs, table) if floor_runs else None
     if args.json:
-        args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results), indent=1))
+        args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results, floor=floor,
+                                             floor_runs=floor_runs), indent=1))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """The compute floor of one RL step at SmolLM2-135M scale: how fast could any exact fp32 trainer be here?
 
-    .venv/bin/python benchmarks/flop_floor.py [--threads 2] [--reps 5] [--prompt-tokens 4] [--new-tokens 16]
+    .venv/bin/python benchmarks/flop_floor.py [--threads 2] [--reps 5] [--prompt-tokens 5] [--new-tokens 16]
 
 Counts the matmul FLOPs of one bench_vs_trl step (8 prompts x 4 samples, every response at the cap) from the
 model's shapes, for topp_rl (candidate head: no full-vocabulary matmul in training) and for a full-vocabulary
 trainer such as TRL (the lm head over every response token, forward and backward), and divides by this
-machine's measured fp32 GEMM rate at the model's own layer shapes (median of --reps). Attention scores,
-norms and the optimizer are left out (a few percent at these lengths), so the floor is a lower bound.
+machine's measured fp32 GEMM rate at the model's own layer shapes (median of --reps).
+
+Two floors:
+- "cache-hot" (the first version of this script): the rate of one layer's seven matrices multiplied over and
+  over, so they stay in the CPU's cache, and the optimizer left out.
+- "streamed" (what a step must do): a forward reads every layer's own weights (540 MB at SmolLM2, far beyond the
+  cache) once per decode step, so the rate is measured over all layers' distinct matrices (and the head's),
+  in model order; and AdamW must read the weights, gradients and both moments and write back three of them
+  (7 x 4 bytes per parameter), at the machine's measured streaming bandwidth (a large `copy_`).
+Attention scores, norms, activations and the embedding gradient are left out of both, so each is a lower bound.
 """
 
 import argparse
@@ -16,7 +24,7 @@ import time
 import torch
 from transformers import AutoConfig
 
-from topp_rl.models import load_smollm2
+ADAMW_BYTES_PER_PARAM = 7 * 4  # reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
 
 
 def layer_shapes(cfg) -> list[tuple[int, int]]:
@@ -34,45 +42,99 @@ def step_flops(cfg, *, batch: int, prompt: int, new: int) -> dict[str, float]:
     return {"generate": generate, "train topp_rl": train, "train full vocab": train + 3 * batch * new * head}
 
 
-def gemm_rate(cfg, *, rows: int, reps: int) -> float:
-    """fp32 FLOP/s of x @ W.T over the layer shapes at `rows` tokens (median over reps)."""
-    mats = [(torch.randn(rows, a), torch.randn(b, a)) for a, b in layer_shapes(cfg)]
-    flops = sum(2 * rows * a * b for a, b in layer_shapes(cfg))
-    for x, w in mats:
-        torch.nn.functional.linear(x, w)
+def _median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up (first-touch page faults)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        for _ in range(4):
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gemm_rate(cfg, *, rows: int, reps: int, streamed: bool = False) -> float:
+    """fp32 FLOP/s of x @ W.T over the layer shapes at `rows` tokens (median over reps). `streamed`: every layer
+    gets its own matrices, plus the lm head, visited in model order (weights come from memory, as in a real
+    forward); otherwise one layer's matrices are reused (cache-hot)."""
+    shapes = layer_shapes(cfg) * (cfg.num_hidden_layers if streamed else 1)
+    if streamed:
+        shapes.append((cfg.hidden_size, cfg.vocab_size))
+    mats = [(torch.randn(rows, a), torch.randn(b, a)) for a, b in shapes]
+    flops = sum(2 * rows * a * b for a, b in shapes)
+    passes = 1 if streamed else 4
+
+    def run() -> None:
+        for _ in range(passes):
             for x, w in mats:
                 torch.nn.functional.linear(x, w)
-        times.append((time.perf_counter() - start) / 4)
-    return flops / statistics.median(times)
+
+    return passes * flops / _median_seconds(run, reps)
+
+
+def stream_bandwidth(*, numel: int, reps: int) -> float:
+    """Bytes/s read plus written by `dst.copy_(src)` over buffers far larger than the cache (median)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return 2 * 4 * numel / _median_seconds(lambda: dst.copy_(src), reps)
+
+
+def num_parameters(cfg) -> int:
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    per_layer = sum(a * b for a, b in layer_shapes(cfg)) + 2 * h  # linears + two RMSNorm weights
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return layers * per_layer + cfg.vocab_size * h + head + h
+
+
+def floors(cfg, *, batch: int, prompt: int, new: int, reps: int) -> dict[str, dict[str, float]]:
+    """Seconds per step: {"cache-hot" | "streamed": {"generate", "train <trainer>", "optimizer", "<trainer>"}}
+    for trainer in ("topp_rl", "full vocab"); the "<trainer>" entry is the sum of its parts."""
+    flops = step_flops(cfg, batch=batch, prompt=prompt, new=new)
+    train_rows = batch * (prompt + new)
+    out = {}
+    for kind, streamed in (("cache-hot", False), ("streamed", True)):
+        decode, train = (gemm_rate(cfg, rows=r, reps=reps, streamed=streamed) for r in (batch, train_rows))
+        optimizer = 0.0
+        if streamed:
+            optimizer = ADAMW_BYTES_PER_PARAM * num_parameters(cfg) / stream_bandwidth(numel=1 << 26, reps=reps)
+        parts = {"generate": flops["generate"] / decode, "optimizer": optimizer,
+                 "decode GFLOP/s": decode / 1e9, "train GFLOP/s": train / 1e9}
+        for name in ("topp_rl", "full vocab"):
+            parts[f"train {name}"] = flops[f"train {name}"] / train
+            parts[name] = parts["generate"] + parts[f"train {name}"] + optimizer
+        out[kind] = parts
+    return out
+
+
+def smollm2_config():
+    from pathlib import Path
+
+    from topp_rl.models import load_smollm2
+
+    load_smollm2()  # the converted config lives in the cache
+    return AutoConfig.from_pretrained(Path.home() / ".cache" / "topp_rl" / "smollm2-135m-instruct")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=4, help="SmolLM2 tokens of '3+4=' (bench_vs_trl)")
+    ap.add_argument("--prompt-tokens", type=int, default=5,
+                    help="SmolLM2 tokens of bench_vs_trl's prompts: <|im_start|> then 3+4=")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    load_smollm2()  # the converted config lives in the cache
-    from pathlib import Path
-
-    cfg = AutoConfig.from_pretrained(Path.home() / ".cache" / "topp_rl" / "smollm2-135m-instruct")
+    cfg = smollm2_config()
     flops = step_flops(cfg, batch=args.batch, prompt=args.prompt_tokens, new=args.new_tokens)
-    decode_rate = gemm_rate(cfg, rows=args.batch, reps=args.reps)  # a decode step: one row per sample
-    train_rate = gemm_rate(cfg, rows=args.batch * (args.prompt_tokens + args.new_tokens), reps=args.reps)
-    gen_s = flops["generate"] / decode_rate
-    print(f"threads={args.threads}: fp32 GEMM {decode_rate / 1e9:.1f} GFLOP/s at {args.batch} rows (decode), "
-          f"{train_rate / 1e9:.1f} GFLOP/s at {args.batch * (args.prompt_tokens + args.new_tokens)} rows (training)")
-    for name in ("train topp_rl", "train full vocab"):
-        train_s = flops[name] / train_rate
-        print(f"{name:>17}: {flops['generate'] / 1e9:6.0f} + {flops[name] / 1e9:6.0f} GFLOP -> floor "
-              f"{gen_s:5.2f} + {train_s:5.2f} = {gen_s + train_s:5.2f} s per step")
+    result = floors(cfg, batch=args.batch, prompt=args.prompt_tokens, new=args.new_tokens, reps=args.reps)
+    rows = args.batch * (args.prompt_tokens + args.new_tokens)
+    print(f"threads={args.threads}, {num_parameters(cfg) / 1e6:.1f}M parameters")
+    for kind, f in result.items():
+        print(f"{kind}: fp32 GEMM {f['decode GFLOP/s']:.1f} GFLOP/s at {args.batch} rows (decode), "
+              f"{f['train GFLOP/s']:.1f} GFLOP/s at {rows} rows (training); AdamW {f['optimizer']:.2f} s")
+        for name in ("topp_rl", "full vocab"):
+            print(f"  train {name:>10}: {flops['generate'] / 1e9:6.0f} + {flops['train ' + name] / 1e9:6.0f} GFLOP"
+                  f" -> floor {f['generate']:5.2f} + {f['train ' + name]:5.2f} + {f['optimizer']:4.2f}"
+                  f" = {f[name]:5.2f} s per step")
 
 
 if __name__ == "__main__":

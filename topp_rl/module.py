@@ -304,7 +304,7 @@ class PolicyModule(L.LightningModule):
     def optimizer_step_checked(self, opt, *, step: int) -> None:
         """`opt.step()`; an update that overflows float32 stops the run naming the step and the learning rate.
         The foreach AdamW raises on its overflowing scalar; the fused one leaves inf / NaN weights, found here by
-        one max-abs reduction per tensor (all ranks decide together, so none is left in a collective)."""
+        one min / max reduction per tensor (all ranks decide together, so none is left in a collective)."""
         lr = opt.param_groups[0]["lr"]
         try:
             opt.step()
@@ -313,9 +313,10 @@ class PolicyModule(L.LightningModule):
                 raise
             raise _overflow(step, lr, str(err)) from err
         params = [local_tensor(p.detach()) for group in opt.param_groups for p in group["params"]]
-        finite = not params or bool(
-            torch.isfinite(torch.stack([torch.linalg.vector_norm(p, float("inf")) for p in params])).all()
-        )
+        params = [p for p in params if p.numel()]  # an FSDP rank may hold an empty shard of a small tensor
+        # min and max are finite iff every entry is (they propagate NaN); `aminmax` reads each tensor once at the
+        # speed of a sum, where the inf-norm (abs, then max) ran 5x slower on CPU (measured: 0.45 s at SmolLM2)
+        finite = not params or bool(torch.isfinite(torch.stack([torch.stack(torch.aminmax(p)) for p in params])).all())
         if self._trainer is not None:
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:
