@@ -36,7 +36,8 @@ class DenseSortEngine(EmbeddedEngine):
         log_probs = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
         tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
-        return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), None, None
+        chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, chosen, None, None, torch.ones_like(tokens, dtype=torch.bool)  # (finite: not checked)
 
 
 class HFGenerate:

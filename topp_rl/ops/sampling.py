@@ -32,6 +32,7 @@ full-sort rule. "vllm" is a trainer-side fallback and uses one full sort.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Literal
@@ -42,6 +43,7 @@ from topp_rl.ops._checks import SAMPLING_RULES, ParamT, check_sampling_params, p
 from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
+_ESTIMATE_MAX_V = 8192
 Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
 
@@ -137,7 +139,7 @@ def _sglang_scalar(
 def _check_distribution(probs: torch.Tensor, temperature: torch.Tensor | float) -> None:
     """A row whose logits / temperature hold a NaN or +inf (or are all -inf) has no distribution: its softmax
     sums to NaN. Such a row has no kept set, and a sampler drawing from it would pick an arbitrary token."""
-    if bool(probs.sum().isfinite()):  # one sync: the total is finite iff every row's sum (~1 each) is
+    if math.isfinite(float(probs.sum())):  # one sync: the total is finite iff every row's sum (~1 each) is
         return
     bad = ~torch.isfinite(probs.sum(dim=-1))
     if bool(bad.any()):
@@ -189,19 +191,20 @@ def _sglang(
     probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param
 ) -> tuple[Candidates, FullRanking | None]:
     n, vocab = probs.shape
+    k = _first_window(probs, top_p=top_p, top_k=top_k, min_p=min_p)
+    if k * 2 >= vocab:  # small vocabularies, or sets surely spanning half of it
+        return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
     pending = torch.arange(n, device=probs.device)
-    k = min(vocab, _WINDOW)
     done_rows, done_sets = [], []
     while pending.numel():
         if k * 2 >= vocab:
             k = vocab
+            if not done_rows:  # every row still open: no regrouping
+                return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
         rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
         vals, ids = _rank_window(rows_probs, k)
         keep = _sglang_keep(vals, top_p=_rows(top_p, pending), top_k=_rows(top_k, pending),
                             min_p=_rows(min_p, pending))
-        if k == vocab and not done_rows:  # one full sort decided every row (small vocabularies): no regrouping
-            count = keep.sum(dim=1)
-            return _to_csr(ids, keep, count), FullRanking(order=ids, keep=keep, count=count)
         if k == vocab:
             resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
         else:
@@ -217,6 +220,34 @@ def _sglang(
             k = _next_window(vals[~resolved], k, top_p=_rows(top_p, unresolved), top_k=_rows(top_k, unresolved))
         pending = pending[~resolved]
     return _in_row_order(done_rows, done_sets, n), None
+
+
+def _full_sort(
+    probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param
+) -> tuple[Candidates, FullRanking]:
+    """Every row decided by one full stable sort."""
+    vals, ids = _rank_window(probs, probs.shape[1])
+    keep = _sglang_keep(vals, top_p=top_p, top_k=top_k, min_p=min_p)
+    count = keep.sum(dim=1)
+    return _to_csr(ids, keep, count), FullRanking(order=ids, keep=keep, count=count)
+
+
+def _first_window(probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param) -> int:
+    """The window to try first: 64, or more where the kept sets surely are longer. With no min-p every rank r
+    with r x p_max <= top_p is kept (the mass before it is at most r x p_max, up to rounding), so near-uniform
+    rows keep more than top_p / p_max ranks (a top-k caps that) and a smaller window would fail: skip it.
+    Estimated for vocabularies up to _ESTIMATE_MAX_V (an [N, V] pass, cheap beside the window's top-k there).
+    Only the cost depends on the window: every window gives the full-sort result."""
+    vocab = probs.shape[1]
+    if vocab <= 2 * _WINDOW or vocab > _ESTIMATE_MAX_V or isinstance(min_p, float) and min_p > 0:
+        return min(vocab, _WINDOW)
+    sure = (top_p / probs.amax(dim=1)).clamp_max(vocab).floor().long() + 1  # ranks surely kept (rank 0 too)
+    if isinstance(top_k, int):
+        sure = sure.clamp_max(top_k) if top_k > 0 else sure
+    else:
+        sure = torch.where(top_k > 0, torch.minimum(sure, top_k), sure)
+        sure = torch.where(min_p > 0, 0, sure)
+    return min(vocab, max(_WINDOW, int(sure.max()) + 1))
 
 
 def _rows(param: Param | IntParam, index: torch.Tensor) -> Param | IntParam:
