@@ -91,6 +91,23 @@ def test_fast_paths_equal_the_general_ones(vocab, kind):
                 assert torch.equal(tokens, want_tokens) and torch.equal(lp, want_lp), (kw, u)
 
 
+@pytest.mark.parametrize("vocab", [300, 1000, 5000, 9000])
+@pytest.mark.parametrize("kind", ["uniform", "ties", "peaky"])
+def test_windowed_vocabularies_equal_the_full_sort(vocab, kind):
+    """Vocabularies where the window (first sized from p_max up to V = 8192) may resolve, grow or fall back."""
+    logits = _logits(kind, 4, vocab, seed=vocab)
+    for temperature, top_p, top_k, min_p in PARAMS[:5]:
+        kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        cands, _ = sglang_kept(logits, **kw)
+        assert cands == sampling_candidates(logits, **_per_row(4, *kw.values())), kw
+        assert cands.to_lists() == _reference_sets(logits, *kw.values()), kw
+        scaled = logits / temperature
+        u = torch.rand(4, generator=torch.Generator().manual_seed(vocab), dtype=torch.float64)
+        want_tokens, want_lp = draw_from_sets(scaled, cands, u)
+        _, tokens, lp = sample_kept(logits, scaled, u, **kw)
+        assert torch.equal(tokens, want_tokens) and torch.equal(lp, want_lp), kw
+
+
 def test_large_vocab_full_sort_and_window_paths():
     """V = 49152: near-uniform rows fall back to one full sort (the dense draw then runs over 3 x 49152 cells),
     peaky rows resolve in the window (no ranking: the set draw)."""

@@ -22,12 +22,15 @@ Output: one CSR row per logits row, ids in rank order (most probable first, ties
 logits / temperature define no distribution (a NaN, +inf, or all -inf) raises ValueError naming the row.
 
 Speed ("sglang"): the engine calls this every decode step, so it avoids a full-vocabulary sort: it takes the
-top-k of p for a small k (64), decides every rank inside that window exactly, and grows k only for rows whose
-kept set may extend past the window (to at least twice k, or to the number of ranks the remaining top-p mass
-needs at the window's smallest p); rows fall back to a full stable sort once k would reach V/2.
+top-k of p for a small k (64; up to V = 8192 at least the ranks top_p / p_max that the rule surely keeps), decides
+every rank inside that window exactly, and grows k only for rows whose kept set may extend past the window (to at
+least twice k, or to the number of ranks the remaining top-p mass needs at the window's smallest p); rows fall back
+to a full stable sort once k would reach V/2 (at once for V <= 128, or when the sets surely span half of V).
 Inside the window ties are ordered by id explicitly, and a row whose last kept rank ties with the window's
 smallest value (an equal value may lie outside) is re-done with a larger window, so the result equals the
-full-sort rule. "vllm" is a trainer-side fallback and uses one full sort.
+full-sort rule whatever the window. Scalar parameters (the engine's case) skip the per-row tensors and their
+checks (host syncs); `sglang_kept` also returns the full sort's ranking, for the engine's dense draw
+(`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
 """
 
 from __future__ import annotations
