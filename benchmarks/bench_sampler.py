@@ -55,7 +55,7 @@ CASES = [
 ]
 
 
-def _load_at(rev: str) -> types.FunctionType:
+def sampler_at(rev: str) -> types.FunctionType:
     """`EmbeddedEngine._sample` with `sampling_candidates` and the draw as they were at `rev`."""
     mods = {}
     for name, path in (("sampling", "topp_rl/ops/sampling.py"), ("embedded", "topp_rl/engines/embedded.py")):
@@ -101,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     arms = {"new": EmbeddedEngine._sample}
     if args.baseline:
-        arms = {"old": _load_at(args.baseline), **arms}
+        arms = {"old": sampler_at(args.baseline), **arms}
     print(f"{'case':<44} {'set':>6} " + " ".join(f"{a + ' us':>10}" for a in arms) + ("   new/old  same   |dlp|" if
           args.baseline else ""))
     with torch.no_grad():
