@@ -36,7 +36,8 @@ class DenseSortEngine(EmbeddedEngine):
         log_probs = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
         tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
-        return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), None, None
+        chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, chosen, None, None, torch.ones_like(tokens, dtype=torch.bool)  # (finite: not checked)
 
 
 class HFGenerate:
@@ -82,6 +83,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of a random tiny model")
     ap.add_argument("--sglang", choices=["auto", "off", "on"], default="auto")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--baseline", default=None, help="git revision: add an arm recording with the sampler as it was there"
+    )
     return ap.parse_args()
 
 
@@ -120,6 +124,11 @@ def main() -> None:
         ),
         "hf_generate": HFGenerate(model, args.top_p, args.top_k),
     }
+    if args.baseline:  # the same engine with only `_sample` (kept sets + draw) taken from the baseline revision
+        from bench_sampler import sampler_at  # benchmarks/, this script's own dir
+
+        baseline = type("BaselineEngine", (EmbeddedEngine,), {"_sample": sampler_at(args.baseline)})
+        arms[f"record@{args.baseline}"] = baseline(model, eos_token_id=[], progress=False, max_batch_size=args.batch)
     for engine in arms.values():  # warm-up
         engine.generate(prompts[:2], SamplingParams(top_p=args.top_p, max_new_tokens=4), seed=0)
     rates: dict[str, list[float]] = {name: [] for name in arms}
@@ -149,6 +158,11 @@ def main() -> None:
     print(f"recording cost vs norecord: {100 * (overhead - 1):+.1f}% time per token (target <= +15%)")
     print(f"record vs dense_sort sampler: {100 * (vs_dense - 1):+.1f}% time per token")
     print(f"embedded (recording) vs HF generate: {median['embedded_record'] / median['hf_generate']:.2f}x tokens/s")
+    if args.baseline:
+        paired = statistics.median(a / b for a, b in zip(rates["embedded_record"], rates[f"record@{args.baseline}"],
+                                                            strict=True))  # same rep: the same load, near enough
+        print(f"record vs record@{args.baseline}: {median['embedded_record'] / median[f'record@{args.baseline}']:.2f}x "
+              f"tokens/s (medians), {paired:.2f}x (median of per-rep ratios)")
     if args.json:
         args.json.write_text(
             json.dumps(

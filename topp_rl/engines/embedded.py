@@ -13,7 +13,6 @@ token fed through the model (prompt and response but the last token), read from 
 import contextlib
 import copy
 import inspect
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +26,10 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.moe import RouteRecorder, moe_routing
-from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.ops import Candidates
+from topp_rl.ops.draw import draw_from_sets as _draw_from_sets  # noqa: F401  (tests use this name)
+from topp_rl.ops.draw import inverse_cdf as _inverse_cdf
+from topp_rl.ops.draw import sample_kept
 from topp_rl.ops.sampling import nonfinite_row_error
 
 
@@ -168,11 +170,10 @@ class EmbeddedEngine(RolloutEngine):
         scaled = logits / params.temperature
         u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
         if params.truncates:
-            cands = sampling_candidates(
-                logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            cands, tokens, chosen = sample_kept(
+                logits, scaled, u, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 min_p=params.min_p,
             )
-            tokens, chosen = _draw_from_sets(scaled, cands, u)
             finite = torch.ones_like(tokens, dtype=torch.bool)  # sampling_candidates raised on a bad row
         else:
             cands = None
@@ -221,35 +222,6 @@ class EmbeddedEngine(RolloutEngine):
 
     def close(self) -> None:
         """Nothing to release: the model is garbage-collected with the engine."""
-
-
-def _draw_from_sets(
-    scaled: torch.Tensor, cands: Candidates, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], log-prob [B]) drawn per row from softmax(scaled) renormalised over the row's kept set.
-
-    Works on the sets' K values alone, never on a [B, V] tensor (a mean set of ~100 ids against V = 49152 for
-    SmolLM2): a segmented log-sum-exp gives each row's normaliser, and one float64 cumulative sum over all K
-    values, searched at (mass before the row) + u x (the row's mass), gives the inverse-CDF draw. Ids of
-    probability 0 (underflow) add no mass, so they are never drawn."""
-    rows, ids = cands.row_of_ids(), cands.ids.long()
-    vals = scaled[rows, ids]  # [K]
-    row_max = torch.full_like(u, -math.inf, dtype=vals.dtype).scatter_reduce_(0, rows, vals, "amax")
-    mass = (vals - row_max[rows]).exp()
-    row_mass = torch.zeros_like(row_max).index_add_(0, rows, mass)
-    log_norm = row_max + row_mass.log()
-    cum = torch.cat([mass.new_zeros(1, dtype=torch.float64), mass.double().cumsum(0)])  # [K + 1]
-    starts, ends = cands.offsets[:-1].long(), cands.offsets[1:].long()
-    before = cum[starts]
-    picked = torch.searchsorted(cum[1:], before + u * (cum[ends] - before), right=True)
-    picked = torch.minimum(torch.maximum(picked, starts), ends - 1)  # u * mass rounding at a row's edge
-    return ids[picked], vals[picked] - log_norm
-
-
-def _inverse_cdf(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index [B] of the first entry of each row's cumulative mass [B, V] above u x the row's total."""
-    target = (u * cum[:, -1])[:, None]
-    return torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1).squeeze(1)
 
 
 def _has_peft_layers(model: torch.nn.Module) -> bool:

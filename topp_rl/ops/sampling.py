@@ -22,24 +22,33 @@ Output: one CSR row per logits row, ids in rank order (most probable first, ties
 logits / temperature define no distribution (a NaN, +inf, or all -inf) raises ValueError naming the row.
 
 Speed ("sglang"): the engine calls this every decode step, so it avoids a full-vocabulary sort: it takes the
-top-k of p for a small k (64), decides every rank inside that window exactly, and grows k only for rows whose
-kept set may extend past the window (to at least twice k, or to the number of ranks the remaining top-p mass
-needs at the window's smallest p); rows fall back to a full stable sort once k would reach V/2.
+top-k of p for a small k (64; up to V = 8192 at least the ranks top_p / p_max that the rule surely keeps), decides
+every rank inside that window exactly, and grows k only for rows whose kept set may extend past the window (to at
+least twice k, or to the number of ranks the remaining top-p mass needs at the window's smallest p); rows fall back
+to a full stable sort once k would reach V/2 (at once for V <= 128, or when the sets surely span half of V).
 Inside the window ties are ordered by id explicitly, and a row whose last kept rank ties with the window's
 smallest value (an equal value may lie outside) is re-done with a larger window, so the result equals the
-full-sort rule. "vllm" is a trainer-side fallback and uses one full sort.
+full-sort rule whatever the window. Scalar parameters (the engine's case) skip the per-row tensors and their
+checks (host syncs); `sglang_kept` also returns the full sort's ranking, for the engine's dense draw
+(`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
 """
 
 from __future__ import annotations
 
+import math
+import struct
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from topp_rl.ops._checks import ParamT, check_sampling_params, per_row
+from topp_rl.ops._checks import SAMPLING_RULES, ParamT, check_sampling_params, per_row
 from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
+_ESTIMATE_MAX_V = 8192
+Param = torch.Tensor | float  # per row [n], or one value for every row
+IntParam = torch.Tensor | int
 
 
 def sampling_candidates(
@@ -54,6 +63,9 @@ def sampling_candidates(
     """Kept token ids of each row of `logits` [N, V] (parameters: scalars or one value per row)."""
     if logits.dim() != 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; pass a 2-D [N, V] tensor")
+    scalars = _scalar_params(temperature, top_p, top_k, min_p) if convention == "sglang" else None
+    if scalars is not None:  # the engine's case: no per-row tensors, no tensor checks (host syncs)
+        return _sglang_scalar(logits, *scalars)[0]
     n, device = logits.shape[0], logits.device
     temperature_t = per_row(temperature, name="temperature", n=n, dtype=torch.float32, device=device)
     top_p_t = per_row(top_p, name="top_p", n=n, dtype=torch.float32, device=device)
@@ -68,17 +80,75 @@ def sampling_candidates(
     probs = torch.softmax(z, dim=-1)
     _check_distribution(probs, temperature_t)
     if convention == "sglang":
-        return _sglang(probs, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
+        return _sglang(probs, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)[0]
     return _vllm(z, probs, top_p=top_p_t, top_k=top_k_t, min_p=min_p_t)
 
 
-def _check_distribution(probs: torch.Tensor, temperature: torch.Tensor) -> None:
+@dataclass(frozen=True, eq=False)
+class FullRanking:
+    """Every row ranked by one full stable sort: `order` [N, V] int64 ids by (p descending, id ascending),
+    `keep` [N, V] bool the kept ranks, `count` [N] int64 how many (on the CPU the kept ranks are the first
+    `count`: see `topp_rl.ops.draw.draw_dense`)."""
+
+    order: torch.Tensor
+    keep: torch.Tensor
+    count: torch.Tensor
+
+
+def sglang_kept(
+    logits: torch.Tensor, *, temperature: float, top_p: float, top_k: int, min_p: float
+) -> tuple[Candidates, FullRanking | None]:
+    """`sampling_candidates(logits, ...)` (convention "sglang", scalar parameters), and the full ranking behind
+    it when one full sort decided every row (small vocabularies, or rows whose sets span half of V)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; pass a 2-D [N, V] tensor")
+    scalars = _scalar_params(temperature, top_p, top_k, min_p)
+    if scalars is None:  # not plain numbers, or out of range: the general path checks them and raises
+        return sampling_candidates(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p), None
+    return _sglang_scalar(logits, *scalars)
+
+
+def _scalar_params(*values: ParamT) -> tuple[float, float, int, float] | None:
+    """(temperature, top_p, top_k, min_p) as Python numbers rounded to the per-row tensors' dtypes (float32,
+    int64), so that every comparison equals the tensor path's; None unless each is a plain number within its
+    rule (the tensor path then raises the rule's error)."""
+    out = []
+    for rule, value in zip(SAMPLING_RULES, values, strict=True):
+        if type(value) is int and -(1 << 63) <= value < (1 << 63):
+            value = value if rule.kind is int else float(value)
+        elif type(value) is not float or rule.kind is int:
+            return None
+        if rule.kind is float:
+            try:
+                value = struct.unpack("f", struct.pack("f", value))[0]
+            except OverflowError:
+                return None
+        if not rule.ok(value):
+            return None
+        out.append(value)
+    return tuple(out)
+
+
+def _sglang_scalar(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float
+) -> tuple[Candidates, FullRanking | None]:
+    if logits.shape[0] == 0:
+        return Candidates.empty(0, device=logits.device), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # float32 / a float32 value: as per row
+    _check_distribution(probs, temperature)
+    return _sglang(probs, top_p=top_p, top_k=top_k, min_p=min_p)
+
+
+def _check_distribution(probs: torch.Tensor, temperature: torch.Tensor | float) -> None:
     """A row whose logits / temperature hold a NaN or +inf (or are all -inf) has no distribution: its softmax
     sums to NaN. Such a row has no kept set, and a sampler drawing from it would pick an arbitrary token."""
+    if math.isfinite(float(probs.sum())):  # one sync: the total is finite iff every row's sum (~1 each) is
+        return
     bad = ~torch.isfinite(probs.sum(dim=-1))
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
-        raise nonfinite_row_error(row, probs.shape[0], float(temperature[row]))
+        t = temperature if isinstance(temperature, float) else float(temperature[row])
+        raise nonfinite_row_error(row, probs.shape[0], t)
 
 
 def nonfinite_row_error(row: int, rows: int, temperature: float) -> ValueError:
@@ -90,14 +160,21 @@ def nonfinite_row_error(row: int, rows: int, temperature: float) -> ValueError:
     )
 
 
-def _sglang_keep(
-    p_sorted: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """The SGLang rule on probabilities sorted descending [n, k] (a prefix of the full ranking)."""
-    ranks = torch.arange(p_sorted.shape[1], device=p_sorted.device)
-    keep = (top_k[:, None] == 0) | (ranks[None, :] < top_k[:, None])
-    keep &= (torch.cumsum(p_sorted, dim=-1) - p_sorted) <= top_p[:, None]
-    keep &= p_sorted >= (min_p * p_sorted[:, 0])[:, None]
+def _sglang_keep(p_sorted: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param) -> torch.Tensor:
+    """The SGLang rule on probabilities sorted descending [n, k] (a prefix of the full ranking); parameters per
+    row [n] or Python numbers (float32 values, as in `_scalar_params`: the same comparisons, fewer ops)."""
+    before = torch.cumsum(p_sorted, dim=-1) - p_sorted
+    if isinstance(top_k, int):
+        keep = before <= top_p
+        if 0 < top_k < keep.shape[1]:
+            keep[:, top_k:] = False
+        if min_p > 0:
+            keep &= p_sorted >= min_p * p_sorted[:, :1]
+    else:
+        ranks = torch.arange(p_sorted.shape[1], device=p_sorted.device)
+        keep = (top_k[:, None] == 0) | (ranks[None, :] < top_k[:, None])
+        keep &= before <= top_p[:, None]
+        keep &= p_sorted >= (min_p * p_sorted[:, 0])[:, None]
     keep[:, 0] = True  # the argmax is always kept (the rule keeps it anyway; this guards float edge cases)
     return keep
 
@@ -114,20 +191,23 @@ def _rank_window(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _sglang(
-    probs: torch.Tensor, *, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
-) -> Candidates:
+    probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param
+) -> tuple[Candidates, FullRanking | None]:
     n, vocab = probs.shape
+    k = _first_window(probs, top_p=top_p, top_k=top_k, min_p=min_p)
+    if k * 2 >= vocab:  # small vocabularies, or sets surely spanning half of it
+        return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
     pending = torch.arange(n, device=probs.device)
-    k = min(vocab, _WINDOW)
     done_rows, done_sets = [], []
     while pending.numel():
         if k * 2 >= vocab:
             k = vocab
+            if not done_rows:  # every row still open: no regrouping
+                return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
         rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
         vals, ids = _rank_window(rows_probs, k)
-        keep = _sglang_keep(vals, top_p=top_p[pending], top_k=top_k[pending], min_p=min_p[pending])
-        if k == vocab and not done_rows:  # one full sort decided every row (small vocabularies): no regrouping
-            return _to_csr(ids, keep)
+        keep = _sglang_keep(vals, top_p=_rows(top_p, pending), top_k=_rows(top_k, pending),
+                            min_p=_rows(min_p, pending))
         if k == vocab:
             resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
         else:
@@ -139,19 +219,54 @@ def _sglang(
             done_rows.append(pending[resolved])
             done_sets.append(_to_csr(ids[resolved], keep[resolved]))
         if bool((~resolved).any()):
-            k = _next_window(
-                vals[~resolved], k, top_p=top_p[pending[~resolved]], top_k=top_k[pending[~resolved]]
-            )
+            unresolved = pending[~resolved]
+            k = _next_window(vals[~resolved], k, top_p=_rows(top_p, unresolved), top_k=_rows(top_k, unresolved))
         pending = pending[~resolved]
-    return _in_row_order(done_rows, done_sets, n)
+    return _in_row_order(done_rows, done_sets, n), None
 
 
-def _next_window(vals: torch.Tensor, k: int, *, top_p: torch.Tensor, top_k: torch.Tensor) -> int:
+def _full_sort(
+    probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param
+) -> tuple[Candidates, FullRanking]:
+    """Every row decided by one full stable sort."""
+    vals, ids = _rank_window(probs, probs.shape[1])
+    keep = _sglang_keep(vals, top_p=top_p, top_k=top_k, min_p=min_p)
+    count = keep.sum(dim=1)
+    return _to_csr(ids, keep, count), FullRanking(order=ids, keep=keep, count=count)
+
+
+def _first_window(probs: torch.Tensor, *, top_p: Param, top_k: IntParam, min_p: Param) -> int:
+    """The window to try first: 64, or more where the kept sets surely are longer. With no min-p every rank r
+    with r x p_max <= top_p is kept (the mass before it is at most r x p_max, up to rounding), so near-uniform
+    rows keep more than top_p / p_max ranks (a top-k caps that) and a smaller window would fail: skip it.
+    Estimated for vocabularies up to _ESTIMATE_MAX_V (an [N, V] pass, cheap beside the window's top-k there).
+    Only the cost depends on the window: every window gives the full-sort result."""
+    vocab = probs.shape[1]
+    if vocab <= 2 * _WINDOW or vocab > _ESTIMATE_MAX_V or isinstance(min_p, float) and min_p > 0:
+        return min(vocab, _WINDOW)
+    sure = (top_p / probs.amax(dim=1)).clamp_max(vocab).floor().long() + 1  # ranks surely kept (rank 0 too)
+    if isinstance(top_k, int):
+        sure = sure.clamp_max(top_k) if top_k > 0 else sure
+    else:
+        sure = torch.where(top_k > 0, torch.minimum(sure, top_k), sure)
+        sure = torch.where(min_p > 0, 0, sure)
+    return min(vocab, max(_WINDOW, int(sure.max()) + 1))
+
+
+def _rows(param: Param | IntParam, index: torch.Tensor) -> Param | IntParam:
+    """A per-row parameter's entries at `index` (a Python number holds for every row)."""
+    return param if isinstance(param, int | float) else param[index]
+
+
+def _next_window(vals: torch.Tensor, k: int, *, top_p: Param, top_k: IntParam) -> int:
     """A window for the unresolved rows: every further rank has p <= the window's last p, so reaching top_p
     takes at least (top_p - window mass) / last p more ranks (exact for flat tails); a top-k caps it at k + 1."""
     mass, last = vals.sum(dim=-1), vals[:, -1].clamp_min(torch.finfo(vals.dtype).tiny)
     need = k + 1 + ((top_p - mass).clamp_min(0) / last).ceil().clamp_max(1 << 30).long()
-    need = torch.where(top_k > 0, torch.minimum(need, top_k + 1), need)
+    if isinstance(top_k, int):
+        need = need.clamp_max(top_k + 1) if top_k > 0 else need
+    else:
+        need = torch.where(top_k > 0, torch.minimum(need, top_k + 1), need)
     return max(int(need.max()), k * 2)
 
 
@@ -172,11 +287,11 @@ def _vllm(
     return _to_csr(ids.flip(-1), keep.flip(-1))
 
 
-def _to_csr(ids: torch.Tensor, keep: torch.Tensor) -> Candidates:
-    """Rows of `ids` [n, k] where `keep`, in column order."""
-    offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
-    return Candidates(ids=ids[keep].to(torch.int32), offsets=offsets.to(torch.int32))
+def _to_csr(ids: torch.Tensor, keep: torch.Tensor, count: torch.Tensor | None = None) -> Candidates:
+    """Rows of `ids` [n, k] where `keep` (`count` [n] per row, when known), in column order."""
+    offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int32, device=ids.device)
+    torch.cumsum(keep.sum(dim=1) if count is None else count, 0, out=offsets[1:])
+    return Candidates.built(ids=ids.masked_select(keep).to(torch.int32), offsets=offsets)
 
 
 def _in_row_order(row_groups: list[torch.Tensor], sets: list[Candidates], n: int) -> Candidates:
