@@ -1,4 +1,5 @@
-"""Shared pieces of the metric callbacks: cross-rank reductions that stay exact, logging, W&B histograms.
+"""Shared pieces of the metric callbacks: cross-rank reductions that stay exact, logging (through the trainer's
+`topp_rl.step_metrics.StepMetrics`), W&B histograms.
 
 Means travel as (sum, count) pairs through `topp_rl.metrics.reduce_sums` (one all_reduce per callback and
 step). Order statistics (max, min, p99, median) are exact: float figures are all-gathered (padded to the
@@ -12,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from topp_rl.metrics import SumCount, distributed, reduce_sums
+from topp_rl.step_metrics import StepMetrics
 
 
 def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:
@@ -38,11 +40,10 @@ def quantile_from_counts(counts: torch.Tensor, q: float) -> float:
     return v_lo + (h - lo) * (v_hi - v_lo)
 
 
-def log_metrics(trainer, pl_module, sums: dict[str, SumCount], extra: dict[str, float] | None = None) -> dict:
+def log_metrics(trainer, sums: dict[str, SumCount], extra: dict[str, float] | None = None) -> dict:
     """Reduce (sum, count) pairs once across ranks, add exact `extra` figures, log all on this step."""
     values = reduce_sums(trainer, sums) | (extra or {})
-    if values:
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+    StepMetrics.of(trainer).add(trainer, values)
     return values
 
 

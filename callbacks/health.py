@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from topp_rl.console import WarnOnce
 from topp_rl.data import RolloutBatch
 from topp_rl.module import PolicyModule
+from topp_rl.step_metrics import StepMetrics
 
 
 def _rollout_step(outputs, batch_idx: int) -> int:
@@ -89,8 +90,7 @@ class TrainingHealth(Callback):
         for key, message in alarms.items():
             self._report(trainer, key, message, step)
         if alarms:
-            pl_module.log_dict({k: float(m is not None) for k, m in alarms.items()}, on_step=True,
-                               on_epoch=False, batch_size=1)
+            StepMetrics.of(trainer).add(trainer, {k: float(m is not None) for k, m in alarms.items()})
 
     def _entropy_alarm(self, entropy: float, pl_module) -> str | None:
         if self.first_entropy is None:

@@ -62,7 +62,7 @@ class LogProbMismatch(Callback):
                     f"train/is_ratio_min{suffix}": float(ratio.min()),
                     f"train/is_ratio_max{suffix}": float(ratio.max()),
                 }
-        log_metrics(trainer, pl_module, sums, extra)
+        log_metrics(trainer, sums, extra)
         if self.histograms and trainer.global_step % self.histogram_every_n_steps == 0:
             log_histograms(
                 trainer,

@@ -74,4 +74,4 @@ class RolloutStats(Callback):
         square = values.pop("rollout/reward_sq_mean", None)
         if square is not None:
             values["rollout/reward_std"] = math.sqrt(max(square - values["rollout/reward_mean"] ** 2, 0.0))
-        log_metrics(trainer, pl_module, {}, values)
+        log_metrics(trainer, {}, values)

@@ -59,7 +59,7 @@ class SupportStats(Callback):
                 "rollout/support_size_max": float(top),
                 "rollout/support_singleton_frac": int(counts[1]) / total,
             }
-        log_metrics(trainer, pl_module, {}, extra)
+        log_metrics(trainer, {}, extra)
         self.steps += 1
         self.total_counts.update({v: int(c) for v, c in enumerate(counts.tolist()) if c})
         if total:

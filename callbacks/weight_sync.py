@@ -75,7 +75,7 @@ class WeightSync(Callback):
             self.push(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        log_metrics(trainer, pl_module, self.push(trainer, pl_module))
+        log_metrics(trainer, self.push(trainer, pl_module))
 
 
 class _ByteCounter:

@@ -17,6 +17,7 @@ from topp_rl.data import RolloutBatch
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.metrics import reduce_sums
 from topp_rl.records import OnPolicyRecord
+from topp_rl.step_metrics import StepMetrics
 
 STEPS = 3
 
@@ -89,7 +90,7 @@ class SyntheticPolicy(L.LightningModule):
             "train/probe": (1.0 + 3 * rank, 1.0 + rank),
         }
         if self.log_metrics:
-            self.log_dict(reduce_sums(self.trainer, metrics), on_step=True, on_epoch=False, batch_size=1)
+            StepMetrics.of(self.trainer).add(self.trainer, reduce_sums(self.trainer, metrics))
         return {
             "rollout": RolloutBatch(
                 micro_batches=[],  # the callbacks read samples and stats only
@@ -113,7 +114,7 @@ def fit(tmp_path, callbacks, *, logger, module=None, datamodule=None, **trainer_
         accelerator="cpu",
         max_epochs=1,
         logger=logger,
-        callbacks=callbacks,
+        callbacks=[*callbacks, StepMetrics()],  # the owner of the step's figures (PolicyModule brings its own)
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from topp_rl import report
 from topp_rl.callbacks import TrainingHealth
 from topp_rl.console import StepProgressBar, WarnOnce, print_line
+from topp_rl.step_metrics import StepMetrics
 
 MISMATCH = [1e-7, 0.9, 1e-7, 0.8, 0.7, 1e-7]  # the mismatch alarm turns on at steps 1 and 3
 
@@ -23,9 +24,12 @@ class ScriptedFigures(L.LightningModule):
         self.weight = torch.nn.Parameter(torch.ones(1))
 
     def training_step(self, batch, batch_idx):
-        self.log_dict({"train/rollout_logprob_abs_diff": MISMATCH[self.global_step], "train/grad_norm": 0.0},
-                      on_step=True, on_epoch=False, batch_size=1)
+        StepMetrics.of(self.trainer).add(
+            self.trainer, {"train/rollout_logprob_abs_diff": MISMATCH[self.global_step], "train/grad_norm": 0.0})
         return (self.weight * batch).sum()
+
+    def configure_callbacks(self):
+        return [StepMetrics()]
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)

@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar
 from tqdm.auto import tqdm
 
+from topp_rl.step_metrics import StepMetrics
+
 # (metric, label on the bar, format)
 BAR_FIGURES = (
     ("rollout/reward_mean", "reward", "{:.3f}"),
@@ -104,7 +106,7 @@ class StepTimer(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
-        pl_module.log("perf/step_s", now - self.last, on_step=True, on_epoch=False, batch_size=1)
+        StepMetrics.of(trainer).add(trainer, {"perf/step_s": now - self.last})
         self.last = now
 
 

@@ -15,7 +15,7 @@ One `training_step` per rollout step:
 The backbone returns final hidden states and the output weight (`Backbone.forward_hidden`); `ToppLogProb`
 never forms [T, V] logits for rows with candidates. The parallel layout is the backbone's: the module never
 builds one. The module logs its own `train/*` figures (loss terms from the loss, grad norm, learning rate,
-entropy, phase timings), reduced across ranks once per step.
+entropy, phase timings), reduced across ranks once per step, through the `StepMetrics` it brings as a callback.
 """
 
 import contextlib
@@ -49,6 +49,7 @@ from topp_rl.parallel import ParallelLayout, gather_tokens
 from topp_rl.precision import LossScaledFP16
 from topp_rl.records import OnPolicyRecord
 from topp_rl.schedule import LRSchedule
+from topp_rl.step_metrics import StepMetrics
 from topp_rl.timer import PhaseTimer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -149,6 +150,11 @@ class PolicyModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if isinstance(self.policy, LeavesBaseOut) and BASE_RECORD in checkpoint:
             self.policy.restore_base(checkpoint["state_dict"], checkpoint[BASE_RECORD], prefix="policy.")
+
+    def configure_callbacks(self) -> list[StepMetrics]:
+        # The owner of the step's figures, which it logs in one call per step; Lightning runs a module's
+        # callbacks after the trainer's, so it comes after every callback that adds figures.
+        return [StepMetrics()]
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.policy.parameters() if p.requires_grad])
@@ -334,7 +340,7 @@ class PolicyModule(L.LightningModule):
                     f"step {step}: {key} is {values[key]} (non-finite); the run stops rather than train on it. "
                     "Check the weights (a NaN in a resumed checkpoint?), rollout.temperature and the rewards"
                 )
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+        StepMetrics.of(self.trainer).add(self.trainer, values)
         return values
 
     def clip_and_norm(self) -> float:
