@@ -115,6 +115,8 @@ class StaticCacheForward:
         shape = (len(self.layers), batch, decoder.kv_heads, capacity, decoder.head_dim)
         self.keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        flat = (len(self.layers), batch * decoder.kv_heads, capacity, decoder.head_dim)
+        self.keys_flat, self.values_flat = self.keys.view(flat), self.values.view(flat)
         self.cos, self.sin = _rope_tables(model.model.rotary_emb.inv_freq, capacity, self.dtype, self.device)
         self.mask = mask
         # one-token steps see every filled slot but padding: one additive row for the run, sliced per step
@@ -145,41 +147,35 @@ class StaticCacheForward:
         return _linear(h, head)[:, -1].float()
 
     def _attention(self, layer: _Layer, x, i: int, cos, sin, bias) -> torch.Tensor:
-        """o_proj(softmax(q k^T / sqrt(d) + bias) v) with this call's k / v written into the cache first."""
+        """o_proj(softmax(q k^T / sqrt(d) + bias) v) over the cache, this call's k / v written into it first."""
         batch, q_len, _ = x.shape
-        dec, start, end = self.decoder, self.filled, self.filled + x.shape[1]
+        dec, start, end = self.decoder, self.filled, self.filled + q_len
         q = _linear(x, layer.q).view(batch, q_len, dec.heads, dec.head_dim)
         k = _linear(x, layer.k).view(batch, q_len, dec.kv_heads, dec.head_dim)
         v = _linear(x, layer.v).view(batch, q_len, dec.kv_heads, dec.head_dim)
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, dec.eps), _rms_norm(k, layer.k_norm, dec.eps)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [B, heads, q, d]
-        self.keys[i, :, :, start:end] = k
-        self.values[i, :, :, start:end] = v.transpose(1, 2)
-        group = dec.heads // dec.kv_heads
-        # GQA on the kv heads: the group's queries stacked along the query axis (group-major), the mask repeated
-        q = q.reshape(batch, dec.kv_heads, group * q_len, dec.head_dim)
-        if group > 1 and q_len > 1 and bias is not None:
-            bias = bias.repeat(1, 1, group, 1)
-        out = ATTEND(q, self.keys[i, :, :, :end], self.values[i, :, :, :end], bias, dec.head_dim**-0.5)
-        out = out.view(batch, dec.heads, q_len, dec.head_dim).transpose(1, 2).reshape(batch, q_len, -1)
-        return _linear(out, layer.o)
-
-
-def _sdpa(q, keys, values, bias, scale):
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
-
-
-def _explicit(q, keys, values, bias, scale):
-    """softmax(q k^T * scale + bias) v, as HF's eager attention computes it (matmul, scale, add, softmax)."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
-    if bias is not None:
-        scores.add_(bias)
-    return torch.matmul(scores.softmax(-1), values)
-
-
-import os
-ATTEND = _explicit if os.environ.get("ATT", "explicit") == "explicit" else _sdpa
+        keys, values = self.keys[i], self.values[i]  # [B, kv_heads, capacity, d]
+        keys.narrow(2, start, q_len).copy_(k)
+        values.narrow(2, start, q_len).copy_(v.transpose(1, 2))
+        scale = dec.head_dim**-0.5
+        if q_len > 1:  # the prefill: SDPA's fused kernel never materialises the [q, q] scores per head
+            out = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=bias, scale=scale, enable_gqa=True
+            )
+            return _linear(out.transpose(1, 2).reshape(batch, q_len, -1), layer.o)
+        # One token: HF's eager attention (matmul, scale, add the mask, softmax, matmul), GQA on the kv heads
+        # with each group's queries as rows ([B x kv_heads, group, d]: no repeated cache). 2x faster than
+        # SDPA here at batch 32 (measured, hidden 128, 1 thread).
+        rows, group = batch * dec.kv_heads, dec.heads // dec.kv_heads
+        keys = self.keys_flat[i][:, :end]  # [B x kv_heads, end, d]
+        scores = torch.bmm(q.reshape(rows, group, dec.head_dim), keys.transpose(1, 2)).mul_(scale)
+        if bias is not None:
+            scores.view(batch, dec.kv_heads, group, end).add_(bias)
+        weights = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)  # HF: a float32 softmax, cast back
+        out = torch.bmm(weights, self.values_flat[i][:, :end])  # [B x kv_heads, group, d]
+        return _linear(out.view(batch, 1, -1), layer.o)
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -187,10 +183,11 @@ def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), the statistics in float32."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return norm.weight * h.to(x.dtype)
+    """HF's RMSNorm, op for op: weight * (x * rsqrt(mean(x^2) + eps)), the statistics in float32 (the no-op
+    casts of a float32 model skipped: 2x faster at hidden 128, the same bits)."""
+    h = x if x.dtype == torch.float32 else x.float()
+    h = h * h.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return norm.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def _rope_tables(inv_freq: torch.Tensor, capacity: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
