@@ -1,7 +1,8 @@
 """`EmbeddedEngine`: in-process batched generation for HF causal LMs, recording exact candidate sets.
 
-Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with the HF KV
-cache. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
+Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with a KV cache:
+by default (`decode="auto"`) through `topp_rl.engines.fused_decode` (a static cache, HF's forward rewritten for
+dense Llama / Qwen2 / Qwen3 / Mistral models), else through the HF module's own forward and `DynamicCache`. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
 logits / temperature and draws the token from the renormalised kept set, so the recorded set, the recorded
 log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
 whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the

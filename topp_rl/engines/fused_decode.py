@@ -1,22 +1,23 @@
 """A hand-written eager forward for dense Llama-family decoders with a static KV cache (the embedded engine's
 `decode="fused"` path).
 
-`FusedDecoder(model).start(batch, capacity)` returns a `StaticCacheForward`: called with the ids fed at one step
-([B, q]: the left-padded prompt, then one token per step), their positions and the padding mask, it returns the
-last position's logits [B, V] as float32, and equals HF's forward of the same module (`LlamaForCausalLM`,
+`FusedDecoder(model).start(batch, capacity, mask)` returns a `StaticCacheForward`: called with the ids fed at one
+step ([B, q]: the left-padded prompt, then one token per call) and their positions, it returns the last
+position's logits [B, V] as float32, and equals HF's forward of the same module (`LlamaForCausalLM`,
 `Qwen2ForCausalLM` with its qkv bias, `Qwen3ForCausalLM` with q_norm / k_norm and an explicit head_dim,
-`MistralForCausalLM` without a sliding window) with `logits_to_keep=1`: the same RMSNorm (float32 statistics),
-default RoPE from the module's own `inv_freq` (cos / sin bit for bit as HF computes them), the same projections
-read from the module's live parameters at every call (an optimizer step on a shared module is seen at once; no
-weight is copied), and softmax(q k^T * head_dim^-0.5 + mask) v through `F.scaled_dot_product_attention`.
+`MistralForCausalLM` without a sliding window) with `logits_to_keep=1` and a cache: HF's RMSNorm op for op
+(float32 statistics), the default RoPE from the module's own `inv_freq` (cos / sin bit for bit as HF computes
+them), the same projections read from the module's live parameters at every call (an optimizer step on a shared
+module is seen at once; no weight is copied), and softmax(q k^T * head_dim^-0.5 + mask) v.
 
-Where it departs: the keys and values live in one cache [layers, B, kv_heads, capacity, head_dim] allocated per
-batch and written in place (HF's `DynamicCache` concatenates per layer per step); GQA runs on the kv heads by
-viewing the queries as [B, kv_heads, group x q_len, head_dim] (no repeated cache); the mask is one additive
-float mask (0 / dtype min) for every step, also when no row is padded (HF then passes none). So logits can
-differ from HF's in the last bits (different kernels for the same sums; measured in tests/test_fused_decode.py),
-never in what is computed. Anything else (MoE, rope scaling, sliding windows, PEFT layers, other architectures)
-is refused by `unsupported_reason`.
+Where it departs: keys and values live in one cache [layers, B, kv_heads, capacity, head_dim] per batch, written
+in place (HF's `DynamicCache` concatenates per layer per step); the prefill attends through SDPA with
+`enable_gqa`; a one-token step through HF's *eager* formula (matmul, scale, add mask, float32 softmax, matmul) on
+[B x kv_heads] rows with the group's queries as rows (no repeated cache), 2x faster than SDPA at these shapes on
+CPU; padding is an additive mask (0 / dtype min), built once per batch. HF itself runs SDPA by default, so
+logits differ from HF's by float32 rounding (<= 5e-6 on logits ~5 in tests/test_fused_decode.py), never in what
+is computed. Anything else (MoE, rope scaling, sliding windows, other architectures) is refused by
+`unsupported_reason`; PEFT layers and FSDP sharding by the engine.
 """
 
 from collections.abc import Callable
@@ -144,7 +145,8 @@ class StaticCacheForward:
         self.filled = end
         h = _rms_norm(h[:, -1:], self.model.model.norm, self.decoder.eps)
         head = self.model.get_output_embeddings()
-        return _linear(h, head)[:, -1].float()
+        logits = _linear(h, head)[:, -1]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _attention(self, layer: _Layer, x, i: int, cos, sin, bias) -> torch.Tensor:
         """o_proj(softmax(q k^T / sqrt(d) + bias) v) over the cache, this call's k / v written into it first."""
@@ -173,7 +175,8 @@ class StaticCacheForward:
         scores = torch.bmm(q.reshape(rows, group, dec.head_dim), keys.transpose(1, 2)).mul_(scale)
         if bias is not None:
             scores.view(batch, dec.kv_heads, group, end).add_(bias)
-        weights = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)  # HF: a float32 softmax, cast back
+        weights = scores.softmax(-1, dtype=torch.float32)  # HF: a float32 softmax, cast back
+        weights = weights if scores.dtype == torch.float32 else weights.to(scores.dtype)
         out = torch.bmm(weights, self.values_flat[i][:, :end])  # [B x kv_heads, group, d]
         return _linear(out.view(batch, 1, -1), layer.o)
 
