@@ -4,7 +4,8 @@ Same model, prompts, sampling rule and seed in every arm. "record" stores the CS
 "norecord" computes the same kept set (`sampling_candidates`, top-k preselect; the sampler needs it) but
 stores nothing; "dense_sort" is a reference sampler without recording that builds the keep mask by a full
 vocabulary sort, as HF's and SGLang's torch samplers do; "hf_generate" is HF `generate` on the same model
-(do_sample, the same top_p / top_k, no stop id). `--smollm2` runs SmolLM2-135M-Instruct instead. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
+(do_sample, the same top_p / top_k, no stop id); "embedded_hf" is "record" with `decode="hf"` (HF's forward
+and DynamicCache instead of the fused static-cache step). `--smollm2` runs SmolLM2-135M-Instruct instead. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
 
     .venv/bin/python benchmarks/bench_rollout.py [--json out.json] [--sglang auto|off|on]
 """
