@@ -4,7 +4,8 @@ Same model, prompts, sampling rule and seed in every arm. "record" stores the CS
 "norecord" computes the same kept set (`sampling_candidates`, top-k preselect; the sampler needs it) but
 stores nothing; "dense_sort" is a reference sampler without recording that builds the keep mask by a full
 vocabulary sort, as HF's and SGLang's torch samplers do; "hf_generate" is HF `generate` on the same model
-(do_sample, the same top_p / top_k, no stop id). `--smollm2` runs SmolLM2-135M-Instruct instead. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
+(do_sample, the same top_p / top_k, no stop id); "embedded_hf" is "record" with `decode="hf"` (HF's forward
+and DynamicCache instead of the fused static-cache step). `--smollm2` runs SmolLM2-135M-Instruct instead. When the SGLang venv exists, the real SGLang CPU server is measured on the same model.
 
     .venv/bin/python benchmarks/bench_rollout.py [--json out.json] [--sglang auto|off|on]
 """
@@ -36,8 +37,8 @@ class DenseSortEngine(EmbeddedEngine):
         log_probs = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
         tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
-        chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens, chosen, None, None, torch.ones_like(tokens, dtype=torch.bool)  # (finite: not checked)
+        finite = torch.ones_like(tokens, dtype=torch.bool)  # sglang_keep_mask keeps at least one finite entry
+        return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), None, None, finite
 
 
 class HFGenerate:
@@ -116,6 +117,9 @@ def main() -> None:
     params = SamplingParams(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.new_tokens)
     arms = {
         "embedded_record": EmbeddedEngine(model, eos_token_id=[], progress=False, max_batch_size=args.batch),
+        "embedded_hf": EmbeddedEngine(
+            model, eos_token_id=[], progress=False, max_batch_size=args.batch, decode="hf"
+        ),
         "embedded_norecord": EmbeddedEngine(
             model, eos_token_id=[], progress=False, record_candidates=False, max_batch_size=args.batch
         ),
@@ -157,7 +161,10 @@ def main() -> None:
         print(f"{row['name']:<22}{row['tokens_per_s']:>20.1f}")
     print(f"recording cost vs norecord: {100 * (overhead - 1):+.1f}% time per token (target <= +15%)")
     print(f"record vs dense_sort sampler: {100 * (vs_dense - 1):+.1f}% time per token")
-    print(f"embedded (recording) vs HF generate: {median['embedded_record'] / median['hf_generate']:.2f}x tokens/s")
+    print(f"embedded (recording, decode={arms['embedded_record'].decode_path}) vs HF generate: "
+          f"{median['embedded_record'] / median['hf_generate']:.2f}x tokens/s")
+    print(f"embedded_hf (recording, decode=hf) vs HF generate: "
+          f"{median['embedded_hf'] / median['hf_generate']:.2f}x tokens/s")
     if args.baseline:
         paired = statistics.median(a / b for a, b in zip(rates["embedded_record"], rates[f"record@{args.baseline}"],
                                                             strict=True))  # same rep: the same load, near enough

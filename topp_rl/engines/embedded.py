@@ -1,7 +1,8 @@
 """`EmbeddedEngine`: in-process batched generation for HF causal LMs, recording exact candidate sets.
 
-Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with the HF KV
-cache. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
+Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with a KV cache:
+by default (`decode="auto"`) through `topp_rl.engines.fused_decode` (a static cache, HF's forward rewritten for
+dense Llama / Qwen2 / Qwen3 / Mistral models), else through the HF module's own forward and `DynamicCache`. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
 logits / temperature and draws the token from the renormalised kept set, so the recorded set, the recorded
 log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
 whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
@@ -25,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
 from topp_rl.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates
 from topp_rl.ops.draw import draw_from_sets as _draw_from_sets  # noqa: F401  (tests use this name)
@@ -46,9 +48,12 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_size: int = 64,
         share_weights: bool = False,
         progress: bool = True,
+        decode: str = "auto",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1")
+        if decode not in ("auto", "hf", "fused"):
+            raise ValueError(f"decode ({decode!r}) must be 'auto', 'hf' or 'fused'")
         # Own copy (the default): training updates reach the engine only through update_weights, as they reach
         # a separate server. Shared: the engine samples with the caller's module itself (no second copy of the
         # weights in memory; an optimizer step is visible at once), leaving its grad flags alone and switching
@@ -69,6 +74,11 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
+        # The decode forward: "fused" (`topp_rl.engines.fused_decode`, a static cache) or "hf" (the module's own
+        # forward with a DynamicCache). Resolved again at every generate (a module can be sharded or wrapped
+        # later); `decode_path` / `decode_reason` say which one ran last and why not fused.
+        self.decode = decode
+        self.decode_path, self.decode_reason = self._resolve_decode()
 
     @classmethod
     def for_policy(cls, *, model: PreTrainedModel, tokenizer, workdir: Path, **kwargs) -> "EmbeddedEngine":
@@ -96,6 +106,7 @@ class EmbeddedEngine(RolloutEngine):
         # No seed: fresh entropy, without touching torch's global RNG (torch.seed() would reseed it).
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
+        self.decode_path, self.decode_reason = self._resolve_decode()
         samples: list[Sample] = []
         with self._gathered() if self._gathered is not None else contextlib.nullcontext(), _sampling_mode(self.model):
             for start in range(0, len(expanded), self.max_batch_size):
@@ -130,21 +141,16 @@ class EmbeddedEngine(RolloutEngine):
         record = self.record_candidates and params.truncates
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
-        cache = DynamicCache()
+        if self.decode_path == "fused":
+            forward = FusedDecoder(self.model).start(batch, width + params.max_new_tokens, mask if padded else None)
+        else:
+            forward = self._hf_forward(mask if padded else None)
         for t in tqdm(
             range(params.max_new_tokens), desc="rollout decode", disable=not self.progress, leave=False
         ):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask[:, : width + t] if padded else None,
-                position_ids=positions,
-                logits_to_keep=1,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
+            logits = forward(step_ids, positions)[:, : self.vocab_size]
             if recorder is not None:
                 steps.routes.append(recorder.take().unflatten(0, (batch, -1)))  # [B, tokens this forward, L, k]
-            logits = out.logits[:, -1, : self.vocab_size].float()
             tokens, log_probs, raw, cands, finite = self._sample(logits, params, generator, record=record)
             steps.add(tokens, log_probs, raw, cands)
             stopped = torch.isin(tokens, stop_ids) & ~done
@@ -161,6 +167,26 @@ class EmbeddedEngine(RolloutEngine):
             step_ids = tokens[:, None]
             positions = positions[:, -1:] + 1
         return lengths, done
+
+    def _hf_forward(self, mask: torch.Tensor | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The HF module's forward with a DynamicCache, step by step: (ids [B, q], positions) -> last logits
+        [B, V] float32. The mask (None: no padding) is the whole run's; each call passes a view of the columns
+        seen so far (no per-step concatenation)."""
+        cache = DynamicCache()
+
+        def forward(step_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            seen = cache.get_seq_length() + step_ids.shape[1]
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask[:, :seen] if mask is not None else None,
+                position_ids=positions,
+                logits_to_keep=1,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            return out.logits[:, -1].float()
+
+        return forward
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
@@ -194,6 +220,26 @@ class EmbeddedEngine(RolloutEngine):
         if not self.share_weights:
             raise ValueError("sample_sharded is for an engine sharing the trainer's module (share_weights=True)")
         self._gathered = gathered
+        self.decode_path, self.decode_reason = self._resolve_decode()
+
+    def _resolve_decode(self) -> tuple[str, str | None]:
+        """("fused" | "hf", why not fused): auto takes fused wherever it runs; `decode="fused"` on a model it
+        cannot run raises, naming the reason and the fix."""
+        if self.decode == "hf":
+            return "hf", "decode='hf' asked"
+        reason = unsupported_reason(self.model)
+        if reason is None and self.routing:
+            reason = "MoE routes are recorded through HF's router modules"
+        if reason is None and _has_peft_layers(self.model):
+            reason = "the module has PEFT (LoRA) adapter layers"
+        if reason is None and self._gathered is not None:
+            reason = "the module is sharded by FSDP (sample_sharded)"
+        if reason is not None and self.decode == "fused":
+            raise ValueError(
+                f"decode='fused' cannot run {type(self.model).__name__} "
+                f"({self.model.config.model_type}): {reason}; use decode='auto' (falls back to HF) or decode='hf'"
+            )
+        return ("hf", reason) if reason is not None else ("fused", None)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the engine's model, in memory (tied weights update together). A tensor that
