@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from topp_rl.engines import fused_decode
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
 from topp_rl.lora import LoraSettings, apply_lora
@@ -32,10 +33,13 @@ def _engines(model, **kwargs) -> tuple[EmbeddedEngine, EmbeddedEngine]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_equal_hf_forward(family):
+@pytest.mark.parametrize("concatenated", [True, False], ids=["qkv-concatenated", "separate"])
+def test_logits_equal_hf_forward(family, concatenated, monkeypatch):
     """Prefill of left-padded prompts, then one token per step: the last-position logits equal HF's forward
     with its DynamicCache (max abs difference measured at 4e-6 on logits of magnitude ~5: float32 rounding of
-    another attention kernel)."""
+    another attention kernel), with the projections concatenated (a small model) and separate (a large one)."""
+    if not concatenated:
+        monkeypatch.setattr(fused_decode, "FUSE_PROJECTIONS_MAX_BYTES", 0)
     model = _model(family)
     batch, width, steps = len(PROMPTS), max(map(len, PROMPTS)), 6
     ids = torch.zeros((batch, width), dtype=torch.long)
@@ -45,6 +49,7 @@ def test_logits_equal_hf_forward(family):
         mask[i, : width - len(p)] = 0
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     fused, cache = FusedDecoder(model).start(batch, width + steps, mask), DynamicCache()
+    assert (fused.fused is not None) == concatenated
     with torch.no_grad():
         for t in range(steps):
             ref = model(input_ids=ids, attention_mask=mask[:, : width + t], position_ids=positions,

@@ -7,8 +7,9 @@ position's logits [B, V] as float32, and equals HF's forward of the same module 
 `Qwen2ForCausalLM` with its qkv bias, `Qwen3ForCausalLM` with q_norm / k_norm and an explicit head_dim,
 `MistralForCausalLM` without a sliding window) with `logits_to_keep=1` and a cache: HF's RMSNorm op for op
 (float32 statistics), the default RoPE from the module's own `inv_freq` (cos / sin bit for bit as HF computes
-them), the same projections read from the module's live parameters at every call (an optimizer step on a shared
-module is seen at once; no weight is copied), and softmax(q k^T * head_dim^-0.5 + mask) v.
+them), the same projections read from the module's live parameters at every batch (an optimizer step on a shared
+module is seen by the next `generate`; a large model's weights are never copied, a small one's q / k / v and
+gate / up are concatenated per batch, see FUSE_PROJECTIONS_MAX_BYTES), and softmax(q k^T * head_dim^-0.5 + mask) v.
 
 Where it departs: keys and values live in one cache [layers, B, kv_heads, capacity, head_dim] per batch, written
 in place (HF's `DynamicCache` concatenates per layer per step); the prefill attends through SDPA with
@@ -29,6 +30,11 @@ from torch import nn
 
 # Architectures whose HF forward this module reproduces (type name of the `...ForCausalLM` module).
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# Below this many bytes of q/k/v and gate/up weights, a batch concatenates them (one matmul each instead of three
+# and two): a small model's decode step is bound by per-op dispatch, not arithmetic (tiny Qwen2, hidden 128:
+# measured faster), and the copy is small. A large model's step is bound by its matmuls, so it gains nothing and
+# would hold a second copy of most of its weights.
+FUSE_PROJECTIONS_MAX_BYTES = 32 * 2**20
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -92,6 +98,13 @@ class FusedDecoder:
         `mask` [B, capacity] is the whole run's padding mask (1 = a real token; None: no row is padded)."""
         return StaticCacheForward(self, batch, capacity, mask)
 
+    def projection_bytes(self) -> int:
+        """Bytes of every layer's q / k / v / gate / up weights (what `_Fused` would copy)."""
+        return sum(
+            m.weight.numel() * m.weight.element_size()
+            for layer in self.layers() for m in (layer.q, layer.k, layer.v, layer.gate, layer.up)
+        )
+
     def layers(self) -> list[_Layer]:
         out = []
         for layer in self.model.model.layers:
@@ -112,6 +125,12 @@ class StaticCacheForward:
         weight = model.model.embed_tokens.weight
         self.decoder, self.model = decoder, model
         self.layers = decoder.layers()  # taken per batch: modules, whose parameters are read at each call
+        # Small models: q / k / v and gate / up concatenated for this batch (the module cannot change during one
+        # `generate`: it runs under no_grad, between optimizer steps).
+        self.fused = (
+            [_Fused.of(layer) for layer in self.layers]
+            if decoder.projection_bytes() <= FUSE_PROJECTIONS_MAX_BYTES else None
+        )
         self.dtype, self.device = weight.dtype, weight.device
         shape = (len(self.layers), batch, decoder.kv_heads, capacity, decoder.head_dim)
         self.keys = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -141,7 +160,11 @@ class StaticCacheForward:
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer, _rms_norm(h, layer.attn_norm, self.decoder.eps), i, cos, sin, bias)
             x = _rms_norm(h, layer.mlp_norm, self.decoder.eps)
-            h = h + _linear(layer.act(_linear(x, layer.gate)) * _linear(x, layer.up), layer.down)
+            if self.fused is None:
+                gate, up = _linear(x, layer.gate), _linear(x, layer.up)
+            else:
+                gate, up = F.linear(x, self.fused[i].gate_up).split(self.fused[i].gate_up_split, -1)
+            h = h + _linear(layer.act(gate) * up, layer.down)
         self.filled = end
         h = _rms_norm(h[:, -1:], self.model.model.norm, self.decoder.eps)
         head = self.model.get_output_embeddings()
@@ -152,9 +175,14 @@ class StaticCacheForward:
         """o_proj(softmax(q k^T / sqrt(d) + bias) v) over the cache, this call's k / v written into it first."""
         batch, q_len, _ = x.shape
         dec, start, end = self.decoder, self.filled, self.filled + q_len
-        q = _linear(x, layer.q).view(batch, q_len, dec.heads, dec.head_dim)
-        k = _linear(x, layer.k).view(batch, q_len, dec.kv_heads, dec.head_dim)
-        v = _linear(x, layer.v).view(batch, q_len, dec.kv_heads, dec.head_dim)
+        if self.fused is None:
+            q, k, v = _linear(x, layer.q), _linear(x, layer.k), _linear(x, layer.v)
+        else:
+            fused = self.fused[i]
+            q, k, v = F.linear(x, fused.qkv, fused.qkv_bias).split(fused.qkv_split, -1)
+        q = q.view(batch, q_len, dec.heads, dec.head_dim)
+        k = k.view(batch, q_len, dec.kv_heads, dec.head_dim)
+        v = v.view(batch, q_len, dec.kv_heads, dec.head_dim)
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, dec.eps), _rms_norm(k, layer.k_norm, dec.eps)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [B, heads, q, d]
@@ -179,6 +207,31 @@ class StaticCacheForward:
         weights = weights if scores.dtype == torch.float32 else weights.to(scores.dtype)
         out = torch.bmm(weights, self.values_flat[i][:, :end])  # [B x kv_heads, group, d]
         return _linear(out.view(batch, 1, -1), layer.o)
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One layer's q / k / v weights (and biases) and gate / up weights, concatenated along the outputs: row i of
+    x @ W.T is the same dot products as the separate projections'."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_split: tuple[int, int, int]
+    gate_up: torch.Tensor
+    gate_up_split: tuple[int, int]
+
+    @classmethod
+    def of(cls, layer: _Layer) -> "_Fused":
+        projections = (layer.q, layer.k, layer.v)
+        biases = [m.bias for m in projections]
+        assert len({b is None for b in biases}) == 1, "HF's q / k / v projections all have a bias or none"
+        return cls(
+            qkv=torch.cat([m.weight for m in projections]),
+            qkv_bias=None if biases[0] is None else torch.cat(biases),
+            qkv_split=tuple(m.weight.shape[0] for m in projections),
+            gate_up=torch.cat([layer.gate.weight, layer.up.weight]),
+            gate_up_split=(layer.gate.weight.shape[0], layer.up.weight.shape[0]),
+        )
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
