@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/flop_floor.py [--threads 2] [--reps 5] [--prompt-tokens 5] [--new-tokens 16]
 
 Counts the matmul FLOPs of one bench_vs_trl step (8 prompts x 4 samples, every response at the cap) from the
-model's shapes, for topp_rl (candidate head: no full-vocabulary matmul in training) and for a full-vocabulary
-trainer such as TRL (the lm head over every response token, forward and backward), and divides by this
+model's shapes, for topp_rl (candidate head: no full-vocabulary matmul in the loss; one forward of the full head
+for the per-token entropy and unmasked log-prob it logs) and for a full-vocabulary trainer such as TRL (the lm
+head over every response token, forward and backward), and divides by this
 machine's measured fp32 GEMM rate at the model's own layer shapes (median of --reps).
 
 Two floors:
@@ -39,7 +40,10 @@ def step_flops(cfg, *, batch: int, prompt: int, new: int) -> dict[str, float]:
     head = 2 * cfg.hidden_size * cfg.vocab_size  # one row of full-vocabulary logits
     generate = batch * (prompt + new - 1) * per_token + batch * new * head
     train = 3 * batch * (prompt + new) * per_token  # forward + backward (inputs and weights)
-    return {"generate": generate, "train topp_rl": train, "train full vocab": train + 3 * batch * new * head}
+    # topp_rl's on-policy record (train/entropy, the unmasked log-prob of the mismatch metrics) is one forward of
+    # the full-vocabulary head over the response tokens, without gradient; its loss uses the candidate head only
+    record = batch * new * head
+    return {"generate": generate, "train topp_rl": train + record, "train full vocab": train + 3 * batch * new * head}
 
 
 def _median_seconds(fn, reps: int) -> float:
