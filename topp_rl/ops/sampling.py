@@ -43,10 +43,12 @@ from typing import Literal
 import torch
 
 from topp_rl.ops._checks import SAMPLING_RULES, ParamT, check_sampling_params, per_row
+from topp_rl.ops._prefix import threshold_prefix
 from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
 _ESTIMATE_MAX_V = 8192
+_PREFIX_MIN_V = 8192  # above: ranked prefixes from a threshold (`_prefix`), measured faster than the window
 Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
 
@@ -198,31 +200,81 @@ def _sglang(
     if k * 2 >= vocab:  # small vocabularies, or sets surely spanning half of it
         return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
     pending = torch.arange(n, device=probs.device)
-    done_rows, done_sets = [], []
+    done: tuple[list[torch.Tensor], list[Candidates]] = ([], [])
+    prefix_next = vocab > _PREFIX_MIN_V
+    if prefix_next and _window_first(top_k, min_p):  # sets likely fit the first window: try it first
+        pending, k = _window_pass(probs, pending, k, top_p=top_p, top_k=top_k, min_p=min_p, done=done)
     while pending.numel():
+        if prefix_next:  # once, for the rows still open
+            prefix_next = False
+            rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
+            prefix = threshold_prefix(rows_probs, top_p=_rows(top_p, pending), top_k=_rows(top_k, pending),
+                                      min_p=_rows(min_p, pending))
+            if prefix is None and not done[0]:  # every row's prefix spans half of V
+                return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
+            if prefix is not None:
+                pending = _prefix_pass(*prefix, pending, top_p=top_p, top_k=top_k, min_p=min_p, done=done)
+            continue
         if k * 2 >= vocab:
             k = vocab
-            if not done_rows:  # every row still open: no regrouping
+            if not done[0]:  # every row still open: no regrouping
                 return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
-        rows_probs = probs if pending.numel() == n else probs.index_select(0, pending)
-        vals, ids = _rank_window(rows_probs, k)
-        keep = _sglang_keep(vals, top_p=_rows(top_p, pending), top_k=_rows(top_k, pending),
-                            min_p=_rows(min_p, pending))
-        if k == vocab:
-            resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
-        else:
-            # Ranks past the window are dropped iff the window's last rank is (top-k, min-p and the mass before a
-            # rank are monotone in rank); the last kept rank must also not tie with values outside the window.
-            last_kept = (keep * torch.arange(k, device=probs.device)).amax(dim=1)
-            resolved = ~keep[:, -1] & (vals.gather(1, last_kept[:, None]).squeeze(1) > vals[:, -1])
-        if bool(resolved.any()):
-            done_rows.append(pending[resolved])
-            done_sets.append(_to_csr(ids[resolved], keep[resolved]))
-        if bool((~resolved).any()):
-            unresolved = pending[~resolved]
-            k = _next_window(vals[~resolved], k, top_p=_rows(top_p, unresolved), top_k=_rows(top_k, unresolved))
-        pending = pending[~resolved]
-    return _in_row_order(done_rows, done_sets, n), None
+        pending, k = _window_pass(probs, pending, k, top_p=top_p, top_k=top_k, min_p=min_p, done=done)
+    return _in_row_order(*done, n), None
+
+
+def _window_first(top_k: IntParam, min_p: Param) -> bool:
+    """Whether the first window likely decides most rows (a top-k within it, or a min-p), as measured at
+    V = 49152: then a miss costs one top-k more, a hit saves the prefix pass."""
+    if isinstance(top_k, torch.Tensor) or isinstance(min_p, torch.Tensor):
+        return True  # per-row parameters (the trainer's case): no sync to inspect them
+    return 0 < top_k < _WINDOW or min_p > 0
+
+
+def _window_pass(
+    probs: torch.Tensor, pending: torch.Tensor, k: int, *, top_p: Param, top_k: IntParam, min_p: Param,
+    done: tuple[list[torch.Tensor], list[Candidates]],
+) -> tuple[torch.Tensor, int]:
+    """Decide the `pending` rows the top-k window decides (appending them to `done`); return the other rows and
+    the window to try for them next."""
+    vocab = probs.shape[1]
+    rows_probs = probs if pending.numel() == probs.shape[0] else probs.index_select(0, pending)
+    vals, ids = _rank_window(rows_probs, k)
+    keep = _sglang_keep(vals, top_p=_rows(top_p, pending), top_k=_rows(top_k, pending), min_p=_rows(min_p, pending))
+    if k == vocab:
+        resolved = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)
+    else:
+        # Ranks past the window are dropped iff the window's last rank is (top-k, min-p and the mass before a
+        # rank are monotone in rank); the last kept rank must also not tie with values outside the window.
+        last_kept = (keep * torch.arange(k, device=probs.device)).amax(dim=1)
+        resolved = ~keep[:, -1] & (vals.gather(1, last_kept[:, None]).squeeze(1) > vals[:, -1])
+    if bool(resolved.any()):
+        done[0].append(pending[resolved])
+        done[1].append(_to_csr(ids[resolved], keep[resolved]))
+    if bool((~resolved).any()):
+        unresolved = pending[~resolved]
+        k = _next_window(vals[~resolved], k, top_p=_rows(top_p, unresolved), top_k=_rows(top_k, unresolved))
+    return pending[~resolved], k
+
+
+def _prefix_pass(
+    vals: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, pending: torch.Tensor, *, top_p: Param,
+    top_k: IntParam, min_p: Param, done: tuple[list[torch.Tensor], list[Candidates]],
+) -> torch.Tensor:
+    """Decide the `pending` rows whose ranked prefix (`_prefix.threshold_prefix`, one row each) ends with a
+    dropped rank: every later rank is dropped too (the rule is monotone in rank, and no entry outside the prefix
+    ties with one inside). Append them to `done`; return the other rows."""
+    params = dict(top_p=_rows(top_p, pending), top_k=_rows(top_k, pending), min_p=_rows(min_p, pending))
+    keep = _sglang_keep(vals, **params)  # the cumsums of the full sort's first ranks, computed as the window's
+    keep &= torch.arange(vals.shape[1], device=vals.device) < count[:, None]
+    resolved = (count > 0) & ~keep.gather(1, (count - 1).clamp_min(0)[:, None]).squeeze(1)
+    if bool(resolved.all()):
+        done[0].append(pending)
+        done[1].append(_to_csr(ids, keep))
+    elif bool(resolved.any()):
+        done[0].append(pending[resolved])
+        done[1].append(_to_csr(ids[resolved], keep[resolved]))
+    return pending[~resolved]
 
 
 def _full_sort(
