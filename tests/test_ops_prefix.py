@@ -55,7 +55,7 @@ def _window_path(monkeypatch, logits, **kw):
         return sglang_kept(logits, **kw)[0]
 
 
-@pytest.mark.parametrize("vocab", [8193, 16384, 49152, 100_000])
+@pytest.mark.parametrize("vocab", [2049, 5000, 8193, 16384, 49152, 100_000])
 def test_prefix_path_equals_the_full_sort_and_the_window(vocab, monkeypatch):
     logits = _rows(vocab, seed=vocab)
     n = logits.shape[0]
@@ -66,6 +66,10 @@ def test_prefix_path_equals_the_full_sort_and_the_window(vocab, monkeypatch):
         assert cands == _window_path(monkeypatch, logits, **kw), kw
         per_row = {k: torch.full((n,), v) for k, v in kw.items()}
         assert sampling_candidates(logits, **per_row) == cands, kw
+        for plan in ("first", "after_window"):  # every parameter through both orders, whatever the plan picks
+            with monkeypatch.context() as m:
+                m.setattr(sampling, "_prefix_plan", lambda top_k, min_p, plan=plan: plan)
+                assert sglang_kept(logits, **kw)[0] == cands, (kw, plan)
 
 
 def test_smollm2_like_batches_at_49152():

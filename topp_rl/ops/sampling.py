@@ -28,9 +28,13 @@ least twice k, or to the number of ranks the remaining top-p mass needs at the w
 to a full stable sort once k would reach V/2 (at once for V <= 128, or when the sets surely span half of V).
 Inside the window ties are ordered by id explicitly, and a row whose last kept rank ties with the window's
 smallest value (an equal value may lie outside) is re-done with a larger window, so the result equals the
-full-sort rule whatever the window. Scalar parameters (the engine's case) skip the per-row tensors and their
-checks (host syncs); `sglang_kept` also returns the full sort's ranking, for the engine's dense draw
-(`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
+full-sort rule whatever the window. Above V = 2048 the rows are first offered a cheaper test than growing
+(each growth is another top-k over the whole row): one histogram pass picks per row a threshold t, the entries
+with p >= t are compacted and ranked (`topp_rl.ops._prefix`), and a row whose last such rank is dropped is decided
+(no entry outside ties with one inside); the other rows grow the window as above. The first window goes first
+where it likely decides most rows (a min-p of 0.01 or more; a top-k up to 128 needs no prefix). Scalar
+parameters (the engine's case) skip the per-row tensors and their checks (host syncs); `sglang_kept` also returns
+the full sort's ranking, for the engine's dense draw (`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
 _ESTIMATE_MAX_V = 8192
-_PREFIX_MIN_V = 8192  # above: ranked prefixes from a threshold (`_prefix`), measured faster than the window
+# Above: ranked prefixes from a threshold (`_prefix`); measured 1.5-2.4x faster than growing the window for top-p
+# rows at V = 2049..49152 (1 CPU thread, batch 32), slower at V = 1024.
+_PREFIX_MIN_V = 2048
+_MIN_P_WINDOW_FIRST = 0.01
 Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
 
@@ -201,8 +208,9 @@ def _sglang(
         return _full_sort(probs, top_p=top_p, top_k=top_k, min_p=min_p)
     pending = torch.arange(n, device=probs.device)
     done: tuple[list[torch.Tensor], list[Candidates]] = ([], [])
-    prefix_next = vocab > _PREFIX_MIN_V
-    if prefix_next and _window_first(top_k, min_p):  # sets likely fit the first window: try it first
+    plan = _prefix_plan(top_k, min_p) if vocab > _PREFIX_MIN_V else "never"
+    prefix_next = plan != "never"
+    if plan == "after_window":  # sets likely fit the first window: try it first
         pending, k = _window_pass(probs, pending, k, top_p=top_p, top_k=top_k, min_p=min_p, done=done)
     while pending.numel():
         if prefix_next:  # once, for the rows still open
@@ -223,12 +231,16 @@ def _sglang(
     return _in_row_order(*done, n), None
 
 
-def _window_first(top_k: IntParam, min_p: Param) -> bool:
-    """Whether the first window likely decides most rows (a top-k within it, or a min-p), as measured at
-    V = 49152: then a miss costs one top-k more, a hit saves the prefix pass."""
+def _prefix_plan(top_k: IntParam, min_p: Param) -> Literal["never", "after_window", "first"]:
+    """When to rank the open rows' threshold prefixes (measured at V = 1024..49152, SmolLM2-like rows, 1 CPU
+    thread): never for a top-k up to twice the first window (its second window, top_k + 1, decides every row
+    without ties: two top-k calls); after the first window for a min-p of at least 0.01 (sets of a few dozen ids)
+    and for per-row parameters (no host sync to inspect them); else first (top-p sets of hundreds of ids)."""
     if isinstance(top_k, torch.Tensor) or isinstance(min_p, torch.Tensor):
-        return True  # per-row parameters (the trainer's case): no sync to inspect them
-    return 0 < top_k < _WINDOW or min_p > 0
+        return "after_window"
+    if 0 < top_k <= 2 * _WINDOW:
+        return "never"
+    return "after_window" if min_p >= _MIN_P_WINDOW_FIRST else "first"
 
 
 def _window_pass(
