@@ -32,7 +32,7 @@ full-sort rule whatever the window. Above V = 2048 the rows are first offered a 
 (each growth is another top-k over the whole row): one histogram pass picks per row a threshold t, the entries
 with p >= t are compacted and ranked (`topp_rl.ops._prefix`), and a row whose last such rank is dropped is decided
 (no entry outside ties with one inside); the other rows grow the window as above. The first window goes first
-where it likely decides most rows (a min-p of 0.01 or more; a top-k up to 128 needs no prefix). Scalar
+where it likely decides most rows (a min-p of 0.005 or more; a top-k up to 128 needs no prefix). Scalar
 parameters (the engine's case) skip the per-row tensors and their checks (host syncs); `sglang_kept` also returns
 the full sort's ranking, for the engine's dense draw (`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
 """
@@ -55,7 +55,7 @@ _ESTIMATE_MAX_V = 8192
 # Above: ranked prefixes from a threshold (`_prefix`); measured 1.5-2.4x faster than growing the window for top-p
 # rows at V = 2049..49152 (1 CPU thread, batch 32), slower at V = 1024.
 _PREFIX_MIN_V = 2048
-_MIN_P_WINDOW_FIRST = 0.01
+_MIN_P_WINDOW_FIRST = 0.005  # not 0.01: a min_p of 0.01 is 0.00999... in float32
 Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
 
@@ -234,7 +234,7 @@ def _sglang(
 def _prefix_plan(top_k: IntParam, min_p: Param) -> Literal["never", "after_window", "first"]:
     """When to rank the open rows' threshold prefixes (measured at V = 1024..49152, SmolLM2-like rows, 1 CPU
     thread): never for a top-k up to twice the first window (its second window, top_k + 1, decides every row
-    without ties: two top-k calls); after the first window for a min-p of at least 0.01 (sets of a few dozen ids)
+    without ties: two top-k calls); after the first window for a min-p of 0.005 or more (sets of a few dozen ids)
     and for per-row parameters (no host sync to inspect them); else first (top-p sets of hundreds of ids)."""
     if isinstance(top_k, torch.Tensor) or isinstance(min_p, torch.Tensor):
         return "after_window"
