@@ -18,6 +18,7 @@ import torch
 # buckets ascend with p, each spans 1/8 of an octave, and a bucket's lower edge is an exact float32 value.
 _SHIFT = 20
 _BUCKETS = 1 << (31 - _SHIFT)
+_BLOCK, _SPARSE = 64, 4  # compaction by blocks of 64 ids while at most 1/4 of the blocks hold an entry above t
 _MARGIN = 1e-3  # bucket masses are float32 sums: cross top_p with room (a low guess only costs a larger prefix)
 
 Param = torch.Tensor | float
@@ -32,16 +33,12 @@ def threshold_prefix(
     V or more get count 0 (a full sort suits them better); None when every row would."""
     n, vocab = probs.shape
     t, most = _threshold(probs, top_p=top_p, top_k=top_k, min_p=min_p)
-    above = probs >= t[:, None]
-    if bool((most * 2 < vocab).all()):  # no exact count needed: it comes with the compaction
-        small = None
-    else:
-        count = above.sum(dim=1, dtype=torch.int32)
-        small = count * 2 < vocab
-        if not bool(small.any()):
+    use = None  # rows to compact (None: all)
+    if not bool((most * 2 < vocab).all()):  # else no exact count is needed: it comes with the compaction
+        use = (probs >= t[:, None]).sum(dim=1, dtype=torch.int32) * 2 < vocab
+        if not bool(use.any()):
             return None
-        above &= small[:, None]
-    rows, ids = above.nonzero().unbind(1)  # row-major: ids ascending within a row
+    rows, ids = _entries_above(probs, t, use)
     count = torch.bincount(rows, minlength=n)
     vals = probs[rows, ids]
     # One stable sort of every kept entry: by row, then p descending (p >= 0: its bits ascend with it), ids
@@ -56,6 +53,26 @@ def threshold_prefix(
     out_vals[rows, cols] = vals[order]
     out_ids[rows, cols] = ids[order]
     return out_vals, out_ids, count
+
+
+def _entries_above(probs: torch.Tensor, t: torch.Tensor, use: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(rows, ids) of the entries with p >= t[row] in rows `use` (None: all), row-major (ids ascending in a row):
+    `(probs >= t[:, None]) & use[:, None]` `.nonzero()`. Small sets are found through blocks of _BLOCK ids whose
+    maximum reaches t (one cheap reduction, then only the hit blocks are compared)."""
+    n, vocab = probs.shape
+    if vocab % _BLOCK == 0:
+        blocks = probs.view(n, vocab // _BLOCK, _BLOCK)
+        hit = blocks.amax(dim=2) >= t[:, None]
+        if use is not None:
+            hit &= use[:, None]
+        block_rows, block_ids = hit.nonzero().unbind(1)
+        if block_rows.numel() * _SPARSE <= hit.numel():
+            inside, offset = (blocks[block_rows, block_ids] >= t[block_rows, None]).nonzero().unbind(1)
+            return block_rows[inside], block_ids[inside] * _BLOCK + offset
+    above = probs >= t[:, None]
+    if use is not None:
+        above &= use[:, None]
+    return above.nonzero().unbind(1)
 
 
 def _threshold(

@@ -32,9 +32,10 @@ full-sort rule whatever the window. Above V = 2048 the rows are first offered a 
 (each growth is another top-k over the whole row): one histogram pass picks per row a threshold t, the entries
 with p >= t are compacted and ranked (`topp_rl.ops._prefix`), and a row whose last such rank is dropped is decided
 (no entry outside ties with one inside); the other rows grow the window as above. The first window goes first
-where it likely decides most rows (a min-p of 0.005 or more; a top-k up to 128 needs no prefix). Scalar
-parameters (the engine's case) skip the per-row tensors and their checks (host syncs); `sglang_kept` also returns
-the full sort's ranking, for the engine's dense draw (`topp_rl.ops.draw`). "vllm" is a trainer-side fallback and uses one full sort.
+where it likely decides most rows (a min-p of 0.005 or more, or a median p_max >= 0.3); a top-k up to 128 needs
+no prefix. Scalar parameters (the engine's case) skip the per-row tensors and their checks (host syncs);
+`sglang_kept` also returns the full sort's ranking, for the engine's dense draw (`topp_rl.ops.draw`). "vllm" is a
+trainer-side fallback and uses one full sort.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ _ESTIMATE_MAX_V = 8192
 # Above: ranked prefixes from a threshold (`_prefix`); measured 1.5-2.4x faster than growing the window for top-p
 # rows at V = 2049..49152 (1 CPU thread, batch 32), slower at V = 1024.
 _PREFIX_MIN_V = 2048
+# A batch whose median row has p_max >= 0.3 takes the first window first: measured on SmolLM2 decode logits,
+# 1 CPU thread (random-token prompts): such batches (temperature 0.5-0.7) kept ~10-20 ids per row, at temperature 1
+# (medians 0.1-0.28) rows kept ~1400 ids on average.
+_PEAKED = 0.3
 _MIN_P_WINDOW_FIRST = 0.005  # not 0.01: a min_p of 0.01 is 0.00999... in float32
 Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
@@ -209,6 +214,8 @@ def _sglang(
     pending = torch.arange(n, device=probs.device)
     done: tuple[list[torch.Tensor], list[Candidates]] = ([], [])
     plan = _prefix_plan(top_k, min_p) if vocab > _PREFIX_MIN_V else "never"
+    if plan == "first" and float(probs.amax(dim=1).median()) >= _PEAKED:  # most sets likely small: window first
+        plan = "after_window"
     prefix_next = plan != "never"
     if plan == "after_window":  # sets likely fit the first window: try it first
         pending, k = _window_pass(probs, pending, k, top_p=top_p, top_k=top_k, min_p=min_p, done=done)
