@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from topp_rl.ops import sampling, sampling_candidates
-from topp_rl.ops._prefix import threshold_prefix
+from topp_rl.ops._prefix import _entries_above, threshold_prefix
 from topp_rl.ops.sampling import sglang_kept
 
 PARAMS = [  # (temperature, top_p, top_k, min_p)
@@ -120,3 +120,18 @@ def test_threshold_prefix_is_the_full_sorts_first_ranks():
         assert torch.equal(ids[i, :c], order[i, :c]) and torch.equal(vals[i, :c], ps[i, :c])
         assert bool((vals[i, c:] == -1).all())
         assert c == probs.shape[1] or bool(ps[i, c] < ps[i, c - 1])
+
+
+@pytest.mark.parametrize("vocab", [8192, 49152])
+def test_block_compaction_equals_the_dense_one(vocab):
+    """The entries above a threshold found through block maxima equal those of the dense mask's nonzero, in order,
+    at thresholds from every entry (sets of 1) down to 0 (whole rows), ties included, with and without a row mask."""
+    probs = torch.softmax(_rows(vocab, seed=5), dim=-1)
+    g = torch.Generator().manual_seed(6)
+    ascending = probs.sort(dim=1).values
+    for quantile in (1.0, 0.9999, 0.999, 0.99, 0.9, 0.0):
+        t = ascending[:, int(quantile * (vocab - 1))]  # an entry's own value: ties at t
+        for use in (None, torch.rand(len(probs), generator=g) < 0.5):
+            want = ((probs >= t[:, None]) & (True if use is None else use[:, None])).nonzero().unbind(1)
+            got = _entries_above(probs, t, use, sparse=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (quantile, use)

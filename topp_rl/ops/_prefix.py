@@ -18,7 +18,7 @@ import torch
 # buckets ascend with p, each spans 1/8 of an octave, and a bucket's lower edge is an exact float32 value.
 _SHIFT = 20
 _BUCKETS = 1 << (31 - _SHIFT)
-_BLOCK, _SPARSE = 64, 4  # compaction by blocks of 64 ids while at most 1/4 of the blocks hold an entry above t
+_BLOCK, _SPARSE = 64, 4  # compaction by blocks of 64 ids where at most 1/4 of the blocks hold an entry above t
 _MARGIN = 1e-3  # bucket masses are float32 sums: cross top_p with room (a low guess only costs a larger prefix)
 
 Param = torch.Tensor | float
@@ -38,7 +38,7 @@ def threshold_prefix(
         use = (probs >= t[:, None]).sum(dim=1, dtype=torch.int32) * 2 < vocab
         if not bool(use.any()):
             return None
-    rows, ids = _entries_above(probs, t, use)
+    rows, ids = _entries_above(probs, t, use, sparse=float(most.sum()) * _SPARSE * _BLOCK <= probs.numel())
     count = torch.bincount(rows, minlength=n)
     vals = probs[rows, ids]
     # One stable sort of every kept entry: by row, then p descending (p >= 0: its bits ascend with it), ids
@@ -55,12 +55,14 @@ def threshold_prefix(
     return out_vals, out_ids, count
 
 
-def _entries_above(probs: torch.Tensor, t: torch.Tensor, use: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _entries_above(
+    probs: torch.Tensor, t: torch.Tensor, use: torch.Tensor | None, *, sparse: bool
+) -> tuple[torch.Tensor, ...]:
     """(rows, ids) of the entries with p >= t[row] in rows `use` (None: all), row-major (ids ascending in a row):
-    `(probs >= t[:, None]) & use[:, None]` `.nonzero()`. Small sets are found through blocks of _BLOCK ids whose
-    maximum reaches t (one cheap reduction, then only the hit blocks are compared)."""
+    `(probs >= t[:, None]) & use[:, None]` `.nonzero()`. When `sparse` (few entries expected), they are found
+    through the blocks of _BLOCK ids whose maximum reaches t (one cheap reduction, then only those are compared)."""
     n, vocab = probs.shape
-    if vocab % _BLOCK == 0:
+    if sparse and vocab % _BLOCK == 0:
         blocks = probs.view(n, vocab // _BLOCK, _BLOCK)
         hit = blocks.amax(dim=2) >= t[:, None]
         if use is not None:
