@@ -56,15 +56,21 @@ CASES = [
 
 
 def sampler_at(rev: str) -> types.FunctionType:
-    """`EmbeddedEngine._sample` with `sampling_candidates` and the draw as they were at `rev`."""
+    """`EmbeddedEngine._sample` with `sampling_candidates`, the draw and the engine as they were at `rev` (each
+    module's imports of the others redirected to the `rev` copies, so no arm runs working-tree sampling code)."""
     mods = {}
-    for name, path in (("sampling", "topp_rl/ops/sampling.py"), ("embedded", "topp_rl/engines/embedded.py")):
-        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
+    for name in ("sampling", "draw", "embedded"):
+        path = f"topp_rl/ops/{name}.py" if name != "embedded" else "topp_rl/engines/embedded.py"
+        run = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True)
+        if run.returncode:  # a revision before this module existed
+            continue
+        src = run.stdout
+        for other in mods:
+            src = src.replace(f"from topp_rl.ops.{other} import".encode(), f"from _baseline_{other} import".encode())
+        src = src.replace(b"from topp_rl.ops import Candidates, sampling_candidates",
+                          b"from topp_rl.ops import Candidates\nfrom _baseline_sampling import sampling_candidates")
         mod = types.ModuleType(f"_baseline_{name}")
         mod.__file__ = str(ROOT / path)
-        if name == "embedded":
-            src = src.replace(b"from topp_rl.ops import Candidates, sampling_candidates",
-                              b"from topp_rl.ops import Candidates\nfrom _baseline_sampling import sampling_candidates")
         sys.modules[mod.__name__] = mod
         exec(compile(src, mod.__file__, "exec"), mod.__dict__)
         mods[name] = mod
