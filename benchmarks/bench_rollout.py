@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from topp_rl.engines.embedded import EmbeddedEngine, _inverse_cdf
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model, save_model
+from topp_rl.ops.draw import inverse_cdf
 from topp_rl.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -36,7 +37,7 @@ class DenseSortEngine(EmbeddedEngine):
         keep = sglang_keep_mask(scaled, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
         log_probs = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
-        tokens = _inverse_cdf(log_probs.exp().double().cumsum(-1), u)
+        tokens = inverse_cdf(log_probs.exp().double().cumsum(-1), u)
         finite = torch.ones_like(tokens, dtype=torch.bool)  # sglang_keep_mask keeps at least one finite entry
         return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), None, None, finite
 

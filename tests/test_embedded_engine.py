@@ -4,9 +4,10 @@ import pytest
 import torch
 from oracles import sglang_keep_mask
 
-from topp_rl.engines.embedded import EmbeddedEngine, _draw_from_sets
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model
 from topp_rl.ops import Candidates, sampling_candidates
+from topp_rl.ops.draw import draw_from_sets
 from topp_rl.rollout import SampleStatus, SamplingParams
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20], [1, 30, 31, 32]]
@@ -163,7 +164,7 @@ def test_draw_from_sets_follows_the_renormalised_kept_distribution():
     top_p = torch.tensor([0.7, 0.95, 1.0]).repeat_interleave(reps)
     cands = sampling_candidates(logits, temperature=0.9, top_p=top_p, top_k=top_k)
     u = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    tokens, log_probs = _draw_from_sets(logits / 0.9, cands, u)
+    tokens, log_probs = draw_from_sets(logits / 0.9, cands, u)
 
     keep = torch.zeros_like(logits, dtype=torch.bool)
     keep[cands.row_of_ids(), cands.ids.long()] = True
@@ -182,8 +183,8 @@ def test_draw_from_sets_at_the_edges_of_u():
     """u = 0 draws each row's first id of positive mass, u -> 1 its last one (no spill into a neighbour row)."""
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
     cands = Candidates.from_lists([[2, 1, 0], [0, 3]])
-    first, _ = _draw_from_sets(logits, cands, torch.zeros(2, dtype=torch.float64))
-    last, _ = _draw_from_sets(logits, cands, torch.full((2,), 1 - 1e-16, dtype=torch.float64))
+    first, _ = draw_from_sets(logits, cands, torch.zeros(2, dtype=torch.float64))
+    last, _ = draw_from_sets(logits, cands, torch.full((2,), 1 - 1e-16, dtype=torch.float64))
     assert first.tolist() == [2, 0] and last.tolist() == [0, 3]
 
 

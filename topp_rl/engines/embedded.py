@@ -2,7 +2,8 @@
 
 Prompts are left-padded into one batch (attention mask + explicit position ids) and decoded with a KV cache:
 by default (`decode="auto"`) through `topp_rl.engines.fused_decode` (a static cache, HF's forward rewritten for
-dense Llama / Qwen2 / Qwen3 / Mistral models), else through the HF module's own forward and `DynamicCache`. Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
+dense Llama / Qwen2 / Qwen3 / Mistral models), else through the HF module's own forward and `DynamicCache`.
+Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
 logits / temperature and draws the token from the renormalised kept set, so the recorded set, the recorded
 log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
 whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
@@ -29,9 +30,7 @@ from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
 from topp_rl.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates
-from topp_rl.ops.draw import draw_from_sets as _draw_from_sets  # noqa: F401  (tests use this name)
-from topp_rl.ops.draw import inverse_cdf as _inverse_cdf
-from topp_rl.ops.draw import sample_kept
+from topp_rl.ops.draw import inverse_cdf, sample_kept
 from topp_rl.ops.sampling import nonfinite_row_error
 
 
@@ -206,7 +205,7 @@ class EmbeddedEngine(RolloutEngine):
             log_probs = scaled.log_softmax(-1)
             cum = log_probs.exp().double().cumsum(-1)
             finite = torch.isfinite(cum[:, -1])  # NaN iff some entry is NaN / +inf, or every entry is -inf
-            tokens = _inverse_cdf(cum, u)
+            tokens = inverse_cdf(cum, u)
             chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
         raw = None
         if self.record_raw_log_probs:
