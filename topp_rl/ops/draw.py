@@ -63,9 +63,9 @@ def draw_dense(scaled: torch.Tensor, ranking: FullRanking, u: torch.Tensor) -> t
     The set draw's float64 cumulative sum runs over the kept masses of all rows in CSR order. Here the same
     masses (the same float32 exp of the same differences) sit at their ranks in a row-major [N, V] matrix with
     0 at the dropped ranks; adding 0 is exact and the CPU cumulative sum is sequential, so the flattened sum
-    holds the same partial sums at every kept rank and flat ones between (so the same row masses: normalisers). The first rank of a row whose sum
-    exceeds the target is then the set draw's pick, and a target at or past the row's end falls back to the
-    row's last kept rank, as the set draw's clamp does (rank 0, its first, is always kept).
+    holds the same partial sums at every kept rank and flat ones between (so the same row masses: normalisers).
+    The first rank of a row whose sum exceeds the target is then the set draw's pick, and a target at or past
+    the row's end falls back to the row's last kept rank, as the set draw's clamp does (rank 0 is always kept).
     The kept ranks of a row are its first `count` on the CPU: every rule cuts a prefix of the ranking (top-k,
     min-p on p descending, and the mass before rank r, fl(c_r - p_r), is non-decreasing in r because the
     sequential cumulative sum c_r is and p_r is non-increasing)."""
