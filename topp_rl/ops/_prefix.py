@@ -21,7 +21,7 @@ _BUCKETS = 1 << (31 - _SHIFT)
 _BLOCK, _SPARSE = 64, 4  # compaction by blocks of 64 ids where at most 1/4 of the blocks hold an entry above t
 _MARGIN = 1e-3  # bucket masses are float32 sums: cross top_p with room (a low guess only costs a larger prefix)
 
-Param = torch.Tensor | float
+Param = torch.Tensor | float  # per row [n], or one value for every row
 IntParam = torch.Tensor | int
 
 

@@ -48,7 +48,7 @@ from typing import Literal
 import torch
 
 from topp_rl.ops._checks import SAMPLING_RULES, ParamT, check_sampling_params, per_row
-from topp_rl.ops._prefix import threshold_prefix
+from topp_rl.ops._prefix import IntParam, Param, threshold_prefix
 from topp_rl.ops.candidates import Candidates
 
 _WINDOW = 64
@@ -61,8 +61,6 @@ _PREFIX_MIN_V = 2048
 # (medians 0.1-0.28) rows kept ~1400 ids on average.
 _PEAKED = 0.3
 _MIN_P_WINDOW_FIRST = 0.005  # not 0.01: a min_p of 0.01 is 0.00999... in float32
-Param = torch.Tensor | float  # per row [n], or one value for every row
-IntParam = torch.Tensor | int
 
 
 def sampling_candidates(
