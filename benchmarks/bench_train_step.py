@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.train import build_run, fit
+from topp_rl.train import build_run, fit, process_settings
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("generate_s", "old_logprob_s", "optim_s", "step_s")
@@ -68,12 +67,11 @@ def run_variant(overrides: list[str], *, steps: int | None, use_mask: bool) -> l
                 f"paths.output_dir={tmp}",
                 f"module.use_mask={str(use_mask).lower()}", *overrides,
             ])
-        if cfg.num_threads:
-            torch.set_num_threads(int(cfg.num_threads))  # as train() does
-        run = build_run(cfg)
-        timer = StepTimer()
-        run.trainer.callbacks.append(timer)
-        fit(run)
+        with process_settings(cfg):  # threads and host memory reuse, as train() sets them
+            run = build_run(cfg)
+            timer = StepTimer()
+            run.trainer.callbacks.append(timer)
+            fit(run)
     return timer.rows[1:] or timer.rows  # the first step is warm-up
 
 

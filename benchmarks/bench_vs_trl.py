@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from topp_rl.host_memory import request_huge_pages  # imports no torch
+
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # spinning OpenMP workers stall on a shared machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ SCALES = {
     "smollm2": dict(max_new_tokens=16, threads=os.cpu_count(), lr=3e-6, overrides=["model=smollm2"]),
 }
 COMMON = dict(prompts_per_step=8, n_samples=4, temperature=1.0, top_p=0.9)
+PROMPT_TOKENS = 5  # '3+4=' after '<|im_start|>' (SmolLM2's chat template) or '<bos>' (the tiny char tokenizer)
 PHASES = ("generate_s", "score_s", "optim_s", "step_s")
 
 
@@ -123,6 +126,7 @@ def summarise(results: dict[str, list[dict]], tokens_per_step: dict[str, float])
     for arm, runs in results.items():
         rows = [r for run in runs for r in run["rows"]]
         med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+        med["tokens_per_step"] = tokens_per_step[arm]
         med["tokens_per_s"] = tokens_per_step[arm] / med["step_s"]
         med["peak_rss_mb"] = statistics.median(run["peak_rss_mb"] for run in runs)
         med["steps"] = len(rows)
@@ -130,29 +134,38 @@ def summarise(results: dict[str, list[dict]], tokens_per_step: dict[str, float])
     return table
 
 
-def measure_floor(scale: str) -> dict:
-    """flop_floor.py's floors of this scale's step, in this (otherwise idle) parent process."""
+def measure_floor_rates(scale: str) -> dict:
+    """flop_floor.py's GEMM and copy rates at this scale's shapes, in this (otherwise idle) parent process."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-    from flop_floor import floors, smollm2_config
+    from flop_floor import CONFIGS, rates
 
     torch.set_num_threads(SCALES[scale]["threads"])
-    # the prompt's token count under the chat template: '<|im_start|>3+4=' is 5 SmolLM2 tokens
-    return floors(smollm2_config(), batch=COMMON["prompts_per_step"] * COMMON["n_samples"], prompt=5,
-                  new=SCALES[scale]["max_new_tokens"], reps=3)
+    batch = COMMON["prompts_per_step"] * COMMON["n_samples"]
+    return rates(CONFIGS[scale](), batch=batch, train_rows=batch * (PROMPT_TOKENS + SCALES[scale]["max_new_tokens"]),
+                 reps=3)
 
 
-def summarise_floor(runs: list[dict], table: dict[str, dict]) -> dict:
-    """Median floors (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) and each arm's
-    step / floor; printed."""
+def summarise_floor(scale: str, runs: list[dict], table: dict[str, dict]) -> dict:
+    """Each arm's floor (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) over the
+    response tokens it trained on, from the median rates; each arm's step / floor; printed."""
+    from flop_floor import CONFIGS, floor_seconds
+
+    cfg, batch = CONFIGS[scale](), COMMON["prompts_per_step"] * COMMON["n_samples"]
     out = {}
     for kind in ("streamed", "cache-hot"):
         med = {k: statistics.median(r[kind][k] for r in runs) for k in runs[0][kind]}
-        ratios = {arm: m["step_s"] / med["full vocab" if arm in TRL_ARMS else "topp_rl"] for arm, m in table.items()}
-        out[kind] = dict(floor=med, step_over_floor=ratios)
-        print(f"floor ({kind}): topp_rl {med['topp_rl']:.2f} s (generate {med['generate']:.2f} + train "
-              f"{med['train topp_rl']:.2f} + AdamW {med['optimizer']:.2f}), full vocab {med['full vocab']:.2f} s; "
-              "step / floor: " + ", ".join(f"{a} {r:.2f}" for a, r in ratios.items()))
+        floors, ratios = {}, {}
+        for arm, m in table.items():
+            trainer = "full vocab" if arm in TRL_ARMS else "topp_rl"
+            f = floor_seconds(cfg, {kind: med}, batch=batch, prompt=PROMPT_TOKENS,
+                              new=SCALES[scale]["max_new_tokens"], train_new=m["tokens_per_step"] / batch)[kind]
+            floors[arm] = {k: f[k] for k in ("generate", f"train {trainer}", "optimizer", trainer)}
+            ratios[arm] = m["step_s"] / f[trainer]
+        out[kind] = dict(rates=med, floor=floors, step_over_floor=ratios)
+        print(f"floor ({kind}; decode {med['decode'] / 1e9:.1f}, training {med['train'] / 1e9:.1f} GFLOP/s): "
+              + "; ".join(f"{a} {' + '.join(f'{v:.3f}' for v in f.values())} s -> step / floor {ratios[a]:.2f}"
+                          for a, f in floors.items()) + " (generate + train + AdamW = floor)")
     return out
 
 
@@ -165,10 +178,12 @@ def main() -> None:
     ap.add_argument("--arms", default="topp_mask_on,topp_mask_off,trl",
                     help=f"comma-separated, from {', '.join([*TOPP_ARMS, *TRL_ARMS])} ('trl' is the reference)")
     ap.add_argument("--floor", action="store_true",
-                    help="smollm2: measure benchmarks/flop_floor.py's floors once per repeat, between the arms")
+                    help="measure benchmarks/flop_floor.py's rates once per repeat, between the arms; print "
+                         "each arm's floor over the response tokens it trained on")
     ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        request_huge_pages()  # as the command line does, before torch is imported (topp_rl.host_memory)
         print(json.dumps(run_topp_child(args.scale, args.child, args.steps)))
         return
     arms = args.arms.split(",")
@@ -179,15 +194,13 @@ def main() -> None:
                                 text=True, check=False).stdout.strip()
     if not trl_python:
         raise SystemExit("the TRL venv is not built; run scripts/setup_trl.sh first (it prints the venv's python)")
-    if args.floor and args.scale != "smollm2":
-        raise SystemExit("--floor is for --scale smollm2 (flop_floor.py models SmolLM2's step)")
     results: dict[str, list[dict]] = {a: [] for a in arms}
     floor_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as workdir:
         model_dir = model_dir_for(args.scale, workdir)
         for rep in range(args.repeats):
             if args.floor:
-                floor_runs.append(measure_floor(args.scale))
+                floor_runs.append(measure_floor_rates(args.scale))
             for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:  # rotated: no arm always runs first
                 results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
                 last = results[arm][-1]["rows"]
@@ -208,7 +221,7 @@ def main() -> None:
         speedup = table["trl"]["step_s"] / m["step_s"]
         print(f"{arm:<15}{m['generate_s']:>8.3f}{m['score_s']:>9.3f}{m['optim_s']:>9.3f}{m['step_s']:>8.3f}"
               f"{m['tokens_per_s']:>8.0f}{m['peak_rss_mb']:>9.0f}{speedup:>9.2f}")
-    floor = summarise_floor(floor_runs, table) if floor_runs else None
+    floor = summarise_floor(args.scale, floor_runs, table) if floor_runs else None
     if args.json:
         args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results, floor=floor,
                                              floor_runs=floor_runs), indent=1))

@@ -6,8 +6,9 @@ the module (loss from `algo.loss`, optimizer from `optimizer` as a partial), cal
 Checkpoints go to `<output_dir>/checkpoints` (`last.ckpt`, atomic writes); `ckpt_path=last` resumes from there.
 """
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from topp_rl.checkpoint import AtomicCheckpointIO, RunRecord, exit_status_on_sig
 from topp_rl.config import callback_entries, validate_config, validate_routing
 from topp_rl.console import StepTimer, route_lightning_logs
 from topp_rl.hook import ToppLogProb
+from topp_rl.host_memory import keep_freed_memory
 from topp_rl.loggers import LogConfig
 from topp_rl.lora import build_policy_backbone, check_lora_config, engine_model_factory
 from topp_rl.module import PolicyModule
@@ -145,22 +147,31 @@ def train(cfg: DictConfig) -> dict[str, float | str]:
 def train_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> tuple[Run, dict[str, float | str]]:
     """`train`, also returning the run it built (`topp_rl.fit` reads the trainer's last metrics from it)."""
     route_lightning_logs()
-    threads = torch.get_num_threads()
-    if cfg.get("num_threads"):
-        torch.set_num_threads(int(cfg.num_threads))
-    try:
-        # Lock the run dir and check a resume (checkpoint present, same config) before anything is built.
-        with RunDir(cfg) as run_dir:
-            run = build_run(cfg, rewards=rewards)
-            run_dir.record_config(cfg)  # config.yaml, or config.resume-<n>.yaml: the history is kept
-            fit(run)
-    finally:
-        torch.set_num_threads(threads)  # tests run several trainings in one process
+    # Lock the run dir and check a resume (checkpoint present, same config) before anything is built.
+    with process_settings(cfg), RunDir(cfg) as run_dir:
+        run = build_run(cfg, rewards=rewards)
+        run_dir.record_config(cfg)  # config.yaml, or config.resume-<n>.yaml: the history is kept
+        fit(run)
     summary = run.summary.summary() | {"steps": run.trainer.global_step} | outputs_summary(run.trainer, run_dir)
     if run.trainer.is_global_zero:
         write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
     return run, summary
+
+
+@contextlib.contextmanager
+def process_settings(cfg: DictConfig) -> Iterator[None]:
+    """The config's process-wide settings for one run: torch's intra-op threads (restored after: tests run several
+    trainings in one process) and host memory reuse (`topp_rl.host_memory`; kept: it changes no value)."""
+    threads = torch.get_num_threads()
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
+    if cfg.get("host_memory_reuse"):
+        keep_freed_memory()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fit(run: Run) -> None:
