@@ -135,7 +135,14 @@ def summarise(results: dict[str, list[dict]], tokens_per_step: dict[str, float])
 
 
 def measure_floor_rates(scale: str) -> dict:
-    """flop_floor.py's GEMM and copy rates at this scale's shapes, in this (otherwise idle) parent process."""
+    """flop_floor.py's GEMM and copy rates at this scale's shapes, in a child process (its buffers would otherwise
+    raise this process's peak RSS, which every arm's process inherits at fork: `ru_maxrss`)."""
+    cmd = [sys.executable, __file__, "--floor-child", "--scale", scale]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def floor_rates_child(scale: str) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from flop_floor import CONFIGS, rates
@@ -149,6 +156,7 @@ def measure_floor_rates(scale: str) -> dict:
 def summarise_floor(scale: str, runs: list[dict], table: dict[str, dict]) -> dict:
     """Each arm's floor (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) over the
     response tokens it trained on, from the median rates; each arm's step / floor; printed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from flop_floor import CONFIGS, floor_seconds
 
     cfg, batch = CONFIGS[scale](), COMMON["prompts_per_step"] * COMMON["n_samples"]
@@ -181,7 +189,11 @@ def main() -> None:
                     help="measure benchmarks/flop_floor.py's rates once per repeat, between the arms; print "
                          "each arm's floor over the response tokens it trained on")
     ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
+    ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.floor_child:
+        print(json.dumps(floor_rates_child(args.scale)))
+        return
     if args.child:
         request_huge_pages()  # as the command line does, before torch is imported (topp_rl.host_memory)
         print(json.dumps(run_topp_child(args.scale, args.child, args.steps)))

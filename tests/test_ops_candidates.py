@@ -52,6 +52,14 @@ def test_select_drops_empty_rows_for_the_ops():
     assert Candidates.concat([]).num_rows == 0
 
 
+def test_select_of_every_row_in_order_is_the_same_rows_without_a_copy():
+    c = Candidates.from_lists([[3, 1], [], [7]])
+    assert c.select(torch.arange(3)) is c
+    assert c.select([0, 1, 2]) is c
+    assert c.select(torch.tensor([0, 2, 1])).to_lists() == [[3, 1], [7], []]  # same rows, another order: a copy
+    assert c.select(torch.tensor([0, 1])).to_lists() == [[3, 1], []]
+
+
 @pytest.mark.parametrize(
     ("ids", "offsets", "message"),
     [

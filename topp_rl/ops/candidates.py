@@ -150,6 +150,8 @@ class Candidates:
                 f"select rows span [{int(index.min())}, {int(index.max())}] but there are {self.num_rows} rows; "
                 "pass indices in [0, num_rows)"
             )
+        if index.numel() == self.num_rows and bool((index == torch.arange(self.num_rows, device=self.device)).all()):
+            return self  # every row in order (one rank, every row kept): nothing to copy; `Candidates` is frozen
         offsets = self.offsets.long()
         starts, lengths = offsets[index], offsets[index + 1] - offsets[index]
         new_offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=self.device)
