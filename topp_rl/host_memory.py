@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import platform
 
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
@@ -41,7 +42,7 @@ def request_huge_pages() -> bool:
 @functools.cache
 def _mallopt():
     """glibc's `mallopt`, or None where the C library is not glibc (macOS, musl)."""
-    if not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""):
+    if platform.libc_ver()[0] != "glibc":
         return None
     fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
