@@ -3,6 +3,8 @@
 import ctypes
 import ctypes.util
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,3 +56,13 @@ def test_process_settings_sets_threads_for_the_run_and_restores_them():
     with pytest.raises(RuntimeError, match="inside"), process_settings(OmegaConf.create({"num_threads": want})):
         raise RuntimeError("inside")
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.subprocess
+def test_the_command_line_sets_huge_pages_before_torch_is_imported():
+    """torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: `topp_rl.cli` must not import torch before
+    `train_command` sets it (a fresh interpreter; this one has torch already)."""
+    code = ("import os, sys; os.environ.pop('THP_MEM_ALLOC_ENABLE', None); import topp_rl.cli; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
