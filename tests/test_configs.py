@@ -130,6 +130,7 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("module.gradient_checkpointing=yes", "module.gradient_checkpointing"),
         ("module.use_mask=no", "module.use_mask"),
         ("allow_stale_weights=1", "allow_stale_weights"),
+        ("host_memory_reuse=yes", "host_memory_reuse"),
         ("export.hf=on", "export.hf"),
         ("export.on_checkpoint=0", "export.on_checkpoint"),
         ("resume.allow_config_change=yes", "resume.allow_config_change"),

@@ -21,7 +21,7 @@ BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
-    "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay",
+    "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
 )
 # Below this, SGLangEngine aborts every sample a truncating sampler keeps two ids for (`validate_sglang_candidates`).
 SGLANG_MIN_CANDIDATES = 2

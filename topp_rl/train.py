@@ -164,11 +164,11 @@ def process_settings(cfg: DictConfig) -> Iterator[None]:
     """The config's process-wide settings for one run: torch's intra-op threads (restored after: tests run several
     trainings in one process) and host memory reuse (`topp_rl.host_memory`; kept: it changes no value)."""
     threads = torch.get_num_threads()
-    if cfg.get("num_threads"):
-        torch.set_num_threads(int(cfg.num_threads))
-    if cfg.get("host_memory_reuse"):
-        keep_freed_memory()
     try:
+        if cfg.get("num_threads"):
+            torch.set_num_threads(int(cfg.num_threads))
+        if cfg.get("host_memory_reuse"):
+            keep_freed_memory()
         yield
     finally:
         torch.set_num_threads(threads)
