@@ -32,6 +32,7 @@ from topp_rl.host_memory import request_huge_pages  # imports no torch
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # spinning OpenMP workers stall on a shared machine
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its siblings (bench_train_step, flop_floor), however it is loaded
 SCALES = {
     "tiny": dict(max_new_tokens=32, threads=1, lr=3e-3,
                  overrides=["model.hidden=128", "model.vocab_size=128", "model.layers=2"]),
@@ -68,7 +69,6 @@ TRL_ARMS = {"trl": True, "trl_no_ckpt": False}
 def run_topp_child(scale: str, arm: str, steps: int) -> dict:
     """In a child process: one topp_rl run through the real Trainer; JSON rows on stdout. Its step time is the
     step's wall time (callbacks included: the weight sync, and under overlap the wait for the generation)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_train_step import run_variant
 
     mask, extra = TOPP_ARMS[arm]
@@ -143,7 +143,6 @@ def measure_floor_rates(scale: str) -> dict:
 
 
 def floor_rates_child(scale: str) -> dict:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from flop_floor import CONFIGS, rates
 
@@ -156,7 +155,6 @@ def floor_rates_child(scale: str) -> dict:
 def summarise_floor(scale: str, runs: list[dict], table: dict[str, dict]) -> dict:
     """Each arm's floor (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) over the
     response tokens it trained on, from the median rates; each arm's step / floor; printed."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from flop_floor import CONFIGS, floor_seconds
 
     cfg, batch = CONFIGS[scale](), COMMON["prompts_per_step"] * COMMON["n_samples"]
