@@ -4,14 +4,15 @@ Dense computation it equals (values and gradients w.r.t. hidden and weight):
 `token_logprobs(hidden @ weight.T, tokens, cands=cands, rows=rows, temperature=..., vocab_start=..., tp_group=...)`.
 
 Each restricted row is scored by whichever of two exact paths is cheaper for its set size s (the cost model):
-- the candidate gather, O(s x H): the weight rows of its distinct candidate ids (in this shard) are gathered
-  and dotted with the row's hidden state; the [T, V] logits are never formed;
+- the candidate gather, O(s x H): each (row, distinct candidate id in this shard) pair is one dot product of
+  the row's hidden state with the id's weight row, all pairs in one sampled matmul over their sparse pattern
+  (the backward: two sparse x dense matmuls); the [T, V] logits are never formed;
 - the dense chunked path, O(V_local x H): the row's logits are formed one vocab chunk at a time by a matmul,
   masked to its set, and reduced with an online log-sum-exp; the backward recomputes each chunk.
-A gathered (row, id) pair costs about `_PAIR_COST_RATIO` times a dense (row, vocab entry) on a CPU (gathers and
-sorted scatter-adds against one BLAS matmul: 10-30x measured at H = 128-576), so a row takes the gather iff
-(s + 1) x ratio <= V_local (the +1: the sampled token may lie outside the recorded set). Small sets over a real
-vocabulary gather; near-uniform sets over a small one go dense, which is never slower than the unrestricted path
+A gathered (row, id) pair costs about `_PAIR_COST_RATIO` times a dense (row, vocab entry) on a CPU (sparse
+kernels against one BLAS matmul: 18-22x measured, forward + backward at H = 576, V = 49152, sets of 256-6144
+random ids, 2 threads), so a row takes the gather iff (s + 1) x ratio <= V_local (the +1: the sampled token
+may lie outside the recorded set). Small sets over a real vocabulary gather; near-uniform sets over a small one go dense, which is never slower than the unrestricted path
 by more than the mask. Both paths compute the same sums, so values and gradients agree to rounding.
 Rows without candidates take the dense path unmasked. Under TP `hidden` is replicated and `weight` holds rows
 [vocab_start, vocab_start + V_local); the backward all-reduces the hidden gradient over the TP group, as
@@ -40,7 +41,7 @@ _MASK_BYTES = 1 << 26  # a block of dense restricted rows holds its [rows, V_loc
 # block (a SmolLM2 head's 512-row batch in one block, kept for the backward) and a cheaper fill.
 _BIAS_DTYPE = torch.bfloat16
 _ID_CHUNK = 1 << 20  # candidate ids turned into mask positions per pass (8 MB of int64 temporaries)
-_PAIR_COST_RATIO = 32  # cost of one gathered (row, id) pair / one dense (row, vocab entry); see the module doc
+_PAIR_COST_RATIO = 20  # cost of one gathered (row, id) pair / one dense (row, vocab entry); see the module doc
 
 
 def candidate_head_logprobs(
@@ -300,11 +301,10 @@ def _pair_logits(hidden, weight, plan: Plan, t: float, cdt: torch.dtype) -> torc
 
 def _accumulate(out, dest, coef, *, src, src_index) -> None:
     """out[dest[j]] += coef[j] * src[src_index[j]] for distinct (dest, src_index) pairs: one sparse x dense
-    matmul, out += S @ src with S [out rows, src rows] holding coef in CSR (each row's terms summed in their
-    given order, the order of the sorted index_add_ it replaces: the same bits). 17-60x faster here at SmolLM2's
-    head (~110 k pairs: 10 ms against 170-600 ms; the gathered [pairs, H] blocks had the allocator fault fresh
-    pages on every call). A `src` of another dtype than `out` goes through cache-sized gathers instead, so only
-    the gathered rows are converted."""
+    matmul, out += S @ src with S [out rows, src rows] holding coef in CSR. On SmolLM2's head (~110 k pairs) it
+    takes 10 ms against 170-600 ms for the sorted index_add_ of gathered [910, H] blocks it replaces (the
+    allocator faulted in fresh pages for those on every call), within float32 rounding of a float64 sum. A `src` of another dtype than `out`
+    (a bfloat16 model) still goes through cache-sized gathers, so only the gathered rows are converted."""
     if src.dtype == out.dtype:
         out.addmm_(_csr(dest, src_index, coef.to(out.dtype), (out.shape[0], src.shape[0]))[0], src)
         return
@@ -316,9 +316,8 @@ def _accumulate(out, dest, coef, *, src, src_index) -> None:
 
 def _csr(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]):
     """(the sparse matrix holding values[j] at (rows[j], cols[j]) in CSR, the permutation `order` of the pairs it
-    stores: entry i is pair order[i]; rows ascending, a row's pairs in their given order). The pairs must be
-    distinct."""
-    order = torch.argsort(rows, stable=True)
+    stores: entry i is pair order[i], sorted by row, then column). The pairs must be distinct."""
+    order = torch.argsort(rows * shape[1] + cols)
     crow = torch.zeros(shape[0] + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(torch.bincount(rows, minlength=shape[0]), 0, out=crow[1:])
     with warnings.catch_warnings():  # torch marks sparse CSR as beta, once per process
