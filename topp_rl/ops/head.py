@@ -12,11 +12,12 @@ Each restricted row is scored by whichever of two exact paths is cheaper for its
 A gathered (row, id) pair costs about `_PAIR_COST_RATIO` times a dense (row, vocab entry) on a CPU (sparse
 kernels against one BLAS matmul: 18-22x measured, forward + backward at H = 576, V = 49152, sets of 256-6144
 random ids, 2 threads), so a row takes the gather iff (s + 1) x ratio <= V_local (the +1: the sampled token
-may lie outside the recorded set). Small sets over a real vocabulary gather; near-uniform sets over a small one go dense, which is never slower than the unrestricted path
-by more than the mask. Both paths compute the same sums, so values and gradients agree to rounding.
-Rows without candidates take the dense path unmasked. Under TP `hidden` is replicated and `weight` holds rows
-[vocab_start, vocab_start + V_local); the backward all-reduces the hidden gradient over the TP group, as
-Megatron's column-parallel output layer does, so it comes out complete on every rank.
+may lie outside the recorded set). Small sets over a real vocabulary gather; near-uniform sets over a small one
+go dense, which is never slower than the unrestricted path by more than the mask. Both paths compute the same
+sums, so values and gradients agree to rounding. Rows without candidates take the dense path unmasked. Under TP
+`hidden` is replicated and `weight` holds rows [vocab_start, vocab_start + V_local); the backward all-reduces the
+hidden gradient over the TP group, as Megatron's column-parallel output layer does, so it comes out complete on
+every rank.
 """
 
 from __future__ import annotations
@@ -303,8 +304,9 @@ def _accumulate(out, dest, coef, *, src, src_index) -> None:
     """out[dest[j]] += coef[j] * src[src_index[j]] for distinct (dest, src_index) pairs: one sparse x dense
     matmul, out += S @ src with S [out rows, src rows] holding coef in CSR. On SmolLM2's head (~110 k pairs) it
     takes 10 ms against 170-600 ms for the sorted index_add_ of gathered [910, H] blocks it replaces (the
-    allocator faulted in fresh pages for those on every call), within float32 rounding of a float64 sum. A `src` of another dtype than `out`
-    (a bfloat16 model) still goes through cache-sized gathers, so only the gathered rows are converted."""
+    allocator faulted in fresh pages for those on every call), within float32 rounding of a float64 sum. A `src`
+    of another dtype than `out` (a bfloat16 model) still goes through cache-sized gathers, so only the gathered
+    rows are converted."""
     if src.dtype == out.dtype:
         out.addmm_(_csr(dest, src_index, coef.to(out.dtype), (out.shape[0], src.shape[0]))[0], src)
         return
@@ -316,7 +318,8 @@ def _accumulate(out, dest, coef, *, src, src_index) -> None:
 
 def _csr(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]):
     """(the sparse matrix holding values[j] at (rows[j], cols[j]) in CSR, the permutation `order` of the pairs it
-    stores: entry i is pair order[i], sorted by row, then column). The pairs must be distinct."""
+    stores: entry i is pair order[i], sorted by row, then column). The pairs must be distinct: CSR holds each
+    entry once."""
     order = torch.argsort(rows * shape[1] + cols)
     crow = torch.zeros(shape[0] + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(torch.bincount(rows, minlength=shape[0]), 0, out=crow[1:])
