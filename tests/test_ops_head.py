@@ -132,3 +132,20 @@ def test_head_rejects_bad_shapes_and_nonfinite_hidden():
             cands=Candidates.from_lists([[1]]),
             rows=torch.tensor([1]),
         )
+
+
+def test_gradient_accumulation_sparse_and_gathered_paths_equal_float64_sums():
+    """`_accumulate`'s sparse x dense matmul (src and out of one dtype) and its gathered fallback (a src of
+    another dtype, as a bfloat16 model's) both give out[dest] += coef * src[src_index], pairs in any order."""
+    g = torch.Generator().manual_seed(0)
+    num_out, num_src, width, num_pairs = 7, 50, 16, 120
+    flat = torch.randperm(num_out * num_src, generator=g)[:num_pairs]
+    dest, src_index = flat // num_src, flat % num_src
+    coef = torch.randn(num_pairs, generator=g, dtype=torch.float64)
+    for src in (torch.randn(num_src, width, generator=g, dtype=torch.float64), torch.randn(num_src, width, generator=g)):
+        want = torch.zeros(num_out, width, dtype=torch.float64).index_put_(
+            (dest,), coef[:, None] * src.double()[src_index], accumulate=True
+        )
+        got = torch.ones(num_out, width, dtype=torch.float64)  # accumulates into what is there
+        head._accumulate(got, dest, coef, src=src, src_index=src_index)
+        torch.testing.assert_close(got, want + 1, rtol=0, atol=1e-12)
