@@ -41,6 +41,9 @@ class LoggedProcessGroup:
     failed: bool
     kind: str = "process"
     _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
+    # Set once the watcher has reported an exit while in use: what a caller (or a test) waits on, since the
+    # watcher polls every WATCH_INTERVAL_S and a rollout retried elsewhere can finish before it looks.
+    exit_reported: threading.Event
 
     @property
     def pid(self) -> int:
@@ -81,6 +84,7 @@ class LoggedProcessGroup:
         """Report the process group's leader exiting while in use, when it happens (not at `stop`): a dead worker
         behind a router only shows as retried requests otherwise. `stop` silences it first."""
         self._stopping = threading.Event()
+        self.exit_reported = threading.Event()
 
         def watch() -> None:
             while not self._stopping.wait(self.WATCH_INTERVAL_S):
@@ -93,6 +97,7 @@ class LoggedProcessGroup:
                     print(f"[topp_rl] SGLang {self.kind} {self.url} (pid {self._proc.pid}) exited with status "
                           f"{status} while in use; calls to it fail from now on (a router retries them on the "
                           f"other workers); log: {self.log_path}", file=sys.stderr, flush=True)  # fmt: skip
+                    self.exit_reported.set()
                 return
 
         threading.Thread(target=watch, name=f"topp_rl-sglang-{self.kind}-watch", daemon=True).start()
