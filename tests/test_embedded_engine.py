@@ -59,6 +59,8 @@ def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params, prompts
         torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.tensor(s.rollout_raw_log_probs), raw, atol=1e-5, rtol=0)
         assert s.loss_mask == [1] * s.response_length
+        # decoded in inference mode, handed out as ordinary tensors (training may save them for its backward)
+        assert not (s.candidates.ids.is_inference() or s.candidates.offsets.is_inference())
         sizes += [len(r) for r in recorded]
     assert min(sizes) >= 1 and max(sizes) > min(sizes)  # the sets really vary: the check is not vacuous
 

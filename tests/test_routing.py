@@ -56,6 +56,7 @@ def test_engine_records_every_fed_tokens_experts_also_when_sharing_a_replaying_m
         s.check_routes(routing)
         # prefill (left-padded, batched) + cached decode steps == one plain forward of the whole sequence
         assert torch.equal(s.routes, own_routes(model, s.tokens)[:-1])
+        assert not s.routes.is_inference()  # decoded in inference mode, handed out as an ordinary tensor
     dense = EmbeddedEngine(build_tiny_model("qwen3"), progress=False)
     assert dense.routing is None
     assert dense.generate([[1, 5]], SamplingParams(max_new_tokens=2))[0].routes is None
