@@ -41,8 +41,9 @@ class LoggedProcessGroup:
     failed: bool
     kind: str = "process"
     _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
-    # Set once the watcher has reported an exit while in use: what a caller (or a test) waits on, since the
-    # watcher polls every WATCH_INTERVAL_S and a rollout retried elsewhere can finish before it looks.
+    # Made with the watcher (once ready), set once it has reported an exit while in use: what a caller (or a
+    # test) waits on, since the watcher polls every WATCH_INTERVAL_S and a rollout retried elsewhere can finish
+    # before it looks.
     exit_reported: threading.Event
 
     @property
