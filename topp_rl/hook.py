@@ -110,7 +110,7 @@ class ToppLogProb:
         small vocabulary), since each reduction makes a few temporaries of the block's size.
 
         Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
-        see both figures; each block of row logits is formed once and shared by the two reductions, and blocks
+        see both figures; each block of row logits is formed once and shared by the two passes, and blocks
         bound the memory of this pass (TP peers hold the same rows, so their collectives stay in step).
         """
         rows, token_index, tokens, cands, kept, sizes = self._locate(batch, layout)
@@ -125,12 +125,15 @@ class ToppLogProb:
             if cands is not None:
                 ka, kb = torch.searchsorted(kept, torch.tensor([a, b], device=kept.device)).tolist()
                 block_cands, block_kept = cands[ka:kb], kept[ka:kb] - a
-            lp, ent = token_logprobs(
-                block, tokens[a:b], cands=block_cands, rows=block_kept, return_entropy=True, **common
-            )
-            masked.append(lp)
+            # The entropy rides on the unmasked pass (both need every row's full log-sum-exp); the masked pass
+            # then sums only the candidate rows' sets, and the rows without candidates score as unmasked.
+            full, ent = token_logprobs(block, tokens[a:b], return_entropy=True, **common)
+            unmasked.append(full)
             entropy.append(ent)
-            unmasked.append(token_logprobs(block, tokens[a:b], **common))
+            masked.append(
+                full if block_cands is None
+                else token_logprobs(block, tokens[a:b], cands=block_cands, rows=block_kept, **common)
+            )
         return token_index, OnPolicyRecord(
             logprobs=torch.cat(masked), logprobs_unmasked=torch.cat(unmasked),
             rollout_logprobs=batch.rollout_log_probs[token_index].float(),
