@@ -54,6 +54,8 @@ def test_recorded_sets_and_log_probs_equal_fresh_forward(family, params, prompts
     for s in samples:
         rows, masked, raw = _replay(model, s, params)
         recorded = s.candidates.to_lists()
+        Candidates(ids=s.candidates.ids, offsets=s.candidates.offsets)  # the construction checks pass
+        assert s.candidates.num_rows == s.response_length
         assert [sorted(r) for r in recorded] == [sorted(r) for r in rows]
         assert all(t in r for t, r in zip(s.response_ids, recorded, strict=True))
         torch.testing.assert_close(torch.tensor(s.rollout_log_probs), masked, atol=1e-5, rtol=0)

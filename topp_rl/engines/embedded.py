@@ -357,11 +357,31 @@ class _StepRecords:
 
 
 def _split_candidates(steps: list[Candidates], lengths: list[int]) -> list[Candidates]:
-    """Step-major rows (row t*B + b) -> one `Candidates` per sample b holding its first lengths[b] rows."""
-    batch = steps[0].num_rows
-    lengths_t = torch.tensor(lengths, dtype=torch.long)
-    sample_of = torch.repeat_interleave(torch.arange(batch), lengths_t)
-    first = torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)[:-1]])
-    step_of = torch.arange(int(lengths_t.sum())) - first[sample_of]
-    ordered = Candidates.concat([c.to("cpu") for c in steps]).select(step_of * batch + sample_of)
-    return [ordered[int(a) : int(a) + n] for a, n in zip(first, lengths, strict=True)]
+    """Step-major sets (step t holds one row per sample b) -> one `Candidates` per sample b holding its first
+    lengths[b] rows, on the CPU.
+
+    One gather reorders every kept id sample-major; each sample's rows are then a slice of it. The layout is
+    built here from the steps' own offsets, so the per-sample sets skip the construction checks (a dozen ops and
+    host syncs each, for 32 samples per batch)."""
+    offsets = torch.stack([c.offsets for c in steps]).long()  # [S, B + 1]
+    ids = torch.cat([c.ids for c in steps])
+    sizes = offsets[:, 1:] - offsets[:, :-1]  # [S, B]
+    step_base = torch.cumsum(offsets[:, -1], 0) - offsets[:, -1]  # where step t's ids start in `ids`
+    starts = offsets[:, :-1] + step_base[:, None]
+    lengths_t = torch.tensor(lengths, dtype=torch.long, device=offsets.device)
+    taken = (torch.arange(len(steps), device=offsets.device)[:, None] < lengths_t).T  # [B, S]: sample-major
+    row_starts, row_sizes = starts.T[taken], sizes.T[taken]
+    new_offsets = torch.zeros(row_sizes.numel() + 1, dtype=torch.long, device=offsets.device)
+    torch.cumsum(row_sizes, 0, out=new_offsets[1:])
+    total = int(new_offsets[-1])
+    # id j of the new layout, in row r: ids[row_starts[r] + (j - new_offsets[r])]
+    shift = torch.repeat_interleave(row_starts - new_offsets[:-1], row_sizes, output_size=total)
+    ordered = ids[shift + torch.arange(total, device=offsets.device)].cpu()
+    new_offsets = new_offsets.to(device="cpu", dtype=torch.int32)
+    bounds = new_offsets.tolist()
+    out, first = [], 0
+    for n in lengths:
+        a, b = bounds[first], bounds[first + n]
+        out.append(Candidates.built(ids=ordered[a:b], offsets=new_offsets[first : first + n + 1] - a))
+        first += n
+    return out
