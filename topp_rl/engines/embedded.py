@@ -143,12 +143,12 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(self.eos_token_ids + params.stop_token_ids, dtype=torch.long, device=device)
         record = self.record_candidates and params.truncates
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+        hits: list[torch.Tensor] = []  # per step [B]: the token drawn there is a stop id
         if self.decode_path == "fused":
             forward = FusedDecoder(self.model).start(batch, width + params.max_new_tokens, mask if padded else None)
         else:
             forward = self._hf_forward(mask if padded else None)
-        for t in tqdm(
+        for _ in tqdm(
             range(params.max_new_tokens), desc="rollout decode", disable=not self.progress, leave=False
         ):
             logits = forward(step_ids, positions)[:, : self.vocab_size]
@@ -156,12 +156,14 @@ class EmbeddedEngine(RolloutEngine):
                 steps.routes.append(recorder.take().unflatten(0, (batch, -1)))  # [B, tokens this forward, L, k]
             tokens, log_probs, raw, cands, finite = self._sample(logits, params, generator, record=record)
             steps.add(tokens, log_probs, raw, cands)
-            stopped = torch.isin(tokens, stop_ids) & ~done
-            lengths = torch.where(stopped, t + 1, lengths)
-            done |= stopped
+            hits.append(torch.isin(tokens, stop_ids))
+            done |= hits[-1]
             # One host sync per step (~1 us on CPU, measured): all rows done, and (untruncated sampling) all rows
             # finite. A NaN / +inf row has no distribution; the truncating path raised on it in sampling_candidates.
-            all_done, all_finite = torch.stack([done.all(), finite.all()]).tolist()
+            if finite is None:
+                all_done, all_finite = bool(done.all()), True
+            else:
+                all_done, all_finite = torch.stack([done.all(), finite.all()]).tolist()
             if not all_finite:
                 row = int((~finite).nonzero()[0])
                 raise nonfinite_row_error(row, batch, params.temperature)
@@ -169,7 +171,7 @@ class EmbeddedEngine(RolloutEngine):
                 break
             step_ids = tokens[:, None]
             positions = positions[:, -1:] + 1
-        return lengths, done
+        return _response_lengths(hits, done, params.max_new_tokens), done
 
     def _hf_forward(self, mask: torch.Tensor | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The HF module's forward with a DynamicCache, step by step: (ids [B, q], positions) -> last logits
@@ -193,9 +195,10 @@ class EmbeddedEngine(RolloutEngine):
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None, torch.Tensor | None]:
         """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates,
-        finite [B]: whether each row's logits define a distribution, checked by the caller with its step sync)."""
+        finite [B]: whether each row's logits define a distribution, checked by the caller with its step sync;
+        None where sampling already raised on such a row)."""
         scaled = logits / params.temperature
         u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
         if params.truncates:
@@ -203,7 +206,7 @@ class EmbeddedEngine(RolloutEngine):
                 logits, scaled, u, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 min_p=params.min_p,
             )
-            finite = torch.ones_like(tokens, dtype=torch.bool)  # sampling_candidates raised on a bad row
+            finite = None  # every row is finite: sampling_candidates raised on a bad one
         else:
             cands = None
             log_probs = scaled.log_softmax(-1)
@@ -271,6 +274,12 @@ class EmbeddedEngine(RolloutEngine):
 
     def close(self) -> None:
         """Nothing to release: the model is garbage-collected with the engine."""
+
+
+def _response_lengths(hits: list[torch.Tensor], done: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """[B] tokens up to and including each row's first stop id (`max_new_tokens` for rows that never stopped)."""
+    first = torch.stack(hits, 1).int().argmax(1)  # argmax returns the first of equal maxima
+    return torch.where(done, first + 1, max_new_tokens)
 
 
 def _has_peft_layers(model: torch.nn.Module) -> bool:
