@@ -15,6 +15,9 @@ included); `--arms` adds topp_overlap (rollout.overlap=true), topp_ckpt (gradien
 GRPOConfig does by default) and trl_no_ckpt (TRL without it). TRL generation / the rest of
 `_generate_and_score_completions` / the rest of the step (benchmarks/trl_worker.py).
 Prompts come from the same ArithmeticTask (seed 0) on both sides; rewards are exact-match on both sides.
+`--floor` adds each arm's FLOP floor (benchmarks/flop_floor.py's rates, measured between the arms); `--hf-step`
+the HF module's own eager training step on the padded batch (forward, backward, AdamW), the work both trainers
+hand to HF, so what is left of each step is each trainer's own.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from topp_rl.host_memory import request_huge_pages  # imports no torch
@@ -152,6 +156,42 @@ def floor_rates_child(scale: str) -> dict:
                  reps=3)
 
 
+def measure_hf_step(scale: str) -> float:
+    """`hf_step_child`'s median seconds, in a child process (its model and optimizer state stay out of this
+    process's peak RSS, which every arm inherits)."""
+    cmd = [sys.executable, __file__, "--hf-step-child", "--scale", scale]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return float(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def hf_step_child(scale: str, reps: int = 6) -> float:
+    """Median seconds of the work both trainers hand to the HF module, alone: its eager forward over the padded
+    batch (every sample at full length), the backward of a full-vocabulary log-prob loss over the response
+    tokens, and a fused AdamW step (the first rep is warm-up)."""
+    import torch
+
+    from topp_rl.host_memory import keep_freed_memory
+    from topp_rl.models import build_tiny_model, load_smollm2
+
+    keep_freed_memory()  # as a topp_rl run does (its huge pages: request_huge_pages, before torch)
+    torch.set_num_threads(SCALES[scale]["threads"])
+    model = load_smollm2()[0] if scale == "smollm2" else build_tiny_model(vocab_size=128, hidden=128, layers=2)
+    model.float().train(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9, fused=True)
+    new = SCALES[scale]["max_new_tokens"]
+    batch = COMMON["prompts_per_step"] * COMMON["n_samples"]
+    ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT_TOKENS + new), generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=new + 1).logits[:, :-1]
+        logits.float().log_softmax(-1).gather(-1, ids[:, PROMPT_TOKENS:, None]).mean().neg().backward()
+        opt.step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
 def summarise_floor(scale: str, runs: list[dict], table: dict[str, dict]) -> dict:
     """Each arm's floor (topp_rl's candidate head for topp arms, the full-vocabulary head for TRL) over the
     response tokens it trained on, from the median rates; each arm's step / floor; printed."""
@@ -186,11 +226,19 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="measure benchmarks/flop_floor.py's rates once per repeat, between the arms; print "
                          "each arm's floor over the response tokens it trained on")
+    ap.add_argument("--hf-step", action="store_true",
+                    help="time the HF module's own eager training step (forward, backward, AdamW on the padded "
+                         "batch; the work both trainers share) once per repeat, between the arms")
     ap.add_argument("--child", choices=sorted(TOPP_ARMS), help=argparse.SUPPRESS)
     ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hf-step-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.floor_child:
         print(json.dumps(floor_rates_child(args.scale)))
+        return
+    if args.hf_step_child:
+        request_huge_pages()
+        print(json.dumps(hf_step_child(args.scale)))
         return
     if args.child:
         request_huge_pages()  # as the command line does, before torch is imported (topp_rl.host_memory)
@@ -206,11 +254,14 @@ def main() -> None:
         raise SystemExit("the TRL venv is not built; run scripts/setup_trl.sh first (it prints the venv's python)")
     results: dict[str, list[dict]] = {a: [] for a in arms}
     floor_runs: list[dict] = []
+    hf_steps: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as workdir:
         model_dir = model_dir_for(args.scale, workdir)
         for rep in range(args.repeats):
             if args.floor:
                 floor_runs.append(measure_floor_rates(args.scale))
+            if args.hf_step:
+                hf_steps.append(measure_hf_step(args.scale))
             for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:  # rotated: no arm always runs first
                 results[arm].append(run_arm(arm, args.scale, args.steps, workdir, trl_python, model_dir))
                 last = results[arm][-1]["rows"]
@@ -232,9 +283,14 @@ def main() -> None:
         print(f"{arm:<15}{m['generate_s']:>8.3f}{m['score_s']:>9.3f}{m['optim_s']:>9.3f}{m['step_s']:>8.3f}"
               f"{m['tokens_per_s']:>8.0f}{m['peak_rss_mb']:>9.0f}{speedup:>9.2f}")
     floor = summarise_floor(args.scale, floor_runs, table) if floor_runs else None
+    hf_step = statistics.median(hf_steps) if hf_steps else None
+    if hf_step is not None:
+        print(f"HF module's eager training step alone: {hf_step:.3f} s; optimisation / it: "
+              + ", ".join(f"{a} {m['optim_s'] / hf_step:.2f}" for a, m in table.items())
+              + f"; 1.5x TRL's step leaves {table['trl']['step_s'] / 1.5 - hf_step:.3f} s for everything else")
     if args.json:
         args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results, floor=floor,
-                                             floor_runs=floor_runs), indent=1))
+                                             floor_runs=floor_runs, hf_step_s=hf_steps), indent=1))
 
 
 if __name__ == "__main__":
