@@ -12,6 +12,7 @@ and DynamicCache instead of the fused static-cache step). `--smollm2` runs SmolL
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -155,7 +156,8 @@ def main() -> None:
         f"model {'smollm2-135m' if args.smollm2 else f'qwen2 layers={args.layers} hidden={args.hidden}'} "
         f"vocab={args.vocab} batch={args.batch} "
         f"prompt={args.prompt_len} new={args.new_tokens} top_p={args.top_p} top_k={args.top_k} "
-        f"threads={args.threads} mean candidate-set size={set_size:.1f}"
+        f"threads={args.threads} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"mean candidate-set size={set_size:.1f}"
     )
     print(f"{'engine':<22}{'tokens/s (median)':>20}")
     for row in rows:

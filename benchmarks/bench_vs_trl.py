@@ -33,7 +33,9 @@ from pathlib import Path
 
 from topp_rl.host_memory import request_huge_pages  # imports no torch
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # spinning OpenMP workers stall on a shared machine
+# Spinning OpenMP workers stall on a loaded machine; on a quiet one `OMP_WAIT_POLICY=active` (what libgomp's default
+# amounts to when cores are free) runs small multi-threaded ops faster in every arm. A value given is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # its siblings (bench_train_step, flop_floor), however it is loaded
@@ -276,7 +278,8 @@ def main() -> None:
                for a in arms if a in TRL_ARMS}
     table = summarise(results, tokens)
     print(f"scale={args.scale} {COMMON} max_new_tokens={SCALES[args.scale]['max_new_tokens']} "
-          f"threads={SCALES[args.scale]['threads']} steps/run={args.steps} repeats={args.repeats}")
+          f"threads={SCALES[args.scale]['threads']} steps/run={args.steps} repeats={args.repeats} "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"{'arm':<15}{'gen s':>8}{'score s':>9}{'optim s':>9}{'step s':>8}{'tok/s':>8}{'peak MB':>9}{'TRL/arm':>9}")
     for arm, m in table.items():
         speedup = table["trl"]["step_s"] / m["step_s"]
@@ -289,8 +292,9 @@ def main() -> None:
               + ", ".join(f"{a} {m['optim_s'] / hf_step:.2f}" for a, m in table.items())
               + f"; 1.5x TRL's step leaves {table['trl']['step_s'] / 1.5 - hf_step:.3f} s for everything else")
     if args.json:
-        args.json.write_text(json.dumps(dict(scale=args.scale, table=table, runs=results, floor=floor,
-                                             floor_runs=floor_runs, hf_step_s=hf_steps), indent=1))
+        args.json.write_text(json.dumps(dict(scale=args.scale, omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
+                                             table=table, runs=results, floor=floor, floor_runs=floor_runs,
+                                             hf_step_s=hf_steps), indent=1))
 
 
 if __name__ == "__main__":
