@@ -102,40 +102,34 @@ class ToppLogProb:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         chunk_rows: int | None = None,
+        masked: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(token index [R_local] into the micro-batch's R response tokens, this rank's `OnPolicyRecord`).
 
-        Masked and unmasked log-probs plus entropy from [chunk_rows, V_local] logits blocks (no grad); by default
-        a block holds `RECORD_BLOCK_ELEMENTS` logits (32 MB in fp32: 170 rows at V = 49152, one block for a
-        small vocabulary), since each reduction makes a few temporaries of the block's size.
-
         Masked means over the recorded candidates regardless of `use_mask`, so the mismatch callbacks always
-        see both figures; each block of row logits is formed once and shared by the two passes, and blocks
+        see both figures. The masked log-probs are the loss's own computation: this hook's call with the mask
+        on (`candidate_head_logprobs`), or `masked` [R_local] when the caller has just made that call (the
+        gradient pass of a one-epoch step, detached), so a step's old log-probs are bit for bit its loss's.
+        The unmasked log-probs and the entropy come from [chunk_rows, V_local] logits blocks (no grad); by
+        default a block holds `RECORD_BLOCK_ELEMENTS` logits (32 MB in fp32: 170 rows at V = 49152, one block
+        for a small vocabulary), since each reduction makes a few temporaries of the block's size, and blocks
         bound the memory of this pass (TP peers hold the same rows, so their collectives stay in step).
         """
-        rows, token_index, tokens, cands, kept, sizes = self._locate(batch, layout)
+        rows, token_index, tokens, _, _, sizes = self._locate(batch, layout)
         vocab_start, _ = layout.vocab_range()
         common = dict(temperature=self.temperature, vocab_start=vocab_start, tp_group=layout.tp_group)
-        masked, entropy, unmasked = [], [], []
+        entropy, unmasked = [], []
         chunk_rows = chunk_rows or max(1, RECORD_BLOCK_ELEMENTS // weight.shape[0])
         for a in range(0, max(rows.numel(), 1), chunk_rows):
             b = min(a + chunk_rows, rows.numel())
-            block = hidden[rows[a:b]] @ weight.T
-            block_cands, block_kept = None, None
-            if cands is not None:
-                ka, kb = torch.searchsorted(kept, torch.tensor([a, b], device=kept.device)).tolist()
-                block_cands, block_kept = cands[ka:kb], kept[ka:kb] - a
-            # The entropy rides on the unmasked pass (both need every row's full log-sum-exp); the masked pass
-            # then sums only the candidate rows' sets, and the rows without candidates score as unmasked.
-            full, ent = token_logprobs(block, tokens[a:b], return_entropy=True, **common)
+            full, ent = token_logprobs(hidden[rows[a:b]] @ weight.T, tokens[a:b], return_entropy=True, **common)
             unmasked.append(full)
             entropy.append(ent)
-            masked.append(
-                full if block_cands is None
-                else token_logprobs(block, tokens[a:b], cands=block_cands, rows=block_kept, **common)
-            )
+        if masked is None:
+            scorer = self if self.use_mask else ToppLogProb(use_mask=True, temperature=self.temperature)
+            masked = scorer(batch, layout=layout, hidden=hidden, weight=weight).logprobs
         return token_index, OnPolicyRecord(
-            logprobs=torch.cat(masked), logprobs_unmasked=torch.cat(unmasked),
+            logprobs=masked.detach(), logprobs_unmasked=torch.cat(unmasked),
             rollout_logprobs=batch.rollout_log_probs[token_index].float(),
             loss_mask=batch.loss_mask[token_index].float(), entropy=torch.cat(entropy), support_size=sizes,
         )

@@ -185,10 +185,12 @@ class PolicyModule(L.LightningModule):
         return self.onpolicy_from_hidden(batch, hidden, weight)
 
     @torch.no_grad()
-    def onpolicy_from_hidden(self, batch: PackedBatch, hidden: Tensor, weight: Tensor) -> tuple[Tensor, OnPolicyRecord]:
-        """`onpolicy_pass` from a forward already made (detached here: the record carries no gradient)."""
+    def onpolicy_from_hidden(self, batch: PackedBatch, hidden: Tensor, weight: Tensor, *,
+                             masked: Tensor | None = None) -> tuple[Tensor, OnPolicyRecord]:
+        """`onpolicy_pass` from a forward already made (detached here: the record carries no gradient); `masked`:
+        this rank's masked log-probs, already scored from it by the hook (see `ToppLogProb.onpolicy`)."""
         hidden, weight = hidden.detach(), weight.detach()
-        token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight)
+        token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight, masked=masked)
         if isinstance(self.policy, ReportsRouting):  # read right after the forward that made `hidden`
             record = dataclasses.replace(record, routing_agreement=self.policy.routing_agreement())
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
@@ -226,25 +228,28 @@ class PolicyModule(L.LightningModule):
 
         `old=None` (`ppo_epochs=1`): the weights have not changed since the rollout, so each micro-batch's old
         log-probs and on-policy record come from this forward, detached (the values of a separate no-grad pass,
-        one forward fewer); their time is the `old_logprob` phase's."""
+        one forward fewer; with the mask on, the old log-probs are the loss's own, detached, so the ratio is
+        exactly 1); their time is the `old_logprob` phase's."""
         metrics: dict[str, SumCount] = {}
         records = []
         for i, (mb, ref) in enumerate(zip(micro, refs, strict=True)):
             if isinstance(self.policy, SyncsGradients):  # one reduction per step: after the last backward
                 self.policy.set_gradient_sync(i == len(micro) - 1)
             hidden, weight = self.policy.forward_hidden(mb)
+            scored = self.hook(mb, layout=self.layout, hidden=hidden, weight=weight)
             if old is None:
                 with timer.phase("old_logprob"):
-                    mb_old, record = self.onpolicy_from_hidden(mb, hidden, weight)
+                    masked = scored.logprobs if self.hook.use_mask else None
+                    mb_old, record = self.onpolicy_from_hidden(mb, hidden, weight, masked=masked)
                 records.append(record)
             else:
                 mb_old = old[i]
-            self.backward_loss(mb, hidden, weight, old=mb_old, ref=ref, metrics=metrics)
+            logprobs = self._gather(scored.logprobs, scored.token_index, mb)
+            self.backward_loss(mb, logprobs, old=mb_old, ref=ref, metrics=metrics)
         return metrics, records
 
-    def backward_loss(self, mb: PackedBatch, hidden: Tensor, weight: Tensor, *, old: Tensor, ref: Tensor | None, metrics: dict[str, SumCount]) -> None:
-        """One micro-batch's loss from its final hidden states, backward into .grad; its sums into `metrics`."""
-        logprobs = self.score_hidden(mb, hidden, weight, use_mask=self.hook.use_mask)
+    def backward_loss(self, mb: PackedBatch, logprobs: Tensor, *, old: Tensor, ref: Tensor | None, metrics: dict[str, SumCount]) -> None:
+        """One micro-batch's loss from its log-probs [R] (with grad), backward into .grad; its sums into `metrics`."""
         loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, ref))
         (self.manual_backward if self._trainer is not None else torch.Tensor.backward)(loss)
         add_sums(metrics, loss_metrics)
