@@ -28,6 +28,8 @@ from topp_rl.data import RolloutBatch
 from topp_rl.module import PolicyModule
 from topp_rl.step_metrics import StepMetrics
 
+# The logged figures the alarms read (each one host read per step, not one per logged figure).
+_WATCHED = ("train/rollout_logprob_abs_diff", "train/grad_norm", "train/entropy")
 
 def _rollout_step(outputs, batch_idx: int) -> int:
     """The step this batch's figures carry in metrics.csv: its rollout's step (the number CompletionsLog prints),
@@ -65,7 +67,7 @@ class TrainingHealth(Callback):
             self.max_mismatch = 1e-2 if "16" in str(trainer.precision) else 1e-3
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        metrics = {k: float(trainer.callback_metrics[k]) for k in _WATCHED if k in trainer.callback_metrics}
         step = _rollout_step(outputs, batch_idx)
         alarms: dict[str, str | None] = {}
         mismatch = metrics.get("train/rollout_logprob_abs_diff")

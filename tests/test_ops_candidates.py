@@ -1,5 +1,7 @@
 """Candidates: CSR round-trips, concat/select/slice helpers and structural validation."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,6 +30,12 @@ def test_from_lists_round_trip(rows):
 def test_concat_is_list_concat(parts):
     merged = Candidates.concat([Candidates.from_lists(p) for p in parts])
     assert merged.to_lists() == [r for p in parts for r in p]
+    Candidates(ids=merged.ids, offsets=merged.offsets)  # built unchecked: the construction checks pass
+    if parts:  # parts that are slices of a larger set (offsets rebased to 0) concatenate alike
+        whole = Candidates.from_lists([r for p in parts for r in p])
+        bounds = list(itertools.accumulate(map(len, parts), initial=0))
+        sliced = Candidates.concat([whole[a:b] for a, b in itertools.pairwise(bounds)])
+        assert sliced == whole
 
 
 @settings(max_examples=40, deadline=None)

@@ -7,6 +7,7 @@ the log-prob ops reject empty rows, so callers drop them first (`nonempty_rows()
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,11 +106,16 @@ class Candidates:
         """Rows of all `parts`, in order."""
         if not parts:
             return cls.empty(0)
-        shifts = torch.tensor([0] + [p.ids.numel() for p in parts[:-1]], dtype=torch.int64).cumsum(0)
-        offsets = [parts[0].offsets[:1]] + [
-            (p.offsets[1:].long() + int(s)).to(torch.int32) for p, s in zip(parts, shifts, strict=True)
-        ]
-        return cls(ids=torch.cat([p.ids for p in parts]), offsets=torch.cat(offsets))
+        # Each part's offsets (after its leading 0) shifted by the ids of the parts before it: valid parts make
+        # a valid whole, so the construction checks are not run again (a packed batch concatenates 32 samples).
+        device = parts[0].offsets.device
+        rows = torch.tensor([p.num_rows for p in parts], device=device)
+        shifts = torch.tensor(list(itertools.accumulate((p.ids.numel() for p in parts[:-1]), initial=0)),
+                              device=device)
+        tail = torch.cat([p.offsets[1:] for p in parts]).long()
+        tail += shifts.repeat_interleave(rows, output_size=tail.numel())
+        offsets = torch.cat([parts[0].offsets[:1], tail.to(torch.int32)])
+        return cls.built(ids=torch.cat([p.ids for p in parts]), offsets=offsets)
 
     def validate(self, vocab_size: int) -> Candidates:
         """Raise ValueError unless every id lies in [0, vocab_size); returns self for chaining."""
