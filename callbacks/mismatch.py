@@ -33,42 +33,36 @@ class LogProbMismatch(Callback):
             return
         record = outputs["onpolicy"]
         keep = record.loss_mask > 0
-        rollout = record.rollout_logprobs[keep].double()
         n = float(keep.sum())
-        sums: dict[str, tuple[float, float]] = {}
-        columns = {}
-        for suffix, logprobs in (("", record.logprobs), ("_unmasked", record.logprobs_unmasked)):
-            d = logprobs[keep].double() - rollout
-            ratio = torch.exp(d)
-            outside = (ratio < RATIO_BAND[0]) | (ratio > RATIO_BAND[1])
-            sums |= {
-                f"train/rollout_logprob_abs_diff{suffix}": (float(d.abs().sum()), n),
-                f"train/kl_k3_rollout{suffix}": (float((torch.expm1(d) - d).sum()), n),
-                f"train/is_ratio_mean{suffix}": (float(ratio.sum()), n),
-                f"train/is_ratio_outside_frac{suffix}": (float(outside.sum()), n),
-                f"train/rollout_extreme_frac{suffix}": (float((d.abs() > EXTREME_LOG_RATIO).sum()), n),
-            }
-            columns[f"abs_diff{suffix}"] = d.abs()
-            columns[f"ratio{suffix}"] = ratio
-        gathered = gather_columns(trainer, torch.stack(list(columns.values())).cpu())
-        per_token = dict(zip(columns, gathered, strict=True))
+        suffixes = ("", "_unmasked")
+        # Both figures side by side ([2, n]: masked, unmasked), every sum in one tensor, read back at once.
+        d = torch.stack([record.logprobs[keep], record.logprobs_unmasked[keep]]).double()
+        d -= record.rollout_logprobs[keep].double()
+        ratio, abs_d = torch.exp(d), d.abs()
+        outside = (ratio < RATIO_BAND[0]) | (ratio > RATIO_BAND[1])
+        per_row = torch.stack([abs_d, torch.expm1(d) - d, ratio, outside.double(), (abs_d > EXTREME_LOG_RATIO).double()])
+        names = ("rollout_logprob_abs_diff", "kl_k3_rollout", "is_ratio_mean", "is_ratio_outside_frac",
+                 "rollout_extreme_frac")
+        totals = per_row.sum(dim=2).tolist()  # [figure][masked, unmasked]
+        sums = {f"train/{name}{suffix}": (totals[i][j], n)
+                for i, name in enumerate(names) for j, suffix in enumerate(suffixes)}
+        # rows: abs_diff, abs_diff_unmasked, ratio, ratio_unmasked (the histograms' and order statistics' columns)
+        gathered = gather_columns(trainer, torch.cat([abs_d, ratio]).cpu())
         extra = {}
         if gathered.shape[1]:
-            for suffix in ("", "_unmasked"):
-                diff, ratio = per_token[f"abs_diff{suffix}"], per_token[f"ratio{suffix}"]
-                extra |= {
-                    f"train/rollout_logprob_abs_diff_max{suffix}": float(diff.max()),
-                    f"train/rollout_logprob_abs_diff_p99{suffix}": float(torch.quantile(diff, 0.99)),
-                    f"train/is_ratio_min{suffix}": float(ratio.min()),
-                    f"train/is_ratio_max{suffix}": float(ratio.max()),
-                }
+            diff, ratios = gathered[:2], gathered[2:]
+            stats = torch.stack([diff.amax(dim=1), torch.quantile(diff, 0.99, dim=1), ratios.amin(dim=1),
+                                 ratios.amax(dim=1)]).tolist()
+            names = ("rollout_logprob_abs_diff_max", "rollout_logprob_abs_diff_p99", "is_ratio_min", "is_ratio_max")
+            extra = {f"train/{name}{suffix}": stats[i][j]
+                     for i, name in enumerate(names) for j, suffix in enumerate(suffixes)}
         log_metrics(trainer, sums, extra)
         if self.histograms and trainer.global_step % self.histogram_every_n_steps == 0:
             log_histograms(
                 trainer,
                 {
-                    "train/rollout_logprob_abs_diff_hist": per_token["abs_diff"],
-                    "train/rollout_logprob_abs_diff_unmasked_hist": per_token["abs_diff_unmasked"],
-                    "train/is_ratio_hist": per_token["ratio"],
+                    "train/rollout_logprob_abs_diff_hist": gathered[0],
+                    "train/rollout_logprob_abs_diff_unmasked_hist": gathered[1],
+                    "train/is_ratio_hist": gathered[2],
                 },
             )

@@ -199,7 +199,7 @@ class EmbeddedEngine(RolloutEngine):
         """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates,
         finite [B]: whether each row's logits define a distribution, checked by the caller with its step sync;
         None where sampling already raised on such a row)."""
-        scaled = logits / params.temperature
+        scaled = logits if params.temperature == 1.0 else logits / params.temperature  # x / 1.0 is x exactly
         u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
         if params.truncates:
             cands, tokens, chosen = sample_kept(

@@ -146,7 +146,9 @@ def _sglang_scalar(
 ) -> tuple[Candidates, FullRanking | None]:
     if logits.shape[0] == 0:
         return Candidates.empty(0, device=logits.device), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # float32 / a float32 value: as per row
+    z = logits.float()
+    # float32 / a float32 value: as per row; x / 1.0 is x exactly, so that division is skipped
+    probs = torch.softmax(z if temperature == 1.0 else z / temperature, dim=-1)
     _check_distribution(probs, temperature)
     return _sglang(probs, top_p=top_p, top_k=top_k, min_p=min_p)
 
