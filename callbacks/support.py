@@ -3,7 +3,9 @@
 Over trainable tokens that have candidate data (size 0 = none recorded, counted only in `support_coverage`):
 mean, median, p99, max and share of singletons (size 1: the sampler had no choice). Exact over all ranks:
 sizes are reduced as a histogram of counts (one max- and one sum-all_reduce). The run's cumulative counts go
-to `<out_dir>/support_size_counts.json` (rank 0, atomic rewrite each step) for `python -m topp_rl.report`.
+to `<out_dir>/support_size_counts.json` for `python -m topp_rl.report` (rank 0, an atomic rewrite with every
+checkpoint, at the end of training and when it fails: a resumed run goes on from the counts of the checkpoint it
+resumes, so the file never holds steps that the run repeats).
 """
 
 import json
@@ -66,7 +68,18 @@ class SupportStats(Callback):
             log_histograms(
                 trainer, {"rollout/support_size_hist": torch.repeat_interleave(torch.arange(top + 1), counts)}
             )
-        if self.save_counts and trainer.is_global_zero:
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._save(trainer)
+
+    def _save(self, trainer) -> None:
+        if self.save_counts and trainer.is_global_zero and self.steps:
             self.write_counts(Path(self.out_dir or trainer.default_root_dir))
 
     def write_counts(self, out_dir: Path) -> Path:

@@ -254,6 +254,34 @@ def test_metric_callbacks_log_exact_values(tmp_path):
     assert support.state_dict()["steps"] == STEPS
 
 
+class _FailAt(L.Callback):
+    """Raises at the end of step `batch_idx`, noting whether `path` existed at the end of each step before."""
+
+    def __init__(self, batch_idx: int, path: Path) -> None:
+        self.batch_idx, self.path, self.existed = batch_idx, path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            raise RuntimeError("stop here")
+        self.existed.append(self.path.exists())
+
+
+def test_support_counts_are_saved_with_checkpoints_and_when_training_fails(tmp_path):
+    """The counts file is written with every checkpoint, at the end and when the run fails; not every step."""
+    path = tmp_path / "run" / "support_size_counts.json"
+    support, fail = SupportStats(out_dir=str(tmp_path / "run")), _FailAt(1, path)
+    with pytest.raises(RuntimeError, match="stop here"):
+        fit(tmp_path, [support, fail], logger=False)
+    assert fail.existed == [False]  # a step alone writes nothing
+    assert json.loads(path.read_text())["steps"] == 2  # the two steps counted before the failure
+
+    support = SupportStats(out_dir=str(tmp_path / "run"))
+    trainer = fit(tmp_path, [support], logger=False)
+    path.unlink()
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    assert json.loads(path.read_text())["steps"] == STEPS
+
+
 def test_log_prob_mismatch_logs_only_mismatch_figures(tmp_path):
     fit(tmp_path, [LogProbMismatch(histograms=False)], logger=CSVLogger(tmp_path, name="csv"),
         module=SyntheticPolicy(log_metrics=False))
