@@ -31,6 +31,7 @@ from topp_rl.step_metrics import StepMetrics
 # The logged figures the alarms read (each one host read per step, not one per logged figure).
 _WATCHED = ("train/rollout_logprob_abs_diff", "train/grad_norm", "train/entropy")
 
+
 def _rollout_step(outputs, batch_idx: int) -> int:
     """The step this batch's figures carry in metrics.csv: its rollout's step (the number CompletionsLog prints),
     else the batch index. `trainer.global_step` has already moved past it at batch end, and counts optimizer
