@@ -277,7 +277,7 @@ def _built(tmp_path: Path, *overrides: str) -> list[str]:
     return [type(c).__name__ for c in build_callbacks(cfg, RunSummary(), loggers=[])]
 
 
-BOOKKEEPING = ["RunRecord", "StepTimer"]  # added by train.py to any choice (LogConfig too, when logging)
+BOOKKEEPING = ["RunRecord", "StopOnSignal", "StepTimer"]  # added by train.py to any choice (LogConfig too, when logging)
 
 
 def test_callbacks_minimal_is_minimal_and_default_lists_every_callback(tmp_path):

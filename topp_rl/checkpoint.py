@@ -8,9 +8,9 @@ leave a truncated `last.ckpt`. `AtomicCheckpointIO` writes a temp file next to t
 `.<target>.<pid>.<random>.tmp` (unique per writer; `topp_rl.rundir` removes those of dead writers at start) and
 created with the umask's normal mode (0644 under umask 022; `mkstemp` would give 0600).
 
-`LastCheckpoint` is the only writer of `last.ckpt` (periodic, train end, SIGTERM / Ctrl-C). Lightning's own
-SIGTERM handler only stops the loop at the next step boundary and exits 0 without saving; `LastCheckpoint`
-saves there and `fit` turns the stop into exit status 128 + signal number.
+`LastCheckpoint` is the only writer of `last.ckpt` (periodic, train end, SIGTERM / Ctrl-C). Lightning alone stops
+the loop on SIGTERM and exits 0 without saving; `topp_rl.stop.StopOnSignal` has all ranks stop after the same
+step, `LastCheckpoint` saves there and `fit` turns the stop into exit status 128 + signal number.
 
 The rollout state (step, RNG, data position) travels in the checkpoint through the datamodule's `state_dict`,
 which Lightning saves and restores itself; resume with `ckpt_path=last`.
@@ -22,7 +22,6 @@ import secrets
 import shutil
 import signal
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from topp_rl.stop import StopOnSignal
 from topp_rl.sweep import run_dir_override
 
 RECORD_KEY = "topp_rl"  # checkpoint[RECORD_KEY] = {"config": the run's resolved config}
@@ -166,17 +166,17 @@ class LastCheckpoint(Checkpoint):
     """The one writer of `<dirpath>/last.ckpt`, so `ckpt_path=last` always means the newest saved state.
 
     It saves the post-update state (the weights the engine samples the next rollout with, and the datamodule
-    state that draws it) every `every_n_steps` steps, at train end, and on SIGTERM or a first Ctrl-C, always to
-    the same file: Lightning's `ModelCheckpoint` counts versions (`last-v1.ckpt`, ...) whenever `last.ckpt`
-    exists and it did not write it itself, which left a resumed run's later saves beside an old `last.ckpt`.
-    The train-end save is skipped only for a run that never had a checkpoint (`every_n_steps=0`, fresh start).
-    An exception other than a signal saves nothing: it may land mid-update, and the last save stays the newest
-    consistent state.
+    state that draws it) every `every_n_steps` steps, at train end, and when a SIGTERM or a first Ctrl-C stops
+    the run, always to the same file: Lightning's `ModelCheckpoint` counts versions (`last-v1.ckpt`, ...) whenever
+    `last.ckpt` exists and it did not write it itself, which left a resumed run's later saves beside an old
+    `last.ckpt`. The train-end save is skipped only for a run that never had a checkpoint (`every_n_steps=0`,
+    fresh start). An exception other than a signal stop saves nothing: it may land mid-update, and the last save
+    stays the newest consistent state.
 
-    Signals: Lightning's SIGTERM handler raises `SIGTERMException` at the next step boundary (all ranks); a
-    first Ctrl-C is forwarded to that handler, so both save the same consistent post-step state (a
-    KeyboardInterrupt can land mid-update, where a save would not resume exactly). A second Ctrl-C exits at once
-    without saving. `fit` turns the stop into exit status 128 + signal number.
+    Signals: `topp_rl.stop.StopOnSignal` has every rank raise Lightning's `SIGTERMException` at the end of the same
+    step, so the save here is the same consistent post-step state on all ranks (a KeyboardInterrupt can land
+    mid-update, where a save would not resume exactly). `exit_status_on_signal` turns the stop into exit status
+    128 + signal number.
     """
 
     def __init__(self, *, dirpath: str | Path, every_n_steps: int = 0) -> None:
@@ -185,8 +185,6 @@ class LastCheckpoint(Checkpoint):
         self.path = Path(dirpath) / "last.ckpt"
         self.every_n_steps = every_n_steps
         self.saved_step: int | None = None  # the step last.ckpt holds, once this run or a resumed one wrote it
-        self.signum: int | None = None  # SIGINT when forwarded; a bare SIGTERMException means SIGTERM
-        self._previous_sigint = None
 
     @property
     def state_key(self) -> str:
@@ -196,24 +194,17 @@ class LastCheckpoint(Checkpoint):
         self.saved_step = trainer.global_step  # before the save: it is part of the saved state
         trainer.save_checkpoint(self.path)
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._restore_sigint()
         if self.saved_step != trainer.global_step and (self.every_n_steps or self.saved_step is not None):
             self.save(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_sigint()
-        if isinstance(exception, SIGTERMException):
-            if self.signum is None:
-                self.signum = signal.SIGTERM
+        # saved_step is the same on every rank, so a sharded (collective) save is entered by all or by none
+        if isinstance(exception, SIGTERMException) and self.saved_step != trainer.global_step:
             self.save(trainer)
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,43 +213,36 @@ class LastCheckpoint(Checkpoint):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved_step = state.get("saved_step")
 
-    def _on_sigint(self, signum, frame) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt("second Ctrl-C: exiting now, without a checkpoint of the current step")
-        self.signum = signal.SIGINT
-        print("\n[topp_rl] Ctrl-C: saving a checkpoint after the current step (Ctrl-C again to exit now, "
-              "unsaved)", flush=True)
-        sigterm = signal.getsignal(signal.SIGTERM)  # Lightning's: it stops all ranks at the step boundary
-        if callable(sigterm):
-            sigterm(signal.SIGTERM, frame)
-        else:  # no Lightning handler (not training): nothing to save
-            raise KeyboardInterrupt
-
-    def _restore_sigint(self) -> None:
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
-
-    def interrupted(self, step: int) -> RunInterrupted:
-        name = signal.Signals(self.signum).name
-        return RunInterrupted(self.signum, (
-            f"[topp_rl] stopped by {name} after step {step}; checkpoint saved to {self.path}; resume with the same "
-            f"overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit status "
-            f"{128 + self.signum})"
+    def interrupted(self, step: int, signum: int) -> RunInterrupted:
+        return RunInterrupted(signum, (
+            f"[topp_rl] stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {self.path}; "
+            f"resume with the same overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit "
+            f"status {128 + signum})"
         ))
+
+
+def _callback(trainer, kind: type[Callback]) -> Any:
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
 
 
 @contextmanager
 def exit_status_on_signal(trainer) -> Iterator[None]:
-    """Turn Lightning's `SIGTERMException` (a SystemExit with status 0) into `RunInterrupted` (128 + signal)."""
+    """Turn Lightning's `SIGTERMException` (a SystemExit with status 0) into `RunInterrupted` (128 + signal), and
+    close the run's `StopOnSignal` (its watchdog bounds everything up to here)."""
+    stopper: StopOnSignal | None = _callback(trainer, StopOnSignal)
     try:
         yield
     except SIGTERMException:
-        saver = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
-        if saver is None or saver.signum is None:
-            err = RunInterrupted(signal.SIGTERM, "[topp_rl] stopped by SIGTERM; no checkpoint saved (exit status 143)")
+        signum = stopper.signum if stopper is not None and stopper.signum else signal.SIGTERM
+        saver: LastCheckpoint | None = _callback(trainer, LastCheckpoint)
+        if saver is not None and saver.saved_step == trainer.global_step:
+            err = saver.interrupted(trainer.global_step, signum)
         else:
-            err = saver.interrupted(trainer.global_step)
+            err = RunInterrupted(signum, f"[topp_rl] stopped by {signal.Signals(signum).name} after step "
+                                         f"{trainer.global_step}; no checkpoint saved (exit status {128 + signum})")
         if trainer.is_global_zero:
             print(err.message, file=sys.stderr, flush=True)
         raise err from None
+    finally:
+        if stopper is not None:
+            stopper.close()

@@ -32,6 +32,7 @@ from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.rundir import RunDir, resolve_ckpt_path
 from topp_rl.schedule import LRSchedule
+from topp_rl.stop import StopOnSignal
 from topp_rl.summary import RunSummary, outputs_summary, print_summary, write_summary
 
 
@@ -58,6 +59,8 @@ def build_callbacks(cfg: DictConfig, summary: RunSummary, *, loggers: list) -> l
     bars = [c for c in built if isinstance(c, ProgressBar)]
     callbacks = [c for c in built if not isinstance(c, ProgressBar)]
     callbacks.append(RunRecord(cfg))  # every checkpoint records the config (checked on resume)
+    # SIGTERM / Ctrl-C: all ranks stop after the same step (LastCheckpoint saves it), bounded by a watchdog
+    callbacks.append(StopOnSignal(run_dir=cfg.paths.output_dir, timeout_s=cfg.checkpoint.stop_timeout_s))
     if loggers:
         callbacks.append(LogConfig(cfg))  # the resolved config to every logger (W&B run config, hparams.yaml)
     callbacks.append(StepTimer())  # after the callbacks whose time a step includes (sync, eval, export)
