@@ -1,6 +1,7 @@
 """Using topp_rl without a clone: the packaged config and data (found from any directory), the Python API
-(`topp_rl.fit` / `compose`, reward callables, twice in one process), a Hub id as `model.path` (from an HF cache
-this test fills), the `topp-rl` command, and a wheel installed into a fresh venv run from outside the clone."""
+(`topp_rl.fit` / `compose`, reward callables, twice in one process, an explicit run dir used as given and
+resumed), a Hub id as `model.path` (from an HF cache this test fills), the `topp-rl` command, and a wheel installed
+into a fresh venv run from outside the clone."""
 
 import json
 import logging
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,38 @@ def test_fit_refuses_rewards_a_task_cannot_take_before_training(tmp_path, monkey
     with pytest.raises(ValueError, match="overrides .* or config, not both"):
         topp_rl.fit(TINY, config=topp_rl.compose(TINY))
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("summary.json"))
+
+
+def test_fit_runs_in_an_explicit_run_dir_as_given_and_resumes_it(tmp_path, monkeypatch):
+    """An existing hydra.run.dir was moved to `<dir>-1`, so `fit(..., ckpt_path=last)` looked for the checkpoint
+    there and failed, telling the user to do what they did (issue 35)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "my_run"
+    common = [*TINY, "logger=none", "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}"]
+    first = topp_rl.fit(common)
+    assert (first.run_dir, first.summary["checkpoint_step"]) == (run_dir, 2)
+    with pytest.raises(ValueError, match=f"^run dir {run_dir} already holds a run \\(config.yaml\\); resume it with "
+                                         "ckpt_path=last, or start this run in a new dir"):
+        topp_rl.fit(common)  # a fresh start over a run is refused, not moved aside
+    resumed = topp_rl.fit([*common, "trainer.max_steps=3", "ckpt_path=last"])
+    assert resumed.run_dir == run_dir and resumed.config.paths.output_dir == str(run_dir)
+    assert {k: resumed.summary[k] for k in ("resumed_from", "resumed_step", "steps", "checkpoint_step")} == {
+        "resumed_from": str(run_dir / "checkpoints" / "last.ckpt"), "resumed_step": 2, "steps": 3,
+        "checkpoint_step": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_run"]  # no my_run-1
+    assert sorted(p.name for p in run_dir.glob("config*.yaml")) == ["config.resume-1.yaml", "config.yaml"]
+
+
+def test_compose_gives_only_a_clock_named_run_dir_a_fresh_suffix_and_never_to_a_resume(tmp_path, monkeypatch):
+    """The `-<n>` suffix is for two runs started in the same second under a `${now:...}` name (the default's);
+    a resume (`ckpt_path`) means the existing dir, whatever names it."""
+    monkeypatch.chdir(tmp_path)
+    year = time.strftime("%Y")
+    (Path.cwd() / "runs" / year).mkdir(parents=True)
+    clock = "hydra.run.dir=runs/${now:%Y}"
+    assert topp_rl.compose([clock]).paths.output_dir == str(Path.cwd() / "runs" / f"{year}-1")
+    assert topp_rl.compose([clock, "ckpt_path=last"]).paths.output_dir == str(Path.cwd() / "runs" / year)
+    assert topp_rl.compose([f"hydra.run.dir=runs/{year}"]).paths.output_dir == str(Path.cwd() / "runs" / year)
 
 
 # ----- model.path: a Hub id from the HF cache -----

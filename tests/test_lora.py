@@ -2,9 +2,11 @@
 trains W + B @ A * alpha / r as a plain weight, with the KL reference being the frozen base; only the adapters
 train; the merged weights equal PEFT's `merge_and_unload()`; short runs stay within the on-policy mismatch bound
 with the embedded engine sharing the adapted module and with an engine copy synced with merged weights; bad
-settings are refused at start."""
+settings are refused at start, an adapter dir that is, holds or lies in the export dir too (the run and the export
+command), and the run's summary and the command name every dir they write."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,14 +17,17 @@ from test_module import TEMP, make_samples, pack
 from torch import nn
 from torch.nn.utils import parametrize
 
+from topp_rl import export
 from topp_rl.backbone import FrozenBase, HFBackbone
+from topp_rl.export import HFExport
 from topp_rl.hook import ToppLogProb
 from topp_rl.lora import BASE_RECORD, LoraBackbone, LoraSettings, apply_lora, merged_named_tensors
 from topp_rl.losses import GRPOLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.module import PolicyModule
+from topp_rl.summary import summary_lines
 from topp_rl.timer import PhaseTimer
-from topp_rl.train import build_run, fit
+from topp_rl.train import build_run, fit, train
 
 SETTINGS = LoraSettings(rank=4, alpha=6.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
 
@@ -279,6 +284,111 @@ def test_export_writes_the_merged_model_and_a_peft_adapter_dir_and_the_cli_match
         tmp_path / "run" / "hf_adapter" / "adapter_model.safetensors").keys()
     export.main([str(ckpt), str(tmp_path / "only"), "--no-merge-lora"])
     assert (tmp_path / "only_adapter" / "adapter_config.json").is_file() and not (tmp_path / "only").exists()
+
+
+# ----- issue 35: an adapter dir equal to (or nested with) the export dir dropped the adapters without a word -----
+def _apart_message(adapter_name: str, adapter_dir, where: str, model_name: str, model_dir, fix: str) -> str:
+    return (f"{adapter_name} {adapter_dir} {where} {model_name} {model_dir}: a LoRA export writes the adapters and "
+            "the merged model, each replacing its whole dir, and adapter files beside a merged model make "
+            f"transformers apply the adapters twice, so the two dirs must be apart; {fix}")
+
+
+RUN_FIX = ("drop the export.adapter_dir override (the default is ${export.dir}_adapter) or name a dir apart from "
+           "export.dir, or set export.merge_lora=false to write the adapters only")
+
+
+@pytest.mark.parametrize(("overrides", "adapter_dir", "where", "model_dir"), [
+    (("export.adapter_dir=${export.dir}",), "hf", "is", "hf"),
+    (("export.adapter_dir=${export.dir}/adapter",), "hf/adapter", "is inside", "hf"),
+    (("export.adapter_dir=${paths.output_dir}/out", "export.dir=${paths.output_dir}/out/merged"), "out", "contains",
+     "out/merged"),
+], ids=["equal", "inside", "contains"])
+def test_an_adapter_dir_that_is_holds_or_lies_in_the_export_dir_is_refused_at_start(tmp_path, overrides, adapter_dir,
+                                                                                     where, model_dir):
+    """The merged model's write replaced the adapter dir it equals (exit 0, no adapter_config.json); nested dirs
+    failed at the first export, after the steps before it. Adapters alone may go to export.dir."""
+    with pytest.raises(ValueError) as info:
+        build_run(compose_cfg(tmp_path, "logger=none", "module.lora.rank=4", *overrides))
+    assert str(info.value) == _apart_message("export.adapter_dir", tmp_path / adapter_dir, where, "export.dir",
+                                             tmp_path / model_dir, RUN_FIX)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    run = build_run(compose_cfg(tmp_path, "logger=none", "module.lora.rank=4", "export.merge_lora=false",
+                                *overrides))
+    (export_callback,) = [c for c in run.trainer.callbacks if isinstance(c, HFExport)]
+    assert (export_callback.adapter_dir, export_callback.dirpath) == (tmp_path / adapter_dir, tmp_path / model_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A 2-step LoRA run through `train` (run dir, summary), its last.ckpt at step 2: (run dir, summary)."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    summary = train(compose_cfg(run_dir, "logger=none", "module.lora.rank=4", "checkpoint.every_n_steps=2"))
+    return run_dir, summary
+
+
+def test_a_lora_runs_summary_names_the_merged_model_and_the_adapter_dir(lora_run):
+    run_dir, summary = lora_run
+    assert {k: summary[k] for k in ("hf_export", "hf_export_step", "adapter_export", "adapter_export_step")} == {
+        "hf_export": str(run_dir / "hf"), "hf_export_step": 2,
+        "adapter_export": str(run_dir / "hf_adapter"), "adapter_export_step": 2}
+    assert json.loads((run_dir / "summary.json").read_text())["adapter_export"] == str(run_dir / "hf_adapter")
+    lines = summary_lines(summary, str(run_dir))
+    assert f"  HF checkpoint: {run_dir / 'hf'} (step 2; loads with transformers' from_pretrained)" in lines
+    assert (f"  LoRA adapters: {run_dir / 'hf_adapter'} (step 2; PEFT's format: PeftModel.from_pretrained(base "
+            "model, dir))") in lines
+
+
+def test_an_adapters_only_run_in_the_export_dir_names_that_dir_as_the_adapters_only(tmp_path):
+    """export.merge_lora=false with export.adapter_dir=${export.dir}: the adapters go to hf/, and the summary
+    names hf/ as what it holds (it said `HF checkpoint: hf/ ... loads with from_pretrained`, of adapter files)."""
+    summary = train(compose_cfg(tmp_path, "logger=none", "module.lora.rank=4", "export.merge_lora=false",
+                                "export.adapter_dir=${export.dir}"))
+    assert "hf_export" not in summary
+    assert (summary["adapter_export"], summary["adapter_export_step"]) == (str(tmp_path / "hf"), 2)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "topp_rl_export.json"]
+    lines = summary_lines(summary, str(tmp_path))
+    assert not any(line.startswith("  HF checkpoint:") for line in lines)
+    adapters = f"  LoRA adapters: {tmp_path / 'hf'} (step 2; PEFT's format: PeftModel.from_pretrained(base model, dir))"
+    assert adapters in lines
+
+
+def _cli_refusal(argv: list, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        export.main([str(a) for a in argv])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("adapter_dir", "where"), [("out", "is"), ("out/adapter", "is inside"), (".", "contains")],
+                         ids=["equal", "inside", "contains"])
+def test_the_export_command_refuses_an_adapter_dir_that_is_holds_or_lies_in_its_target(lora_run, tmp_path, capsys,
+                                                                                       adapter_dir, where):
+    """`--adapter-dir OUT` exited 0 with OUT holding the merged model only: refused before the checkpoint is read.
+    The adapters alone (`--no-merge-lora`) may go there."""
+    ckpt, out, adapter_dir = lora_run[0] / "checkpoints" / "last.ckpt", tmp_path / "out", tmp_path / adapter_dir
+    fix = (f"drop --adapter-dir (the default is {tmp_path / 'out_adapter'}) or pass a dir apart from {out}, or add "
+           "--no-merge-lora to write the adapters only")
+    err = _cli_refusal([ckpt, out, "--adapter-dir", adapter_dir], capsys)
+    message = _apart_message("--adapter-dir", adapter_dir, where, "the export target", out, fix)
+    assert err.endswith(f"error: {message}\n")
+    assert list(tmp_path.iterdir()) == []
+    export.main([str(ckpt), str(out), "--adapter-dir", str(adapter_dir), "--no-merge-lora"])
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "topp_rl_export.json"]
+
+
+def test_the_export_command_names_every_dir_it_writes(lora_run, tmp_path, capsys):
+    ckpt = lora_run[0] / "checkpoints" / "last.ckpt"
+    export.main([str(ckpt), str(tmp_path / "out")])
+    assert capsys.readouterr().out == (
+        f"[topp_rl] exported checkpoint {ckpt.resolve()} (global step 2) to {tmp_path / 'out'} (the merged model) "
+        f"and {tmp_path / 'out_adapter'} (the LoRA adapters, PEFT's format)\n")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out_adapter" / "adapter_model.safetensors").is_file()
+    export.main([str(ckpt), str(tmp_path / "only"), "--no-merge-lora"])
+    assert capsys.readouterr().out == (f"[topp_rl] exported checkpoint {ckpt.resolve()} (global step 2) to "
+                                       f"{tmp_path / 'only_adapter'} (the LoRA adapters, PEFT's format)\n")
 
 
 @pytest.mark.sglang

@@ -2,9 +2,12 @@
 
 `fit` runs the same `train` as `python train.py` / `topp-rl train`, from a notebook or a script: no `sys.exit`,
 and Hydra's global state is entered and left inside `compose` (its context manager), so fit runs any number of
-times in one process. Differences from the command line: the run dir is made absolute and, when it is the
-default one and exists already (two runs started in the same second), gets a `-<n>` suffix; the job logging
-(`<run dir>/train.log`, console at WARNING) is set up for the run and undone after it (`run_logging`).
+times in one process. Differences from the command line: the run dir is made absolute and, when Hydra names it
+from the clock (`${now:...}` in `hydra.run.dir`, as the default does), no resume is asked (`ckpt_path`) and it
+exists already (two runs started in the same second), gets a `-<n>` suffix; any other `hydra.run.dir` is used as
+given, so `fit([..., "hydra.run.dir=D", "ckpt_path=last"])` resumes D, and a fresh start in a D holding a run is
+refused. The job logging (`<run dir>/train.log`, console at WARNING) is set up for the run and undone after it
+(`run_logging`).
 
 Reward functions can be Python callables (`reward_fn=fn`, or `rewards=[fn, {"fn": fn, "weight": 0.1}]`): they
 replace the task's configured rewards, and the run's config records them by their import name
@@ -61,7 +64,8 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> Di
         cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
     with open_dict(cfg):
         if _is_default_output_dir(cfg):
-            cfg.paths.output_dir = str(_fresh_dir(Path(cfg.hydra.run.dir).absolute()))
+            run_dir = Path(cfg.hydra.run.dir).absolute()
+            cfg.paths.output_dir = str(_fresh_dir(run_dir) if _names_a_new_run(cfg) else run_dir)
         del cfg["hydra"]  # its `${hydra:...}` values resolve only inside a Hydra app
     return cfg
 
@@ -190,6 +194,13 @@ def run_logging(run_dir: Path):
 def _is_default_output_dir(cfg: DictConfig) -> bool:
     node = cfg.paths._get_node("output_dir")
     return node is not None and node._value() == DEFAULT_OUTPUT_DIR
+
+
+def _names_a_new_run(cfg: DictConfig) -> bool:
+    """`hydra.run.dir` is named from the clock (`${now:...}`) and no resume is asked: an existing dir of that name is
+    another run started in the same second, not one the user named. A dir named outright is the user's choice:
+    resumed with `ckpt_path`, refused by the run dir's own check when it holds a run."""
+    return "${now:" in str(cfg.hydra.run._get_node("dir")._value()) and not cfg.get("ckpt_path")
 
 
 def _fresh_dir(path: Path) -> Path:

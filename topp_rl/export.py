@@ -23,6 +23,9 @@ checkpoint or the run dir, and a dir inside `<run dir>/checkpoints` are refused 
 export is staged next to its target as `.<name>.<pid>.<hex>.tmp` and renamed in; the previous export is renamed to
 such a name and removed last. The next export of that target removes (and reports) the copies of a writer that
 died. A write that fails (disk full) names the path, the space needed and the space free, and changes nothing.
+A LoRA export writes the merged model and the adapters (PEFT's format) to two dirs, which must lie apart (neither
+is nor holds the other, `check_adapter_dir_apart`): refused at start otherwise, as the merged model's write
+would replace the adapters' files, and transformers would apply adapter files found beside a merged model twice.
 """
 
 import argparse
@@ -158,6 +161,34 @@ def check_target(target: str | os.PathLike, *, checkpoint: str | os.PathLike | N
     return path
 
 
+def _placement(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
+    """How `path` lies against `other` ("is", "is inside", "contains"), as given and resolved; None: apart."""
+    mine, theirs = _forms(path), _forms(other)
+    if mine & theirs:
+        return "is"
+    if any(_within(m, t) for m in mine for t in theirs):
+        return "is inside"
+    if any(_within(t, m) for m in mine for t in theirs):
+        return "contains"
+    return None
+
+
+def check_adapter_dir_apart(adapter_dir: str | os.PathLike, model_dir: str | os.PathLike, *, names: tuple[str, str],
+                            fix: str) -> None:
+    """Refuse an adapter dir that is, contains or lies inside the merged model's dir, both being written: each
+    export replaces its whole dir, so one write would delete the other's files (the adapters went silently when the
+    dirs were equal). Side by side in one dir is not offered either: transformers' `from_pretrained` on a dir
+    holding config.json and adapter_config.json loads the merged weights and then applies the adapters again."""
+    if (where := _placement(adapter_dir, model_dir)) is None:
+        return
+    adapter_name, model_name = names
+    raise ValueError(
+        f"{adapter_name} {adapter_dir} {where} {model_name} {model_dir}: a LoRA export writes the adapters and "
+        f"the merged model, each replacing its whole dir, and adapter files beside a merged model make "
+        f"transformers apply the adapters twice, so the two dirs must be apart; {fix}"
+    )
+
+
 def remove_stale_exports(target: Path) -> list[Path]:
     """Remove the staged and replaced copies of `target` (`.<name>.<pid>.<hex>.tmp`) whose writer is gone."""
     return remove_stale_temps(target.parent, target=target.name) if target.parent.is_dir() else []
@@ -245,9 +276,14 @@ class HFExport(Callback):
         self.on_checkpoint = on_checkpoint
         self.merge_lora = merge_lora
         # Checked at start like `dirpath`, LoRA or not (the policy is not known yet; absent is allowed).
-        self.adapter_dir = check_target(adapter_dir if adapter_dir is not None else adapter_dir_for(self.dirpath),
-                                        run_dir=run_dir, name="export.adapter_dir")
+        adapter_dir = adapter_dir if adapter_dir is not None else adapter_dir_for(self.dirpath)
+        self.adapter_dir = check_target(adapter_dir, run_dir=run_dir, name="export.adapter_dir")
+        if merge_lora:
+            check_adapter_dir_apart(adapter_dir, dirpath, names=("export.adapter_dir", "export.dir"), fix=(
+                "drop the export.adapter_dir override (the default is ${export.dir}_adapter) or name a dir apart "
+                "from export.dir, or set export.merge_lora=false to write the adapters only"))
         self.exported_step: int | None = None
+        self.exported_dirs: dict[str, Path] = {}  # "model" / "adapters" -> the dir written (the run's summary)
 
     def export(self, trainer, pl_module) -> Path | None:
         hf_config = pl_module.policy.hf_config
@@ -260,12 +296,14 @@ class HFExport(Callback):
 
             path = write_adapter_dir(pl_module.policy.model, self.adapter_dir, info=info, full=full_tensor,
                                      write=trainer.is_global_zero)
+            self.exported_dirs["adapters"] = self.adapter_dir
         if self.merge_lora or not lora:
             path = write_hf_dir(
                 pl_module.hf_named_tensors(), self.dirpath, hf_config=hf_config, tokenizer=tokenizer,
                 generation=generation_config(self.rollout, vocab_size=hf_config.vocab_size, tokenizer=tokenizer),
                 info=info, write=trainer.is_global_zero,
             )
+            self.exported_dirs["model"] = self.dirpath
         self.exported_step = trainer.global_step
         return path
 
@@ -357,28 +395,45 @@ def read_checkpoint_safely(path: Path) -> dict[str, Any]:
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, *, merge_lora: bool = True,
                       adapter_dir: str | os.PathLike | None = None) -> Path:
-    """Write the HF checkpoint directory of a training checkpoint's policy (HF or Megatron backend).
+    """Write the HF checkpoint directory of a training checkpoint's policy (HF or Megatron backend); returns the
+    model's dir, or for a LoRA checkpoint without `merge_lora` the adapter dir (`export_checkpoint_dirs`)."""
+    return next(iter(export_checkpoint_dirs(ckpt_path, out_dir, merge_lora=merge_lora,
+                                            adapter_dir=adapter_dir).values()))
+
+
+def export_checkpoint_dirs(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, *, merge_lora: bool = True,
+                           adapter_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """`export_checkpoint`, returning every dir written: "model" (the plain or merged model) and / or "adapters".
 
     The manifest records the checkpoint (`source`, resolved) and its global step (`step`). A LoRA run's checkpoint
     also writes its adapters to `adapter_dir` (default `<out_dir>_adapter`, PEFT's format) and, with `merge_lora`,
-    the merged model to `out_dir`; without it, the adapter dir only (its path is returned)."""
+    the merged model to `out_dir`; without it, the adapter dir only. With `merge_lora`, an `adapter_dir` that is,
+    contains or lies inside `out_dir` is refused before the checkpoint is read (`check_adapter_dir_apart`)."""
     ckpt_path = Path(ckpt_path)
     if not (ckpt_path.is_file() or is_sharded(ckpt_path)):
         raise ValueError(f"checkpoint {ckpt_path} does not exist; pass a file such as <run dir>/checkpoints/last.ckpt")
     parent = Path(os.path.abspath(ckpt_path)).parent
     run_dir = parent.parent if parent.name == "checkpoints" else None  # <run dir>/checkpoints/<file>
     check_target(out_dir, checkpoint=ckpt_path, run_dir=run_dir)  # before the (long) load
+    if merge_lora and adapter_dir is not None:
+        check_adapter_dir_apart(adapter_dir, out_dir, names=("--adapter-dir", "the export target"), fix=(
+            f"drop --adapter-dir (the default is {adapter_dir_for(out_dir)}) or pass a dir apart from {out_dir}, "
+            f"or add --no-merge-lora to write the adapters only"))
     checkpoint = read_checkpoint_safely(ckpt_path)
     model, tokenizer, cfg = load_policy(checkpoint, ckpt_path)
     rollout = {k: cfg.rollout[k] for k in (*SAMPLING_KEYS, "stop_token_ids") if k in cfg.rollout}
     named = hf_tensors(model)  # the tied head appears once, as HF saves it; LoRA: merged, under the plain names
     info = {"step": checkpoint.get("global_step"), "source": str(ckpt_path.resolve()), "rollout": dict(rollout)}
-    if (lora_dir := write_checkpoint_adapter(model, out_dir, adapter_dir, info=info)) and not merge_lora:
-        return lora_dir
-    return write_hf_dir(
+    written = {}
+    if lora_dir := write_checkpoint_adapter(model, out_dir, adapter_dir, info=info):
+        written["adapters"] = lora_dir
+        if not merge_lora:
+            return written
+    model_dir = write_hf_dir(
         named, out_dir, hf_config=model.config, tokenizer=tokenizer, info=info,
         generation=generation_config(rollout, vocab_size=model.config.vocab_size, tokenizer=tokenizer),
     )
+    return {"model": model_dir, **written}
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.export") -> None:
@@ -391,14 +446,23 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.export
     parser.add_argument("--no-merge-lora", action="store_true", help="a LoRA run: write the adapter dir only")
     args = parser.parse_args(argv)
     try:
-        path = export_checkpoint(args.ckpt, args.out_dir, merge_lora=not args.no_merge_lora,
-                                 adapter_dir=args.adapter_dir)
+        dirs = export_checkpoint_dirs(args.ckpt, args.out_dir, merge_lora=not args.no_merge_lora,
+                                      adapter_dir=args.adapter_dir)
     except ValueError as err:
         parser.error(str(err))  # exit status 2 with the message, no traceback
     except ExportWriteError as err:
         parser.exit(1, f"{parser.prog}: error: {err}\n")
-    info = json.loads((path / INFO_FILE).read_text())
-    print(f"[topp_rl] exported checkpoint {info['source']} (global step {info['step']}) to {path}", flush=True)
+    info = json.loads((next(iter(dirs.values())) / INFO_FILE).read_text())
+    print(f"[topp_rl] exported checkpoint {info['source']} (global step {info['step']}) to {written_dirs(dirs)}",
+          flush=True)
+
+
+def written_dirs(dirs: Mapping[str, Path]) -> str:
+    """The dirs an export wrote, for its message: a plain model's dir alone, a LoRA run's each with what it holds."""
+    if "adapters" not in dirs:
+        return str(dirs["model"])
+    held = {"model": "the merged model", "adapters": "the LoRA adapters, PEFT's format"}
+    return " and ".join(f"{path} ({held[kind]})" for kind, path in dirs.items())
 
 
 if __name__ == "__main__":

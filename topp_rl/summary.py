@@ -1,8 +1,10 @@
 """The end-of-run summary: a few figures kept during the run (`RunSummary`), what the run leaves behind
-(checkpoints, the HF export, the last evaluation), `summary.json`, and the console lines.
+(checkpoints, the HF export and a LoRA run's adapter dir, the last evaluation), `summary.json`, and the console
+lines.
 
-The console lines name only what exists: a logger directory, `hf/`, `best.ckpt` or the report command
-appear when the run wrote them (`logger=none` writes no `csv/`, so neither it nor the report command is named).
+The console lines name only what exists: a logger directory, `hf/`, `hf_adapter/`, `best.ckpt` or the report
+command appear when the run wrote them (`logger=none` writes no `csv/`, so neither it nor the report command is
+named).
 """
 
 import json
@@ -65,9 +67,19 @@ def outputs_summary(trainer, run_dir) -> dict[str, float | str]:
         if isinstance(callback, LastCheckpoint) and callback.saved_step is not None:
             out |= {"checkpoint": str(callback.path), "checkpoint_step": callback.saved_step}
         elif isinstance(callback, HFExport) and callback.exported_step is not None:
-            out |= {"hf_export": str(callback.dirpath), "hf_export_step": callback.exported_step}
+            out |= export_summary(callback)
         elif isinstance(callback, Evaluation):
             out |= callback.summary()
+    return out
+
+
+def export_summary(export: HFExport) -> dict[str, float | str]:
+    """Every dir the export wrote, with its step: `hf_export` (the model, merged for LoRA) and `adapter_export`
+    (a LoRA run's adapters); a dir not written (`export.merge_lora=false`) is not named."""
+    keys = {"model": "hf_export", "adapters": "adapter_export"}
+    out: dict[str, float | str] = {}
+    for kind, path in export.exported_dirs.items():
+        out |= {keys[kind]: str(path), f"{keys[kind]}_step": export.exported_step}
     return out
 
 
@@ -104,6 +116,9 @@ def summary_lines(summary: dict[str, float | str], output_dir: str) -> list[str]
     if "hf_export" in summary and Path(summary["hf_export"]).is_dir():
         lines.append(f"  HF checkpoint: {summary['hf_export']} (step {summary['hf_export_step']}; loads with "
                      "transformers' from_pretrained)")
+    if "adapter_export" in summary and Path(summary["adapter_export"]).is_dir():
+        lines.append(f"  LoRA adapters: {summary['adapter_export']} (step {summary['adapter_export_step']}; PEFT's "
+                     "format: PeftModel.from_pretrained(base model, dir))")
     logs = [f"{name}/ ({what})" for name, what in LOGGER_DIRS if (run_dir / name).is_dir()]
     files = ["summary.json"] if (run_dir / "summary.json").is_file() else []
     if files or logs:
