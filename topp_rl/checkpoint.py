@@ -16,6 +16,7 @@ The rollout state (step, RNG, data position) travels in the checkpoint through t
 which Lightning saves and restores itself; resume with `ckpt_path=last`.
 """
 
+import errno
 import os
 import re
 import secrets
@@ -98,6 +99,28 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def os_error_behind(err: BaseException) -> OSError | None:
+    """The OSError that caused `err`, if any: torch's writer swallows a failed `write` (its context) and raises
+    an internal error instead ("unexpected pos 704 vs 598")."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def write_cause(err: BaseException) -> str:
+    """What made a write fail, ENOSPC named as a full disk (torch's own message alone names no cause)."""
+    said = f"{type(err).__name__}: {err}"
+    os_err = os_error_behind(err)
+    if os_err is not None and os_err.errno == errno.ENOSPC:
+        reported = "" if os_err is err else f"; reported as {said}"
+        return f"the disk is full (ENOSPC: {os_err.strerror}{reported})"
+    return said
 
 
 def write_failed(path: Path, err: Exception) -> CheckpointWriteError:

@@ -31,17 +31,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.backbone import HFBackbone
-from topp_rl.checkpoint import AtomicCheckpointIO, write_failed
+from topp_rl.checkpoint import CheckpointWriteError
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.fsdp.backbone import FSDPBackbone, shard_backbone
-from topp_rl.sharded_checkpoint import META, data_dir_for, is_sharded, publish, read_meta
+from topp_rl.sharded_checkpoint import (
+    data_dir_for,
+    discard_unpublished,
+    finish_save,
+    is_sharded,
+    load_shards,
+    read_meta,
+    write_shards,
+)
 
 _SLOTS = ("policy", "reference")
 
@@ -116,7 +123,8 @@ class FSDPStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Every rank writes its shards into a new data directory, rank 0 the rest (`meta.pt`) and then points
-        `filepath` (a symlink) at it: a checkpoint path always names a complete checkpoint."""
+        `filepath` (a symlink) at it: a checkpoint path always names a complete checkpoint. A failure on any rank
+        raises `CheckpointWriteError` (the file, the cause) on every rank and removes the new data directory."""
         if storage_options is not None:
             raise ValueError(f"parallel=fsdp writes local sharded checkpoints; storage_options={storage_options!r} "
                              "is not supported: drop it")
@@ -125,13 +133,23 @@ class FSDPStrategy(DDPStrategy):
         shards = {"state_dict": checkpoint.pop("state_dict")}
         shards |= {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
         try:
-            dcp.save(shards, checkpoint_id=str(data_dir))  # a failure on any rank raises on every rank
-        except Exception as err:
-            raise write_failed(link, err) from err  # the unfinished data dir goes at the next start or save
+            write_shards(shards, data_dir, link=link)  # a failure on any rank raises on every rank
+        except CheckpointWriteError:
+            if self.is_global_zero:  # every rank is past its writes: DCP's save ends in a collective
+                discard_unpublished(link, data_dir)
+            raise
+        failure = None
         if self.is_global_zero:
-            AtomicCheckpointIO().save_checkpoint(checkpoint, data_dir / META)
-            publish(link, data_dir)
-        self.barrier("topp_rl.fsdp.save_checkpoint")
+            try:
+                finish_save(checkpoint, data_dir, link=link)
+            except CheckpointWriteError as err:
+                failure = err
+        # Rank 0's outcome, to every rank (also the barrier): no rank is left waiting for a rank 0 that failed.
+        message = self.broadcast(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise CheckpointWriteError(message)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights and optimizer state read into this rank's shards (at any world size), the rest returned."""
@@ -140,12 +158,12 @@ class FSDPStrategy(DDPStrategy):
             raise ValueError(single_file_refusal(path))
         module = self.lightning_module
         shards = {"state_dict": self.lightning_module_state_dict()}
-        dcp.load(shards, checkpoint_id=str(path))
+        load_shards(shards, path)  # a damaged checkpoint: CheckpointReadError naming the file
         module.load_state_dict({_sharded_name(k): v for k, v in shards["state_dict"].items()})
         for i, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{i}"
             state = {key: get_optimizer_state_dict(module.policy, optimizer)}  # the shapes to read into
-            dcp.load(state, checkpoint_id=str(path))
+            load_shards(state, path)
             set_optimizer_state_dict(module.policy, optimizer, state[key])
         return read_meta(path)
 
