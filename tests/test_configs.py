@@ -162,8 +162,8 @@ def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):
 
 
 def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer_state(tmp_path):
-    """parallel=fsdp read no distributed_optimizer key: `+parallel.distributed_optimizer=true` trained unsharded
-    Megatron-wise without a word (issue 35). FSDP2 already shards AdamW state, so the key is refused, not built."""
+    """parallel=fsdp reads no distributed_optimizer key: `+parallel.distributed_optimizer=true` trained without a
+    word (issue 35). FSDP2 already shards the AdamW state, so the key is refused rather than implemented."""
     with pytest.raises(ValueError) as info:
         validate_config(_compose(["parallel=fsdp", "+parallel.distributed_optimizer=true"], tmp_path))
     assert str(info.value) == (
