@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
 from topp_rl.metrics import SumCount, distributed, reduce_sums
@@ -21,13 +22,23 @@ def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:
     if not distributed(trainer):
         return values
     device = trainer.strategy.root_device
-    sizes = trainer.strategy.all_gather(torch.tensor([values.shape[1]], device=device)).flatten().tolist()
+    sizes = all_gather(torch.tensor([values.shape[1]], device=device)).flatten().tolist()
     if max(sizes) == 0:  # nothing anywhere; skip the empty collective
         return values
     padded = values.new_zeros(values.shape[0], max(sizes))
     padded[:, : values.shape[1]] = values
-    parts = trainer.strategy.all_gather(padded.to(device)).cpu()  # [W, K, max]
+    parts = all_gather(padded.to(device)).cpu()  # [W, K, max]
     return torch.cat([part[:, :n] for part, n in zip(parts, sizes, strict=True)], dim=1)
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` stacked in rank order, [W, ...], with torch.distributed's own all_gather. Not
+    Lightning's `strategy.all_gather`: it goes through the autograd-aware torch.distributed.nn.functional.all_gather,
+    which torch deprecates with a warning at every call (each FSDP step, on every rank); these figures need no
+    gradient."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
 
 
 def quantile_from_counts(counts: torch.Tensor, q: float) -> float:

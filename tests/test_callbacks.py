@@ -342,6 +342,35 @@ def test_metric_callbacks_are_exact_across_two_ranks(tmp_path):
     assert_logged(rows, world_size=2)
 
 
+def _gather_columns_on_rank(rank: int) -> tuple[torch.Tensor, list[str]]:
+    """gather_columns with Lightning's own DDP strategy on the trainer, recording every warning it raises."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from topp_rl.callbacks._common import gather_columns
+
+    trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(parallel_devices=[torch.device("cpu")] * 2))
+    values = torch.arange(2 * (rank + 1), dtype=torch.float32).reshape(2, rank + 1) + 10 * rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gathered = gather_columns(trainer, values)
+    return gathered, [str(w.message) for w in caught]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_gathering_figures_across_ranks_raises_no_deprecation_warning():
+    """Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which torch
+    deprecates: every FSDP step printed its warning (issue 35). The exact gather needs no autograd."""
+    from dist_utils import run_distributed
+
+    for gathered, warned in run_distributed(_gather_columns_on_rank, 2, preload=("lightning.pytorch",)):
+        assert gathered.tolist() == [[0.0, 10.0, 11.0], [1.0, 12.0, 13.0]]
+        assert warned == []
+
+
 class EngineDataModule(L.LightningDataModule):
     def __init__(self, engine) -> None:
         super().__init__()

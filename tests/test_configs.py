@@ -112,6 +112,17 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel=fsdp parallel.cpu_offload=yes", "parallel.cpu_offload"),
         ("parallel=fsdp module.moe_aux_loss_coeff=0.01", "module.moe_aux_loss_coeff"),
         ("parallel=fsdp trainer.devices=4 eval.every_n_steps=1 eval.num_prompts=2", "eval.num_prompts"),
+        # A key the layout does not read, and device counts that would divide the prompts by zero (issue 35).
+        ("parallel=fsdp +parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
+        ("parallel=fsdp +parallel.cp_mode=zigzag", "parallel.cp_mode"),
+        ("parallel=tp2 +parallel.cpu_offload=true", "parallel.cpu_offload"),
+        ("parallel=fsdp trainer.devices=0", "trainer.devices"),
+        ("trainer.devices=0", "trainer.devices"),
+        ("trainer.devices=-1", "trainer.devices"),
+        ("parallel=fsdp trainer.num_nodes=0", "trainer.num_nodes"),
+        # Held-out prompts chosen for an evaluation that never runs.
+        ("eval.split=test", "eval.split"),
+        ("callbacks=minimal +eval.split=test", "eval.split"),
         ("trainer.devices=2", "trainer.devices * trainer.num_nodes"),  # plain DDP: the fix names parallel=fsdp
         # Wrong types name the key instead of raising a raw TypeError; bools are not numbers.
         ("rollout.top_p=abc", "rollout.top_p"),
@@ -148,6 +159,91 @@ def test_invalid_values_fail_at_start_naming_the_key(override, key, tmp_path):
     cfg = _compose(override.split(), tmp_path)
     with pytest.raises(ValueError, match=rf"config {re.escape(key)}=.*must be .*;"):
         validate_config(cfg)
+
+
+def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer_state(tmp_path):
+    """parallel=fsdp reads no distributed_optimizer key: `+parallel.distributed_optimizer=true` trained without a
+    word (issue 35). FSDP2 already shards the AdamW state, so the key is refused rather than implemented."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["parallel=fsdp", "+parallel.distributed_optimizer=true"], tmp_path))
+    assert str(info.value) == (
+        "config parallel.distributed_optimizer=True: must be absent with parallel=fsdp (FSDP2 already shards the "
+        "AdamW state over the ranks, with the weights and gradients; megatron-core's DistributedOptimizer is the "
+        "Megatron layouts' ZeRO-1); drop the key, or pick a layout that reads it "
+        "(parallel=cp2/ep2/megatron/tp2/tp2_cp2/tp2_ep2)"
+    )
+    with pytest.raises(ValueError) as info:  # and a Megatron layout has no CPU offload to switch
+        validate_config(_compose(["parallel=tp2", "+parallel.cpu_offload=true"], tmp_path))
+    assert str(info.value) == (
+        "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/tp2/tp2_cp2/tp2_ep2 (the "
+        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, strategy, tp_size); drop the key, or pick "
+        "a layout that reads it (parallel=fsdp)"
+    )
+
+
+def test_zero_devices_is_refused_instead_of_dividing_by_zero(tmp_path):
+    """`parallel=fsdp trainer.devices=0` was a ZeroDivisionError in the validator (issue 35)."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["parallel=fsdp", "trainer.devices=0"], tmp_path))
+    assert str(info.value) == (
+        "config trainer.devices=0: must be an integer >= 1; set trainer.devices=1 or more, or trainer.devices=auto "
+        "for every device of the node"
+    )
+    validate_config(_compose(["trainer.devices=auto"], tmp_path))  # Lightning counts them; not refused
+
+
+def test_unknown_trainer_key_names_the_nearest_parameter_instead_of_a_raw_type_error(tmp_path):
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["+trainer.max_stepz=3"], tmp_path))
+    message = str(info.value)
+    assert message.startswith("config trainer.max_stepz=3: must be a parameter of lightning.Trainer (accelerator, "
+                              "strategy, devices, num_nodes, precision, logger, callbacks, ")
+    assert message.endswith("; did you mean trainer.max_steps? fix the spelling, or drop the key")
+    # List items are walked too (trainer.plugins), and a callback entry's `enabled` switch is not a kwarg.
+    with pytest.raises(ValueError, match=r"^config trainer.plugins.0.init_scal=2.0: must be a parameter of "
+                                         r"topp_rl.precision.LossScaledFP16 \(device, init_scale, growth_interval\); "
+                                         r"did you mean trainer.plugins.0.init_scale\? "):
+        validate_config(_compose(["trainer=cpu_fp16", "+trainer.plugins.0.init_scal=2.0"], tmp_path))
+    assert "enabled" in _compose([], tmp_path).callbacks.export
+
+
+def test_an_eval_split_without_an_evaluation_is_refused(tmp_path):
+    """eval.split / eval.task pick the held-out prompts; with eval.every_n_steps=0 nothing read them (issue 35)."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["eval.split=test"], tmp_path))
+    assert str(info.value) == (
+        "config eval.split='test': must be null with eval.every_n_steps=0 (no evaluation runs, so nothing reads it); "
+        "set eval.every_n_steps=N to evaluate on it every N steps, or drop eval.split"
+    )
+    with pytest.raises(ValueError, match=r"^config eval.task='topp_rl.tasks.CopyDigitTask': must be null with "):
+        validate_config(_compose(["+eval.task._target_=topp_rl.tasks.CopyDigitTask"], tmp_path))
+
+
+def test_megatron_resume_refusals_name_the_export_way_out():
+    """They advised 'use weights_only', which no key or doc offers (issue 35); the real way out is an export and a
+    new run on it (docs/megatron.md)."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the `megatron` extra) is not installed")
+    from topp_rl.megatron.strategy import MegatronStrategy
+
+    way_out = ("to go on from its weights alone at this layout, export them (python -m topp_rl.export <ckpt> OUT) "
+               "and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
+    saved_at_tp1 = {"optimizer_states": [{"megatron_tp_size": 1, "megatron_ep_size": 1, "per_tp_rank": [{}]}]}
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_tp1)
+    assert str(info.value) == (
+        f"optimizer state was saved at (tp_size, ep_size)=(1, 1), this run has (2, 1); resume at the saved sizes, or "
+        f"{way_out}"
+    )
+    sharded = MegatronStrategy(tp_size=2)
+    sharded._layout_key = lambda: (2, 2, 1)  # (world, tp, cp) without a process group
+    with pytest.raises(ValueError) as info:
+        sharded.load_optimizer_state_dict({"optimizer_states": [{"megatron_distributed_optimizer": (4, 2, 1)}]})
+    assert str(info.value) == (
+        "optimizer state was saved at (world, tp, cp)=(4, 2, 1), this run has (world, tp, cp)=(2, 2, 1) and "
+        f"distributed_optimizer=False: sharded optimizer state restores only at the saved layout and setting; resume "
+        f"with them, or {way_out}"
+    )
+    assert "weights_only" not in (ROOT / "topp_rl" / "megatron" / "strategy.py").read_text()
 
 
 def test_dropping_the_weight_sync_is_allowed_when_asked_for(tmp_path):
@@ -216,6 +312,17 @@ def test_booleans_name_the_key_value_and_fix(tmp_path):
         ("+seeed=1", "seeed", "seed"),
         ("+optimizer.weight_decy=0.1", "optimizer.weight_decy", "optimizer.weight_decay"),
         ("+data.max_tokens_per_microbatch=64", "data.max_tokens_per_microbatch", "data.max_tokens_per_micro_batch"),
+        # Every `_target_` node against its constructor (issue 35): a raw Trainer.__init__ TypeError before.
+        ("+trainer.max_stepz=3", "trainer.max_stepz", "trainer.max_steps"),
+        ("+algo.loss.kl_coeff=0.1", "algo.loss.kl_coeff", "algo.loss.kl_coef"),
+        ("+algo.advantage.normalise_std=1", "algo.advantage.normalise_std", "algo.advantage.normalize_std"),
+        ("+callbacks.health.zero_grad_step=2", "callbacks.health.zero_grad_step", "callbacks.health.zero_grad_steps"),
+        ("+logger.csv.flush_logs_every_n_step=5", "logger.csv.flush_logs_every_n_step",
+         "logger.csv.flush_logs_every_n_steps"),
+        ("+rollout.sampling.top_kk=5", "rollout.sampling.top_kk", "rollout.sampling.top_k"),
+        # EmbeddedEngine.for_policy takes **kwargs and passes them to the class: the class's names count.
+        ("+rollout.engine.max_batch_siz=8", "rollout.engine.max_batch_siz", "rollout.engine.max_batch_size"),
+        ("+algo.nam=1", "algo.nam", "algo.name"),  # algo is closed to its options' keys
     ],
 )
 def test_an_unknown_key_fails_at_start_naming_the_nearest_known_one(override, key, near, tmp_path):
@@ -263,6 +370,11 @@ def test_a_key_of_another_rollout_choice_is_refused(tmp_path):
         ["rollout=sglang", "+rollout.engine.server_kwargs.device=cuda"],  # engine kwargs (docs/sglang.md)
         ["+model.rope_theta=10000.0"],  # model / task / trainer / logger: constructor kwargs via _target_
         ["+trainer.gradient_clip_val=1.0"],
+        ["+rollout.engine.max_batch_size=8"],  # an EmbeddedEngine kwarg, through for_policy's **kwargs
+        ["rollout=sglang", "+rollout.engine.max_concurrency=8"],  # an SGLangEngine kwarg, likewise
+        ["+logger.wandb.entity=me"],  # WandbLogger takes **kwargs (wandb.init's)
+        ["+parallel.strategy.foo=1", "parallel=fsdp"],  # FSDPStrategy takes **kwargs (Lightning's)
+        ["eval.split=test", "eval.every_n_steps=5"],  # the split an evaluation reads
     ],
 )
 def test_legitimate_extra_keys_are_accepted(overrides, tmp_path):

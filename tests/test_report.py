@@ -139,6 +139,39 @@ def test_cli_reports_bad_run_dir_without_traceback(tmp_path, capsys):
     assert "no metrics found" in capsys.readouterr().err
 
 
+def test_out_onto_a_file_is_a_named_error_not_a_file_exists_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run)
+    taken = tmp_path / "plots.png"
+    taken.write_text("an earlier plot")
+    with pytest.raises(ValueError) as info:
+        report.render(run, out_dir=taken)
+    assert str(info.value) == (
+        f"--out {taken} is a file: the plots go into a directory; pass a directory path (absent: it is created), "
+        "or leave --out out for RUN_DIR/plots"
+    )
+    with pytest.raises(ValueError, match=rf"^--out {taken}/plots is below the file {taken}: "):
+        report.render(run, out_dir=taken / "plots")
+    with pytest.raises(SystemExit) as exc:  # the command: exit status 2 and the message, no traceback
+        report.main([str(run), "--out", str(taken)])
+    assert exc.value.code == 2 and f"--out {taken} is a file" in capsys.readouterr().err
+    assert taken.read_text() == "an earlier plot"
+
+
+@pytest.mark.parametrize("content", ["", "step,epoch,rollout/reward_mean\n"], ids=["zero bytes", "header only"])
+def test_an_empty_metrics_csv_is_a_named_error_not_an_empty_success(tmp_path, capsys, content):
+    """`report` on a run that logged nothing exited 0 having written nothing (issue 35)."""
+    path = tmp_path / "csv" / "version_0" / "metrics.csv"
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(tmp_path)])
+    assert exc.value.code == 2
+    assert (f"error: no logged values in {path} (empty, or its header only: the run logged no step yet); plot a "
+            "run that trained at least one step") in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
+
+
 def test_val_figure_draws_each_evaluation_metric(tmp_path):
     csv_dir = tmp_path / "csv" / "version_0"
     csv_dir.mkdir(parents=True)

@@ -10,9 +10,9 @@ import inspect
 from typing import Any
 
 from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from topp_rl.config_keys import validate_known_keys
+from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.tasks.reward_import import check_reward_config
 
@@ -64,22 +64,54 @@ def world_size(cfg: DictConfig) -> int:
     return 1  # "auto" / device lists: checked again by Lightning once the devices are known
 
 
-def validate_target_kwargs(cfg: DictConfig, section: str) -> None:
-    """The keys of a `_target_` section whose target takes no **kwargs must be parameters of it (the optimizer
-    is called only at fit start, after the engine started: a misspelt kwarg would fail there)."""
-    node = cfg.get(section)
-    if not isinstance(node, DictConfig) or "_target_" not in node:
-        return
-    params = inspect.signature(get_object(str(node._target_))).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+def target_parameters(target: str) -> list[str] | None:
+    """The keyword names a `_target_` accepts; None when it takes any (**kwargs). A `Class.factory` classmethod
+    taking **kwargs passes them on to the class (the engines' `for_policy` do), so the class's own names count."""
+    obj = get_object(target)
+    names, open_ended = _signature_names(obj)
+    owner = getattr(obj, "__self__", None)
+    if open_ended and isinstance(owner, type):
+        init_names, open_ended = _signature_names(owner)
+        names += [n for n in init_names if n not in names]
+    return None if open_ended else names
+
+
+def _signature_names(obj: Any) -> tuple[list[str], bool]:
+    """(the parameter names of `obj`'s signature but self, in order; whether it takes **kwargs)."""
+    params = inspect.signature(obj).parameters.values()
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def validate_target_kwargs(node: DictConfig, path: str) -> None:
+    """The keys of the `_target_` node at `path` must be parameters of its target, unless that takes **kwargs:
+    Hydra's `+` adds any key, and the constructor would fail with a raw TypeError only when it is called (the
+    trainer and optimizer after the model loaded and the engine started)."""
+    params = target_parameters(str(node._target_))
+    if params is None:
         return
     for key in node:
-        if str(key).startswith("_") or key in params:
-            continue
+        if str(key).startswith("_") or key in params or (key == "enabled" and path.startswith("callbacks.")):
+            continue  # Hydra's own keys; a callback entry's switch is read by train.py, not passed on
         near = difflib.get_close_matches(str(key), sorted(params), n=1, cutoff=0.5)
-        _fail(f"{section}.{key}", node._get_node(key)._value(),
-              f"a parameter of {node._target_} ({', '.join(p for p in params if p != 'self')})",
-              (f"did you mean {section}.{near[0]}? " if near else "") + "fix the spelling, or drop the key")
+        _fail(f"{path}.{key}", node._get_node(key)._value(),
+              f"a parameter of {node._target_} ({', '.join(params)})",
+              (f"did you mean {path}.{near[0]}? " if near else "") + "fix the spelling, or drop the key")
+
+
+def validate_targets(node: DictConfig | ListConfig, path: str = "") -> None:
+    """`validate_target_kwargs` for every `_target_` node of the config (trainer, trainer.plugins, model, task,
+    optimizer, algo.loss, rollout.engine, callbacks.*, ...). Interpolations are skipped: their source is checked
+    where it is defined (`data.advantage: ${algo.advantage}`)."""
+    if isinstance(node, DictConfig) and "_target_" in node and path:
+        validate_target_kwargs(node, path)
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        if not path and key == "hydra":
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig | ListConfig) and not child._is_interpolation() and not child._is_none():
+            validate_targets(child, f"{path}.{key}" if path else str(key))
 
 
 def validate_booleans(cfg: DictConfig) -> None:
@@ -157,7 +189,43 @@ def validate_fsdp(cfg: DictConfig, world: int) -> None:
               f"set eval.num_prompts={world} or more, or rollout.engine.share_weights=false")
 
 
+def validate_device_counts(cfg: DictConfig) -> None:
+    """trainer.devices / num_nodes as counts must be >= 1 (0 divided the prompts by a zero data-parallel size)."""
+    for key in ("devices", "num_nodes"):
+        value = cfg.trainer.get(key, 1)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            fix = ", or trainer.devices=auto for every device of the node" if key == "devices" else " (1: one machine)"
+            _fail(f"trainer.{key}", value, "an integer >= 1", f"set trainer.{key}=1 or more{fix}")
+
+
+# Why a key is refused under a layout, where the generic "it does not read it" says too little.
+LAYOUT_KEY_REASONS = {
+    ("topp_rl.fsdp.strategy.FSDPStrategy", "distributed_optimizer"): (
+        "FSDP2 already shards the AdamW state over the ranks, with the weights and gradients; megatron-core's "
+        "DistributedOptimizer is the Megatron layouts' ZeRO-1"),
+}
+
+
+def validate_layout_keys(cfg: DictConfig) -> None:
+    """A `parallel.*` key the chosen layout does not read (one that `+` added, e.g. `+parallel.distributed_
+    optimizer=true` with parallel=fsdp) would do nothing: refused, naming the layouts that read it."""
+    strategy = cfg.parallel.get("strategy")
+    target = str(strategy._target_) if isinstance(strategy, DictConfig) and "_target_" in strategy else None
+    layouts = parallel_keys()
+    if target not in layouts:
+        return  # a user's own strategy class: its constructor checks its own settings
+    known, names = layouts[target]
+    for key in sorted(set(cfg.parallel) - known):
+        readers = [n for t, (keys, options) in layouts.items() if key in keys for n in options]
+        reason = LAYOUT_KEY_REASONS.get((target, key), f"the keys it reads: {', '.join(sorted(known))}")
+        _fail(f"parallel.{key}", cfg.parallel._get_node(key)._value(),
+              f"absent with parallel={'/'.join(names)} ({reason})",
+              "drop the key" + (f", or pick a layout that reads it (parallel={'/'.join(readers)})" if readers else ""))
+
+
 def validate_parallel(cfg: DictConfig) -> None:
+    validate_device_counts(cfg)
+    validate_layout_keys(cfg)
     p, world = cfg.parallel, world_size(cfg)
     fsdp = _is_fsdp(cfg)
     if fsdp:
@@ -168,10 +236,6 @@ def validate_parallel(cfg: DictConfig) -> None:
         if size > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", size, "1 without a parallel strategy (parallel=none runs the HF model whole)",
                   "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
-    if not p.get("strategy"):
-        for key in sorted(set(p) - {"tp_size", "cp_size", "ep_size", "strategy"}):  # e.g. +parallel.cp_mode=...
-            _fail(f"parallel.{key}", p._get_node(key)._value(), "absent with parallel=none (it has no layout to set)",
-                  "drop the key, or pick a Megatron layout (parallel=tp2, cp2, tp2_cp2, ep2, tp2_ep2)")
     coeff = _number(cfg, "module.moe_aux_loss_coeff")
     if coeff < 0:
         _fail("module.moe_aux_loss_coeff", coeff, ">= 0", "use 0 (off, the RL default) or a small positive weight")
@@ -269,6 +333,21 @@ def validate_callback_settings(cfg: DictConfig) -> None:
                   f"set {node}.{switch}={'false' if switch == 'hf' else 0}, or use callbacks=default")
 
 
+def validate_eval_source(cfg: DictConfig) -> None:
+    """eval.split / eval.task pick the held-out prompts; with no evaluation (eval.every_n_steps=0, the default, or
+    absent under callbacks=minimal) nothing reads them, and the run would silently never evaluate."""
+    settings = cfg.get("eval")
+    if not isinstance(settings, DictConfig) or settings.get("every_n_steps"):
+        return
+    for key in ("split", "task"):
+        value = settings.get(key)
+        if value is not None:
+            shown = value.get("_target_", value) if isinstance(value, DictConfig) else value
+            _fail(f"eval.{key}", shown, f"null with eval.every_n_steps={settings.get('every_n_steps', 0)} (no "
+                  "evaluation runs, so nothing reads it)", f"set eval.every_n_steps=N to evaluate on it every N "
+                  f"steps, or drop eval.{key}")
+
+
 def validate_overlap(cfg: DictConfig) -> None:
     """rollout.overlap=true trains each step on samples one weight update old: the engine must keep its own
     weights while the trainer updates, and the loss must correct the gap."""
@@ -310,12 +389,12 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     """Raise ValueError on the first invalid setting (see module docstring). `check_rewards=False`: the task's
     rewards are Python callables given to `topp_rl.fit` (the config records their names, which need not import)."""
     validate_known_keys(cfg)
-    for section in ("optimizer", "data"):
-        validate_target_kwargs(cfg, section)
+    validate_targets(cfg)
     validate_booleans(cfg)
     validate_sampling(cfg)
     validate_weight_sync(cfg)
     validate_callback_settings(cfg)
+    validate_eval_source(cfg)
     validate_overlap(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
         check_reward_config(cfg.task)

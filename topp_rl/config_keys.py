@@ -12,9 +12,11 @@ from topp_rl.paths import config_dir
 
 # Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
 # they do not define (`+rollout.topp=0.9`: Hydra's `+` adds it, nothing reads it) is a typo. "" is the top level.
-# Open, and not checked here: `_target_` nodes (their keys are constructor kwargs: model, task, data, optimizer,
-# rollout.engine, algo.*, trainer, logger.*, callbacks.*: `+callbacks.<name>` adds a callback) and `hydra`.
-CLOSED_SECTIONS = ("", "paths", "module", "lr_schedule", "eval", "checkpoint", "export", "resume", "rollout")
+# `algo` is closed to the keys its options define (name, loss, advantage: `+algo.kl_coef` meant algo.loss.kl_coef).
+# Checked elsewhere: `_target_` nodes against their constructor (`topp_rl.config.validate_targets`: model, task,
+# data, optimizer, rollout.engine, algo.loss, trainer, logger.*, callbacks.*: `+callbacks.<name>` adds a
+# callback) and `parallel` per layout (`parallel_keys`). Not checked: `hydra`.
+CLOSED_SECTIONS = ("", "paths", "module", "lr_schedule", "eval", "checkpoint", "export", "resume", "rollout", "algo")
 
 
 def _yaml_keys(path: Path) -> set[str]:
@@ -42,6 +44,7 @@ def shipped_keys() -> dict[str, frozenset[str]]:
             if name in sections and isinstance(node, dict):
                 sections[name] |= set(node)
     sections.pop("rollout")  # per choice: `rollout_keys`
+    sections["algo"] = set().union(*(_yaml_keys(path) for path in (conf / "algo").glob("*.yaml")))
     return {"": frozenset(top)} | {k: frozenset(v) for k, v in sections.items()}
 
 
@@ -54,6 +57,33 @@ def rollout_keys() -> dict[str, frozenset[str]]:
         data = yaml.safe_load(path.read_text()) or {}
         out[data["engine"]["_target_"]] = frozenset(_yaml_keys(path))
     return out
+
+
+def _parallel_node(path: Path) -> dict:
+    """The `parallel` keys a parallel/ option sets, with those of the options its defaults list (tp2 -> megatron).
+    parallel=none is package `parallel` (its keys at the top); the others are `_global_` with a `parallel` node."""
+    data = yaml.safe_load(path.read_text()) or {}
+    node = dict(data["parallel"]) if "parallel" in data else {k: v for k, v in data.items() if k != "defaults"}
+    for entry in data.get("defaults", []):
+        if isinstance(entry, str) and entry != "_self_":
+            node = {**_parallel_node(path.parent / f"{entry}.yaml"), **node}
+    return node
+
+
+@functools.cache
+def parallel_keys() -> dict[str | None, tuple[frozenset[str], tuple[str, ...]]]:
+    """Per layout, keyed by its strategy's `_target_` (None: parallel=none): (the `parallel.*` keys its options
+    define, those options' names). Any other key does nothing under that layout (`+parallel.cpu_offload=true` is
+    FSDP's, `+parallel.distributed_optimizer=true` Megatron's)."""
+    keys: dict[str | None, set[str]] = {}
+    names: dict[str | None, list[str]] = {}
+    for path in sorted((config_dir() / "parallel").glob("*.yaml")):
+        node = _parallel_node(path)
+        strategy = node.get("strategy")
+        target = strategy["_target_"] if isinstance(strategy, dict) else None
+        keys.setdefault(target, set()).update(node)
+        names.setdefault(target, []).append(path.stem)
+    return {target: (frozenset(keys[target]), tuple(names[target])) for target in keys}
 
 
 def _known_keys(cfg: DictConfig, section: str) -> frozenset[str]:

@@ -258,6 +258,25 @@ def _run_label(run_dir: Path, jobs: Jobs) -> str:
     return f"sweep {name} ({len(jobs)} jobs)" if len(jobs) > 1 else f"run {name}"
 
 
+def check_out_dir(out: Path) -> None:
+    """The PNGs' directory (--out) may be absent (it is created) or a directory; a file there (or above it) would
+    make mkdir raise a raw FileExistsError / NotADirectoryError."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == out else f"is below the file {existing}"
+        raise ValueError(f"--out {out} {where}: the plots go into a directory; pass a directory path (absent: it "
+                         "is created), or leave --out out for RUN_DIR/plots")
+
+
+def check_logged(jobs: Jobs, run_dir: Path) -> None:
+    """Every metrics.csv empty (a run stopped before its first logged step) would write no plot and exit 0."""
+    if not any(jobs.values()):
+        files = [str(p) for paths in job_csvs(run_dir).values() for p in paths]
+        raise ValueError(f"no logged values in {', '.join(files)} (empty, or its header only: the run logged no "
+                         "step yet); plot a run that trained at least one step (it logs every trainer."
+                         "log_every_n_steps steps)")
+
+
 def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: bool = False, smooth: int | None = None,
            ranges: dict[str, Bounds] | None = None) -> list[Path]:
     """Write the run's (or sweep's) PNGs into `out_dir` (default RUN_DIR/plots); returns the paths written.
@@ -269,8 +288,10 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
     if smooth is not None and smooth < 0:
         raise ValueError(f"smooth={smooth}: the moving average's window must be >= 0 points (0 or 1: no smoothing)")
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)
     jobs = load_jobs(run_dir)
+    check_logged(jobs, run_dir)
+    out.mkdir(parents=True, exist_ok=True)
     run = _run_label(run_dir, jobs)
     style = {"smooth": smooth, "run": run}
     written = [

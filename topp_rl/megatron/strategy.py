@@ -45,6 +45,10 @@ from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.peers import RolloutPeers
 
 _MODEL_SLOTS = ("policy", "reference")
+# The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
+# HF export (no step, optimizer or rollout state: a new run). There is no weights-only resume key.
+WEIGHTS_ONLY_WAY_OUT = ("to go on from its weights alone at this layout, export them (python -m topp_rl.export "
+                        "<ckpt> OUT) and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
 
 
 class MegatronStrategy(DDPStrategy):
@@ -254,8 +258,7 @@ class MegatronStrategy(DDPStrategy):
             if saved != (self.tp_size, self.ep_size):
                 raise ValueError(
                     f"optimizer state was saved at (tp_size, ep_size)={saved}, this run has "
-                    f"{(self.tp_size, self.ep_size)}; resume at the saved sizes (model weights alone load at any "
-                    "TP / EP: use weights_only)"
+                    f"{(self.tp_size, self.ep_size)}; resume at the saved sizes, or {WEIGHTS_ONLY_WAY_OUT}"
                 )
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
@@ -267,7 +270,7 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(
                 f"optimizer state was saved {where}, this run has (world, tp, cp)={this} and "
                 f"distributed_optimizer={self.distributed_optimizer}: sharded optimizer state restores only at "
-                "the saved layout and setting; resume with them (model weights alone load anywhere: weights_only)"
+                f"the saved layout and setting; resume with them, or {WEIGHTS_ONLY_WAY_OUT}"
             )
         return state["per_rank"][dist.get_rank()]
 
