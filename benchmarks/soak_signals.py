@@ -197,10 +197,10 @@ def main() -> None:
         summary = summarize(name, trials)
         print(f"[{name}] {json.dumps(summary)}", flush=True)
         result["layouts"][name] = {"summary": summary, "trials": trials}
-    result["load_average_end"] = os.getloadavg()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        result["load_average_end"] = os.getloadavg()
+        if args.json:  # after every layout: a long soak keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
