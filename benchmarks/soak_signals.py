@@ -12,7 +12,8 @@ periodic checkpoint, step 5, since it saves nothing itself). A run checkpoints e
 - `same_step`: every rank's last trained step is the checkpoint's (signals only: all ranks stopped after it);
 - `right_step`: the resume trained exactly the 2 steps after the checkpoint's, on every rank;
 - `same_rollouts`: those steps' responses equal the reference run's on every rank;
-- `leftover`: processes of the run's session still alive after its rank 0 exited (then killed).
+- `ranks_gone_s`: from rank 0's exit until no process of the run's session is left; `leftover`: one was still
+  there after 60 s (then killed).
 `sglang_tp2` starts a real SGLang server per run start (TOPP_RL_SGLANG_PYTHON, scripts/setup_sglang.sh).
 """
 
@@ -88,18 +89,23 @@ def session_alive(pgid: int) -> bool:
         return False
 
 
-def end_session(proc: subprocess.Popen, timeout: float) -> tuple[int | None, bool]:
-    """(rank 0's exit status or None on timeout, whether other processes of its session outlived it)."""
+def end_session(proc: subprocess.Popen, timeout: float) -> tuple[int | None, float | None]:
+    """(rank 0's exit status or None on timeout, seconds from its exit until the last process of its session was
+    gone, None if one was still there after 60 s: a leftover, then killed)."""
     try:
         status = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         status = None
-    time.sleep(1.0)  # children exiting right after rank 0 are not leftovers
-    leftover = session_alive(proc.pid)
-    if leftover or status is None:
+    exited, gone = time.monotonic(), None
+    while status is not None and time.monotonic() < exited + 60:
+        if not session_alive(proc.pid):
+            gone = round(time.monotonic() - exited, 1)
+            break
+        time.sleep(0.1)
+    if gone is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    return status, leftover
+    return status, gone
 
 
 def checkpoint_step(out: Path) -> int | None:
@@ -125,9 +131,10 @@ def trial(tmp: Path, layout: list[str], kind: tuple[str, str], moment: float, re
     sent = time.monotonic()
     if proc.poll() is None:
         (os.killpg if kind[1] == "group" else os.kill)(proc.pid, signum)
-    status, leftover = end_session(proc, timeout=600)
+    status, ranks_gone_s = end_session(proc, timeout=600)
     record = {"kind": f"{kind[0]} {kind[1]}", "moment_s": round(moment, 2), "status": status,
-              "stop_s": round(time.monotonic() - sent, 1), "leftover": leftover}
+              "stop_s": round(time.monotonic() - sent - (ranks_gone_s or 0), 1), "ranks_gone_s": ranks_gone_s,
+              "leftover": ranks_gone_s is None}
     saved = checkpoint_step(out)
     record["saved_step"] = saved
     killed = [len(read_lines(rank_file(dump, r))) for r in range(ranks)]
@@ -157,6 +164,7 @@ def summarize(name: str, trials: list[dict]) -> dict:
         "status_as_expected": sum(t["status"] == expected_status(t["kind"]) for t in trials),
         "signal_stops_same_step": sum(bool(t.get("same_step")) for t in signals), "signal_stops": len(signals),
         "max_signal_stop_s": max((t["stop_s"] for t in signals), default=None),
+        "max_ranks_gone_s": max((t["ranks_gone_s"] or 0 for t in trials), default=None),
         "resumes": len(resumed), "right_step": sum(t["right_step"] for t in resumed),
         "same_rollouts": sum(t["same_rollouts"] for t in resumed),
         "leftovers": sum(t["leftover"] for t in trials),
