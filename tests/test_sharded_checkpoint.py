@@ -118,7 +118,7 @@ def test_a_resume_mixing_sharded_and_single_file_checkpoints_is_refused_at_start
     assert str(info.value) == (
         f"checkpoint {link} is a sharded checkpoint (parallel=fsdp wrote it); resume it with parallel=fsdp (at any "
         f"trainer.devices), or export its weights (python -m topp_rl.export {link} <hf dir>) and start a new run "
-        f"from model.path=<hf dir>")
+        f"from model=hf_path model.path=<hf dir>")
 
     fsdp = tmp_path / "fsdp"
     (fsdp / "checkpoints").mkdir(parents=True)

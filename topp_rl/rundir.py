@@ -182,7 +182,7 @@ def check_checkpoint_format(cfg: DictConfig, path: Path) -> None:
         raise ValueError(
             f"checkpoint {path} is a sharded checkpoint (parallel=fsdp wrote it); resume it with parallel=fsdp (at "
             f"any trainer.devices), or export its weights (python -m topp_rl.export {path} <hf dir>) and start a "
-            f"new run from model.path=<hf dir>"
+            f"new run from model=hf_path model.path=<hf dir>"
         )
 
 

@@ -189,4 +189,4 @@ def single_file_refusal(path: Path) -> str:
     return (f"checkpoint {path} is a single-file checkpoint (another parallel config wrote it); parallel=fsdp "
             f"resumes its own sharded checkpoints only (at any world size). Resume it with the parallel config "
             f"that wrote it, or start an FSDP run from its weights: python -m topp_rl.export {path} <hf dir>, "
-            f"then model.path=<hf dir>")
+            f"then model=hf_path model.path=<hf dir>")
