@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_megatron.py [--layers 4 --hidden 256 --seqs 8 --seq-len 128 --iters 5 --threads 1]
 
 One "step" = forward + backward of the masked log-prob loss (`ToppLogProb`, candidate sets recorded) over one
-packed micro-batch: the part of an RL step the backbone changes. HF: `topp_rl.backbone.HFBackbone` in one
+packed micro-batch: the part of an RL step the backbone changes. HF: `topp_rl.trainer.backbone.HFBackbone` in one
 process. Megatron: `tp * cp` gloo processes (spawned per layout), one intra-op thread each. Prints the median
 ms per step and the ratio to HF. On a 2-core machine layouts with 4 ranks oversubscribe the cores, so their
 times measure overhead, not speed-up.
@@ -62,8 +62,8 @@ def _time(step, iters: int) -> float:
 
 
 def bench_hf(args) -> float:
-    from topp_rl.backbone import HFBackbone
-    from topp_rl.hook import ToppLogProb
+    from topp_rl.trainer.backbone import HFBackbone
+    from topp_rl.trainer.hook import ToppLogProb
 
     backbone, batch, hook = HFBackbone(_model(args)), _batch(args), ToppLogProb()
 
@@ -78,9 +78,9 @@ def bench_hf(args) -> float:
 def _megatron_rank(rank: int, world: int, tp: int, cp: int, store: str, args, results) -> None:
     from megatron.core import parallel_state as ps
 
-    from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone
     from topp_rl.parallel import ParallelLayout
+    from topp_rl.trainer.hook import ToppLogProb
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))

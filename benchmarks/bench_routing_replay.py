@@ -11,7 +11,7 @@ tokens per sample instead of 2, so that more tokens cross more routers). Per run
 `train/routing_agreement`, `train/kl_k3_rollout`, `train/rollout_extreme_frac`, `train/rollout_logprob_abs_diff`
 (masked and unmasked) and the step max of `train/rollout_logprob_abs_diff_max`; per cell the median over seeds.
 Precisions: fp32 (`trainer=cpu`), bf16 (`trainer=cpu_bf16`) and fp16 (`trainer=cpu_fp16`: float16 autocast
-with a loss scale, `topp_rl.precision.LossScaledFP16`).
+with a loss scale, `topp_rl.trainer.precision.LossScaledFP16`).
 
 Which side runs in 16 bits is recorded, not assumed: the script wraps the engine's decode batch and the
 trainer's on-policy pass and records whether CPU autocast is on and the dtype of the final hidden states.

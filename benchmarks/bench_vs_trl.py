@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from topp_rl.host_memory import request_huge_pages  # imports no torch
+from topp_rl.run.host_memory import request_huge_pages  # imports no torch
 
 # Spinning OpenMP workers stall on a loaded machine; on a quiet one `OMP_WAIT_POLICY=active` (what libgomp's default
 # amounts to when cores are free) runs small multi-threaded ops faster in every arm. A value given is kept.
@@ -172,8 +172,8 @@ def hf_step_child(scale: str, reps: int = 6) -> float:
     tokens, and a fused AdamW step (the first rep is warm-up)."""
     import torch
 
-    from topp_rl.host_memory import keep_freed_memory
     from topp_rl.models import build_tiny_model, load_smollm2
+    from topp_rl.run.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as a topp_rl run does (its huge pages: request_huge_pages, before torch)
     torch.set_num_threads(SCALES[scale]["threads"])
@@ -243,7 +243,7 @@ def main() -> None:
         print(json.dumps(hf_step_child(args.scale)))
         return
     if args.child:
-        request_huge_pages()  # as the command line does, before torch is imported (topp_rl.host_memory)
+        request_huge_pages()  # as the command line does, before torch is imported (topp_rl.run.host_memory)
         print(json.dumps(run_topp_child(args.scale, args.child, args.steps)))
         return
     arms = args.arms.split(",")

@@ -109,7 +109,7 @@ def end_session(proc: subprocess.Popen, timeout: float) -> tuple[int | None, flo
 
 
 def checkpoint_step(out: Path) -> int | None:
-    from topp_rl.rundir import read_record
+    from topp_rl.run.rundir import read_record
 
     last = out / "checkpoints" / "last.ckpt"
     return read_record(last)[1] if last.exists() else None

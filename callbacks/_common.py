@@ -1,7 +1,7 @@
 """Shared pieces of the metric callbacks: cross-rank reductions that stay exact, logging (through the trainer's
-`topp_rl.step_metrics.StepMetrics`), W&B histograms.
+`topp_rl.trainer.step_metrics.StepMetrics`), W&B histograms.
 
-Means travel as (sum, count) pairs through `topp_rl.metrics.reduce_sums` (one all_reduce per callback and
+Means travel as (sum, count) pairs through `topp_rl.trainer.metrics.reduce_sums` (one all_reduce per callback and
 step). Order statistics (max, min, p99, median) are exact: float figures are all-gathered (padded to the
 longest rank, then unpadded), integer sizes are reduced as a histogram of counts.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
-from topp_rl.metrics import SumCount, distributed, reduce_sums
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.trainer.metrics import SumCount, distributed, reduce_sums
+from topp_rl.trainer.step_metrics import StepMetrics
 
 
 def gather_columns(trainer, values: torch.Tensor) -> torch.Tensor:

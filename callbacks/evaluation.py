@@ -28,10 +28,10 @@ from lightning.pytorch.callbacks import Callback
 from tqdm.auto import tqdm
 
 from topp_rl.data.sample import SampleStatus, number_samples
-from topp_rl.metrics import add_sums, reduce_sums
 from topp_rl.tasks import Task
 from topp_rl.tasks.base import HELD_OUT_OFFSET
 from topp_rl.tasks.splits import EvalExamples, eval_examples
+from topp_rl.trainer.metrics import add_sums, reduce_sums
 
 __all__ = ["HELD_OUT_OFFSET", "METRICS", "Evaluation"]
 METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs

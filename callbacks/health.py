@@ -3,7 +3,7 @@
 Reads the step's reduced figures from `trainer.callback_metrics` (the same on every rank, so it must come
 after the callbacks that log them) and raises an alarm, logged every step as a 0 / 1 flag and printed to stderr on
 rank 0 once per alarm kind and run start: the first time it turns on, on its own line above the progress bar
-(`topp_rl.console.WarnOnce`); an alarm that turns off and on again is left to its flag. The alarms:
+(`topp_rl.run.console.WarnOnce`); an alarm that turns off and on again is left to its flag. The alarms:
 - `health/mismatch_alarm`: the masked on-policy mismatch `train/rollout_logprob_abs_diff` exceeds
   `max_mismatch` (default by the trainer's precision: 1e-3 at 32 bits, where engines agree to ~1e-6; 1e-2 at
   16 bits, where bf16 scoring alone gives ~2e-3 (measured: tiny model, CPU bf16-mixed, top_p 0.9). Above it
@@ -23,10 +23,10 @@ import math
 
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.console import WarnOnce
 from topp_rl.data import RolloutBatch
-from topp_rl.module import PolicyModule
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.run.console import WarnOnce
+from topp_rl.trainer.module import PolicyModule
+from topp_rl.trainer.step_metrics import StepMetrics
 
 # The logged figures the alarms read (each one host read per step, not one per logged figure).
 _WATCHED = ("train/rollout_logprob_abs_diff", "train/grad_norm", "train/entropy")

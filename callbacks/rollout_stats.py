@@ -19,8 +19,8 @@ from collections import defaultdict
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.callbacks._common import log_metrics
-from topp_rl.metrics import reduce_sums
 from topp_rl.tasks import Task
+from topp_rl.trainer.metrics import reduce_sums
 
 
 class RolloutStats(Callback):

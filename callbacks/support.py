@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.callbacks._common import log_histograms, log_metrics, quantile_from_counts
-from topp_rl.metrics import reduce_tensor
+from topp_rl.trainer.metrics import reduce_tensor
 
 COUNTS_FILE = "support_size_counts.json"
 

@@ -3,7 +3,7 @@
 The engine is `trainer.datamodule.engine`, present on the rank that generates for its TP x CP group and None
 on that rank's peers, which still walk the export: it is a TP collective. The weights come from the module's
 `hf_named_tensors()` (the
-`topp_rl.backbone.WeightSource` protocol, which `PolicyModule` implements by delegating to its backbone; a
+`topp_rl.trainer.backbone.WeightSource` protocol, which `PolicyModule` implements by delegating to its backbone; a
 sharded backbone gathers its TP shards there, collectively). Tensors go out under their HF names, detached but
 neither copied nor cast (the engine decides its dtype), as a lazy iterator so no second copy of the model is
 built. Weights are also pushed once at train start, so a run resumed from a checkpoint does not sample with the
@@ -18,9 +18,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.backbone import WeightSource
 from topp_rl.callbacks._common import log_metrics
 from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.embedded import EmbeddedEngine
+from topp_rl.trainer.backbone import ShardedWeights, WeightSource
+from topp_rl.trainer.module import PolicyModule
 
 
 @runtime_checkable
@@ -50,7 +52,7 @@ class WeightSync(Callback):
         if not isinstance(pl_module, WeightSource):
             raise TypeError(
                 f"WeightSync exports weights through hf_named_tensors(), which {type(pl_module).__name__} does "
-                "not define; use topp_rl.module.PolicyModule (or implement topp_rl.backbone.WeightSource)"
+                "not define; use topp_rl.trainer.module.PolicyModule (or implement topp_rl.trainer.backbone.WeightSource)"
             )
         return pl_module
 
@@ -68,6 +70,17 @@ class WeightSync(Callback):
         self.pushes += 1
         return {"perf/weight_sync_s": (time.perf_counter() - start, 1.0),
                 "perf/weight_sync_bytes": (float(counter.bytes), 1.0)}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """A shared embedded engine samples with the policy's own module; a strategy that sharded it (FSDP2, in its
+        setup, which runs before this hook) leaves it whole only inside `gathered()`, so every generate runs there."""
+        engine = self.engine(trainer)
+        policy = pl_module.policy if isinstance(pl_module, PolicyModule) else None
+        if isinstance(engine, EmbeddedEngine) and engine.share_weights and isinstance(policy, ShardedWeights):
+            if engine.model is not policy.model:
+                raise ValueError("the shared embedded engine samples with another module than the policy; build it "
+                                 "from the policy (rollout.engine.share_weights=true) or give it its own copy (false)")
+            engine.sample_sharded(policy.gathered)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.engine(trainer), self.source(pl_module)  # fail at start, not after the first step

@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from topp_rl.callbacks import LogProbMismatch, RolloutStats, SupportStats, WeightSync
 from topp_rl.data import RolloutBatch
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.metrics import reduce_sums
-from topp_rl.records import OnPolicyRecord
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.trainer.metrics import reduce_sums
+from topp_rl.trainer.records import OnPolicyRecord
+from topp_rl.trainer.step_metrics import StepMetrics
 
 STEPS = 3
 

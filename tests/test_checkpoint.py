@@ -18,8 +18,13 @@ import torch
 from helpers import ROOT, train_env
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.checkpoint import AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, temp_writer_pid
-from topp_rl.rundir import read_record
+from topp_rl.run.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointReadError,
+    CheckpointWriteError,
+    temp_writer_pid,
+)
+from topp_rl.run.rundir import read_record
 
 
 def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):

@@ -201,7 +201,7 @@ def test_unknown_trainer_key_names_the_nearest_parameter_instead_of_a_raw_type_e
     assert message.endswith("; did you mean trainer.max_steps? fix the spelling, or drop the key")
     # List items are walked too (trainer.plugins), and a callback entry's `enabled` switch is not a kwarg.
     with pytest.raises(ValueError, match=r"^config trainer.plugins.0.init_scal=2.0: must be a parameter of "
-                                         r"topp_rl.precision.LossScaledFP16 \(device, init_scale, growth_interval\); "
+                                         r"topp_rl.trainer.precision.LossScaledFP16 \(device, init_scale, growth_interval\); "
                                          r"did you mean trainer.plugins.0.init_scale\? "):
         validate_config(_compose(["trainer=cpu_fp16", "+trainer.plugins.0.init_scal=2.0"], tmp_path))
     assert "enabled" in _compose([], tmp_path).callbacks.export

@@ -10,7 +10,7 @@ import pytest
 from helpers import column, compose_cfg, read_metrics
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
-from topp_rl.summary import summary_lines
+from topp_rl.run.summary import summary_lines
 from topp_rl.train import build_run, train
 
 # 1.0 for a row of the held-out rows, 0.0 for a training row: val/accuracy is 1 exactly when every evaluated prompt

@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from topp_rl import export
 from topp_rl.data.sample import Sample
 from topp_rl.models import build_char_tokenizer, load_hf
 from topp_rl.rollout.packing import pack_samples
+from topp_rl.run import export
 from topp_rl.train import RunSummary, build_callbacks, build_run, fit
 
 RUN = [
@@ -310,7 +310,7 @@ def test_full_disk_names_the_path_and_the_space_and_keeps_the_checkpoint_and_the
 KILLED_MID_WRITE = """
 import os, signal, sys
 import safetensors.torch
-from topp_rl import export
+from topp_rl.run import export
 
 save_file = safetensors.torch.save_file
 def save_and_die(*args, **kwargs):

@@ -187,7 +187,7 @@ def _check_export_of_the_sharded_checkpoint(run_dir: Path, *, adapter: bool = Fa
     weights the run itself exported at that step (gathered from the live shards); LoRA: merged, and the adapters."""
     from safetensors.torch import load_file
 
-    from topp_rl.export import export_checkpoint
+    from topp_rl.run.export import export_checkpoint
 
     last = run_dir / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
@@ -232,10 +232,11 @@ def _checkpointing_worker(rank: int) -> dict:
     from test_module import make_samples, pack
     from torch.distributed.device_mesh import init_device_mesh
 
-    from topp_rl.backbone import HFBackbone
-    from topp_rl.fsdp.backbone import FSDPBackbone, full_tensor
+    from topp_rl.fsdp.backbone import FSDPBackbone
     from topp_rl.fsdp.strategy import mixed_precision_policy
     from topp_rl.models import build_char_tokenizer, build_tiny_model
+    from topp_rl.parallel.dtensor import full_tensor
+    from topp_rl.trainer.backbone import HFBackbone
 
     mesh = init_device_mesh("cpu", (2,))
     out = {}

@@ -12,9 +12,9 @@ from transformers import DynamicCache
 from topp_rl.engines import fused_decode
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
-from topp_rl.lora import LoraSettings, apply_lora
 from topp_rl.models import build_tiny_model
 from topp_rl.rollout import SamplingParams
+from topp_rl.trainer.lora import LoraSettings, apply_lora
 
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
 # Left padding of several widths (the first row is the widest); ids avoid the char tokenizer's eos (2).

@@ -11,13 +11,13 @@ from helpers import compose_cfg as train_cfg
 from helpers import read_metrics
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
 
-from topp_rl.backbone import HFBackbone
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model, load_hf, save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SamplingParams
 from topp_rl.tasks.rewards import RewardError
 from topp_rl.train import build_run, print_summary, train
+from topp_rl.trainer.backbone import HFBackbone
 
 TOK = build_char_tokenizer()
 SIZES = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

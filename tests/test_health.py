@@ -8,10 +8,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from tqdm.auto import tqdm
 
-from topp_rl import report
 from topp_rl.callbacks import TrainingHealth
-from topp_rl.console import StepProgressBar, WarnOnce, print_line
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.report import plots as report
+from topp_rl.run.console import StepProgressBar, WarnOnce, print_line
+from topp_rl.trainer.step_metrics import StepMetrics
 
 MISMATCH = [1e-7, 0.9, 1e-7, 0.8, 0.7, 1e-7]  # the mismatch alarm turns on at steps 1 and 3
 

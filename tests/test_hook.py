@@ -7,9 +7,9 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from topp_rl.data import PackedBatch
-from topp_rl.hook import ToppLogProb
 from topp_rl.ops import Candidates
 from topp_rl.parallel import ParallelLayout, cp_local_positions, gather_tokens
+from topp_rl.trainer.hook import ToppLogProb
 
 V, H, TEMP = 40, 12, 0.7
 R = 10  # response tokens in make_batch()

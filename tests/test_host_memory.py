@@ -1,4 +1,4 @@
-"""Host memory reuse (`topp_rl.host_memory`) and the per-run process settings that apply it."""
+"""Host memory reuse (`topp_rl.run.host_memory`) and the per-run process settings that apply it."""
 
 import ctypes
 import ctypes.util
@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from topp_rl import host_memory
+from topp_rl.run import host_memory
 from topp_rl.train import process_settings
 
 BLOCK = 16 << 20  # below the 32 MiB mmap threshold; 4096 pages of 4 KiB

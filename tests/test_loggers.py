@@ -12,9 +12,9 @@ import yaml
 from helpers import compose_cfg as tiny_cfg
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from topp_rl import report
 from topp_rl.callbacks.completions import COLUMNS
-from topp_rl.loggers import LogConfig, build_loggers, wandb_mode
+from topp_rl.report import plots as report
+from topp_rl.run.loggers import LogConfig, build_loggers, wandb_mode
 from topp_rl.train import build_run, fit
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

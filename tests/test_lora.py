@@ -1,4 +1,4 @@
-"""LoRA through PEFT (`module.lora`, topp_rl/lora.py): the adapter gradients equal a dense float64 reference that
+"""LoRA through PEFT (`module.lora`, topp_rl/trainer/lora.py): the adapter gradients equal a dense float64 reference that
 trains W + B @ A * alpha / r as a plain weight, with the KL reference being the frozen base; only the adapters
 train; the merged weights equal PEFT's `merge_and_unload()`; short runs stay within the on-policy mismatch bound
 with the embedded engine sharing the adapted module and with an engine copy synced with merged weights; bad
@@ -17,17 +17,17 @@ from test_module import TEMP, make_samples, pack
 from torch import nn
 from torch.nn.utils import parametrize
 
-from topp_rl import export
-from topp_rl.backbone import FrozenBase, HFBackbone
-from topp_rl.export import HFExport
-from topp_rl.hook import ToppLogProb
-from topp_rl.lora import BASE_RECORD, LoraBackbone, LoraSettings, apply_lora, merged_named_tensors
 from topp_rl.losses import GRPOLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
-from topp_rl.module import PolicyModule
-from topp_rl.summary import summary_lines
-from topp_rl.timer import PhaseTimer
+from topp_rl.run import export
+from topp_rl.run.export import HFExport
+from topp_rl.run.summary import summary_lines
 from topp_rl.train import build_run, fit, train
+from topp_rl.trainer.backbone import FrozenBase, HFBackbone
+from topp_rl.trainer.hook import ToppLogProb
+from topp_rl.trainer.lora import BASE_RECORD, LoraBackbone, LoraSettings, apply_lora, merged_named_tensors
+from topp_rl.trainer.module import PolicyModule
+from topp_rl.trainer.timer import PhaseTimer
 
 SETTINGS = LoraSettings(rank=4, alpha=6.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
 
@@ -207,7 +207,7 @@ def test_a_rank_above_the_adapted_layers_dimensions_is_refused_at_start(tmp_path
         "only compute and memory. Set module.lora.rank=32 or less (e.g. 16), or drop the narrow layers from "
         "module.lora.target_modules"
     )
-    from topp_rl.lora import check_lora_rank
+    from topp_rl.trainer.lora import check_lora_rank
 
     model = build_tiny_model(hidden=64, layers=1, heads=4, kv_heads=2)
     check_lora_rank(model, LoraSettings(rank=32))  # full rank on k_proj / v_proj: allowed
@@ -219,7 +219,7 @@ def test_the_config_comment_says_lora_composes_with_fsdp_and_is_refused_with_meg
     (FSDPLoraBackbone), so the comment says what check_lora_config does."""
     from helpers import ROOT
 
-    from topp_rl.lora import check_lora_config
+    from topp_rl.trainer.lora import check_lora_config
 
     text = (ROOT / "conf" / "config.yaml").read_text()
     comment = text[text.index("  # LoRA adapters through PEFT"):text.index("  lora:\n")]
@@ -291,7 +291,7 @@ def test_export_writes_the_merged_model_and_a_peft_adapter_dir_and_the_cli_match
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from topp_rl import export
+    from topp_rl.run import export
 
     run, _ = _run(tmp_path / "run", "checkpoint.every_n_steps=2")
     sequences = [([5, 6, 7], [8, 9, 10, 2]), ([12, 3], [40, 41])]

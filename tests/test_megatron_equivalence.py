@@ -32,7 +32,7 @@ FAMILIES = ["qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "qwen3_moe_unnorm
 MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_unnormed")
 TEMPERATURE = 0.8
 TOL = 1e-5
-PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.hook", "transformers")
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.trainer.hook", "transformers")
 
 
 def hf_model(family: str):
@@ -116,11 +116,11 @@ def _case(family: str, tp: int, cp: int, ep: int = 1) -> dict[str, float]:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone, load_hf_into
     from topp_rl.megatron.export import hf_state_dict, save_hf_checkpoint
     from topp_rl.megatron.grads import is_expert_param
     from topp_rl.parallel import ParallelLayout
+    from topp_rl.trainer.hook import ToppLogProb
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  expert_model_parallel_size=ep)

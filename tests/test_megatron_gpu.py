@@ -42,10 +42,10 @@ def _to(batch, device):
 
 
 def _compare(family: str, dtype: torch.dtype, *, force_torch_attention: bool):
-    from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import backbone as bb_mod
     from topp_rl.megatron.export import hf_state_dict
     from topp_rl.parallel import ParallelLayout
+    from topp_rl.trainer.hook import ToppLogProb
 
     model = hf_model(family).to("cuda", dtype)
     batch = _to(packed_batch(model.config.vocab_size), "cuda")

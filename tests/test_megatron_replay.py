@@ -21,14 +21,14 @@ NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 CASES = [(1, 1, 2), (2, 1, 2), (1, 2, 1)]  # (tp, cp, ep) at world size 4: ep2, tp2_ep2, cp2
 NORMS = (True, False)
 TOL = 1e-5
-PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.hook", "transformers")
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron", "topp_rl.trainer.hook", "transformers")
 
 
 def routed_batch(model):
     """`packed_batch` with position ids and routes: the model's own top-2 of 4 on even tokens, the two other
     experts on odd ones, NO_ROUTE on each sequence's last token and on token 5."""
     from topp_rl.data.routes import NO_ROUTE
-    from topp_rl.moe import RouteRecorder, moe_routing
+    from topp_rl.models.moe import RouteRecorder, moe_routing
 
     batch = packed_batch(model.config.vocab_size)
     batch.position_ids = torch.cat([torch.arange(n) for n in batch.seq_lengths.tolist()])
@@ -49,8 +49,8 @@ def routed_batch(model):
 
 def hf_replay(model, batch, *, replay: bool):
     """HF backbone: (log-probs [R], grads of sum(weights * log-probs) by HF name, routing agreement)."""
-    from topp_rl.backbone import HFBackbone
-    from topp_rl.hook import ToppLogProb
+    from topp_rl.trainer.backbone import HFBackbone
+    from topp_rl.trainer.hook import ToppLogProb
 
     backbone = HFBackbone(copy.deepcopy(model), routing_replay=replay)
     hidden, weight = backbone.forward_hidden(batch)
@@ -65,14 +65,14 @@ def _case(norm: bool, tp: int, cp: int, ep: int) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from topp_rl.hook import ToppLogProb
     from topp_rl.megatron import MegatronBackbone, load_hf_into
     from topp_rl.megatron.export import hf_state_dict
     from topp_rl.megatron.grads import is_expert_param
     from topp_rl.megatron.replay import megatron_moe_routing
     from topp_rl.models import build_tiny_model
-    from topp_rl.moe import moe_routing
+    from topp_rl.models.moe import moe_routing
     from topp_rl.parallel import ParallelLayout
+    from topp_rl.trainer.hook import ToppLogProb
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  expert_model_parallel_size=ep)

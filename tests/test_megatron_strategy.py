@@ -22,7 +22,7 @@ NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 
 STEPS = 2
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
-PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.module", "lightning")
+PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.trainer.module", "lightning")
 
 
 def micro_batch(seed: int, *, vocab: int, num_loss_tokens_global: float, num_sequences_global: int):
@@ -83,10 +83,10 @@ def fit(policy, items, *, strategy, devices: int, tmp: str):
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from topp_rl.backbone import HFBackbone
-    from topp_rl.hook import ToppLogProb
     from topp_rl.losses import GRPOLoss
-    from topp_rl.module import PolicyModule
+    from topp_rl.trainer.backbone import HFBackbone
+    from topp_rl.trainer.hook import ToppLogProb
+    from topp_rl.trainer.module import PolicyModule
 
     module = PolicyModule(
         policy=HFBackbone(policy), loss=GRPOLoss(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.05), hook=ToppLogProb(temperature=0.9),

@@ -6,14 +6,14 @@ import copy
 import pytest
 import torch
 
-from topp_rl.backbone import HFBackbone
 from topp_rl.data import PackedBatch
-from topp_rl.hook import ToppLogProb
 from topp_rl.losses import DrGRPOLoss, GRPOLoss, GSPOLoss, ReinforcePPLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
-from topp_rl.module import PolicyModule
 from topp_rl.ops import Candidates, sampling_candidates
-from topp_rl.timer import PhaseTimer
+from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.hook import ToppLogProb
+from topp_rl.trainer.module import PolicyModule
+from topp_rl.trainer.timer import PhaseTimer
 
 TEMP = 0.8
 

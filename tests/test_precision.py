@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import column, compose_cfg, read_metrics
 
-from topp_rl.precision import LossScaledFP16
 from topp_rl.train import build_run, fit, train
+from topp_rl.trainer.precision import LossScaledFP16
 
 # Enough samples that some groups' rewards differ (a nonzero gradient); one step.
 RUN = ("logger=csv", "export.hf=false", "trainer.max_steps=1", "rollout.prompts_per_step=8", "rollout.n_samples=8",

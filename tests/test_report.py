@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from topp_rl import curves, report
+from topp_rl.report import curves
+from topp_rl.report import plots as report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = list(range(1, 9))

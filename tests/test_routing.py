@@ -1,4 +1,4 @@
-"""Rollout routing replay on the HF side (`topp_rl.moe`, `topp_rl.data.routes`): the embedded engine records the
+"""Rollout routing replay on the HF side (`topp_rl.models.moe`, `topp_rl.data.routes`): the embedded engine records the
 experts of every fed token, samples / packing / checkpoints / the TP x CP broadcast carry them, and the HF
 backbone replays them: with the rollout's own routes it is the plain forward bit for bit; with other routes the
 MoE block equals a dense reference by hand, gradients included (the router still learns)."""
@@ -12,16 +12,16 @@ import torch.nn.functional as F
 from dist_utils import run_distributed
 from helpers import column, compose_cfg, read_metrics
 
-from topp_rl.backbone import HFBackbone
 from topp_rl.config import validate_routing
 from topp_rl.data import Sample, SamplingParams
 from topp_rl.data.routes import NO_ROUTE, MoeRouting
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model
-from topp_rl.moe import RouteRecorder, RouterReplay, moe_routing
+from topp_rl.models.moe import RouteRecorder, RouterReplay, moe_routing
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.train import train
+from topp_rl.trainer.backbone import HFBackbone
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 12, 13]]  # unequal lengths: left padding in the engine's prefill
 

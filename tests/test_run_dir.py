@@ -16,7 +16,7 @@ from helpers import ROOT, compose_config, train_env
 from helpers import TINY as BASE
 from omegaconf import OmegaConf
 
-from topp_rl.rundir import report_versioned_checkpoints
+from topp_rl.run.rundir import report_versioned_checkpoints
 from topp_rl.train import train
 
 TINY = [*BASE, "checkpoint.every_n_steps=1", "logger=none"]  # the tiny run, checkpointing every step
@@ -202,7 +202,7 @@ def test_a_versioned_last_checkpoint_is_reported_at_start_with_both_steps(tmp_pa
 
 def test_a_task_recorded_under_its_old_module_path_is_the_same_task():
     """topp_rl.rollout.tasks moved to topp_rl.tasks.generated: a checkpoint written before names the same class."""
-    from topp_rl.rundir import config_changes
+    from topp_rl.run.rundir import config_changes
 
     old = {"task": {"_target_": "topp_rl.rollout.tasks.CopyDigitTask", "seed": 0}}
     new = {"task": {"_target_": "topp_rl.tasks.generated.CopyDigitTask", "seed": 0}}

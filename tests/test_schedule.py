@@ -5,8 +5,8 @@ import math
 import pytest
 from helpers import column, compose_cfg, read_metrics
 
-from topp_rl.schedule import LRSchedule
 from topp_rl.train import train
+from topp_rl.trainer.schedule import LRSchedule
 
 
 def test_warmup_then_cosine_and_linear_multipliers():

@@ -1,4 +1,4 @@
-"""Sharded checkpoints on disk (`topp_rl.sharded_checkpoint`, written by `parallel=fsdp`): `last.ckpt` a symlink
+"""Sharded checkpoints on disk (`topp_rl.run.sharded_checkpoint`, written by `parallel=fsdp`): `last.ckpt` a symlink
 switched atomically to a complete data dir, unnamed data dirs removed, the shards read back in one process, and a
 resume that mixes a sharded checkpoint with a single-file strategy (or the reverse) refused at start. The FSDP
 runs that write and resume these (world 2 -> 2 and 2 -> 4, SIGKILL) are in test_fsdp_train / test_checkpoint.
@@ -27,10 +27,10 @@ from helpers import TINY, compose_config
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from topp_rl.checkpoint import RECORD_KEY, AtomicCheckpointIO, CheckpointReadError
-from topp_rl.export import export_checkpoint
-from topp_rl.rundir import RunDir, read_record
-from topp_rl.sharded_checkpoint import (
+from topp_rl.run.checkpoint import RECORD_KEY, AtomicCheckpointIO, CheckpointReadError
+from topp_rl.run.export import export_checkpoint
+from topp_rl.run.rundir import RunDir, read_record
+from topp_rl.run.sharded_checkpoint import (
     META,
     data_dir_for,
     is_sharded,

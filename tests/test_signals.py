@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT
 from test_checkpoint import _cmd, _env, _lines, _rank_dump
 
-from topp_rl.rundir import read_record
+from topp_rl.run.rundir import read_record
 
 WAIT_S = 300  # for a start to finish a step, and for a stopped run to exit: a hang fails here
 

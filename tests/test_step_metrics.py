@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.trainer.step_metrics import StepMetrics
 
 STEPS = 7
 

@@ -1,4 +1,4 @@
-"""`python -m topp_rl.study ratios` (issue 13): the figures' identities on a tiny model, and the command end to end."""
+"""`python -m study ratios` (issue 13): the figures' identities on a tiny model, and the command end to end."""
 
 import csv
 import os
@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from topp_rl.backbone import HFBackbone
+from study.grid import Setting, grid, parse_truncation
+from study.ratios import kept_log_mass, run_engine
+from study.stats import table_rows
 from topp_rl.data.sample import Sample
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny
 from topp_rl.ops import Candidates
 from topp_rl.rollout import pack_samples
-from topp_rl.study.grid import Setting, grid, parse_truncation
-from topp_rl.study.ratios import kept_log_mass, run_engine
-from topp_rl.study.stats import table_rows
 from topp_rl.tasks import CountdownTask
+from topp_rl.trainer.backbone import HFBackbone
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [Setting(truncation="top_p=0.9", temperature=1.0), Setting(truncation="top_k=20", temperature=0.7)]
@@ -91,7 +91,7 @@ def test_settings_parse_and_reject_unknown_rules():
 @pytest.mark.subprocess
 def test_the_command_runs_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "topp_rl.study", "ratios", "model=tiny", "--prompts", "3", "--samples", "2",
+    cmd = [sys.executable, "-m", "study", "ratios", "model=tiny", "--prompts", "3", "--samples", "2",
            "--max-new-tokens", "8", "--truncations", "top_p=0.9,top_k=20", "--temperatures", "1.0",
            "--out", str(tmp_path), "task=countdown"]  # overrides on both sides of the options
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -111,7 +111,7 @@ def test_the_command_runs_end_to_end(tmp_path):
 
 @pytest.mark.subprocess
 def test_the_command_names_a_bad_engine():
-    done = subprocess.run([sys.executable, "-m", "topp_rl.study", "ratios", "--engines", "vllm"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "study", "ratios", "--engines", "vllm"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown ['vllm']; choose from embedded, sglang" in done.stderr
 
@@ -148,9 +148,9 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
 def test_saved_figures_merge_into_the_same_table(figures, tmp_path):
     from argparse import Namespace
 
-    from topp_rl.study.output import rows_of
-    from topp_rl.study.ratios import EngineRun
-    from topp_rl.study.run import load_runs, merge_ratios, save_runs
+    from study.output import rows_of
+    from study.ratios import EngineRun
+    from study.run import load_runs, merge_ratios, save_runs
 
     runs = [EngineRun(engine=name, prompts=4, figures=figures, wall_s=1.0) for name in ("embedded", "sglang")]
     for run in runs:

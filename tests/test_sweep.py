@@ -1,4 +1,4 @@
-"""Sweep names (topp_rl.sweep): job dirs name the swept keys (filesystem-safe, bounded), the W&B group names the
+"""Sweep names (topp_rl.run.sweep): job dirs name the swept keys (filesystem-safe, bounded), the W&B group names the
 sweep, and a resume hint for such a dir is one shell word that Hydra parses back to the dir."""
 
 import shlex
@@ -9,7 +9,7 @@ import pytest
 from helpers import ROOT
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from topp_rl.sweep import (
+from topp_rl.run.sweep import (
     MAX_DIR_LABEL_CHARS,
     group_label,
     job_label,
@@ -68,7 +68,7 @@ def test_multirun_job_dirs_group_and_names_hold_the_swept_keys(tmp_path):
     app = tmp_path / "app.py"
     app.write_text(
         "import hydra\nfrom hydra.core.hydra_config import HydraConfig\n"
-        "from topp_rl.loggers import group_name, run_display_name\n"
+        "from topp_rl.run.loggers import group_name, run_display_name\n"
         f"@hydra.main(version_base='1.3', config_path={str(ROOT / 'conf')!r}, config_name='config')\n"
         "def main(cfg):\n"
         "    print('JOB', HydraConfig.get().runtime.output_dir, '|', run_display_name(cfg), '|', group_name(cfg))\n"

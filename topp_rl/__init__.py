@@ -3,10 +3,10 @@
 Python API: `topp_rl.fit(overrides=[...])` trains one run and returns a `FitResult` (run dir, summary, metrics);
 `topp_rl.compose(overrides)` gives the config it would run (see `topp_rl.api`).
 Submodules are imported lazily so that `topp_rl.ops` stays a light, Lightning-free import. Importing the package
-registers the OmegaConf resolver that names a sweep's job dirs (`topp_rl.sweep`; omegaconf only).
+registers the OmegaConf resolver that names a sweep's job dirs (`topp_rl.run.sweep`; omegaconf only).
 """
 
-from topp_rl.sweep import register_resolvers
+from topp_rl.run.sweep import register_resolvers
 
 register_resolvers()
 
@@ -17,7 +17,7 @@ _API = ("FitResult", "compose", "fit")
 
 def __getattr__(name: str):
     if name == "ToppLogProb":
-        from topp_rl.hook import ToppLogProb
+        from topp_rl.trainer.hook import ToppLogProb
 
         return ToppLogProb
     if name in _API:

@@ -10,8 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from topp_rl.host_memory import request_huge_pages
 from topp_rl.paths import config_dir
+from topp_rl.run.host_memory import request_huge_pages
 
 USAGE = """usage: topp-rl COMMAND [ARGS ...]
 
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "train":
         train_command(rest)
     elif command == "export":
-        from topp_rl import export
+        from topp_rl.run import export
 
         export.main(rest, prog="topp-rl export")
     elif command == "report":
@@ -49,7 +49,7 @@ def train_command(overrides: Sequence[str]) -> None:
     """Run the Hydra app on `overrides` (exactly what `python train.py <overrides>` does)."""
     os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network unless a user opts in
     os.environ.setdefault("WANDB_QUIET", "true")  # no W&B history block at the end: the run prints its own summary
-    request_huge_pages()  # before torch is imported: torch reads it once (topp_rl.host_memory)
+    request_huge_pages()  # before torch is imported: torch reads it once (topp_rl.run.host_memory)
     import hydra
 
     # Lightning starts a multi-device run's other ranks by re-running `sys.argv` (+ the run dir): that must be the

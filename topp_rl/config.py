@@ -12,8 +12,11 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
+from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
+from topp_rl.parallel.capabilities import capabilities_of
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -160,9 +163,7 @@ def _is_fsdp(cfg: DictConfig) -> bool:
     strategy = cfg.parallel.get("strategy")
     if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return False
-    from topp_rl.fsdp.strategy import FSDPStrategy
-
-    return issubclass(target_class(strategy), FSDPStrategy)
+    return capabilities_of(target_class(strategy)).shards_hf_backbone
 
 
 def validate_fsdp(cfg: DictConfig, world: int) -> None:
@@ -293,8 +294,6 @@ def _validate_distributed_optimizer(cfg: DictConfig) -> None:
 def validate_weight_sync(cfg: DictConfig) -> None:
     """Without a weight sync the engine keeps sampling with the initial weights: every step after the first
     trains off-policy while the config claims on-policy updates. Refused unless asked for explicitly."""
-    from topp_rl.callbacks.weight_sync import WeightSync
-
     if any(issubclass(target_class(c), WeightSync) for c in callback_entries(cfg)) or cfg.get("allow_stale_weights"):
         return
     _fail("callbacks.weight_sync", None, "a WeightSync callback (the engine must sample with the trained weights "
@@ -311,7 +310,7 @@ def callback_entries(cfg: DictConfig) -> list[DictConfig]:
 # Settings node -> (the callback it configures, what makes it act, the entry name in callbacks/default.yaml).
 CALLBACK_SETTINGS = {
     "eval": ("topp_rl.callbacks.evaluation.Evaluation", "every_n_steps", "evaluation"),
-    "export": ("topp_rl.export.HFExport", "hf", "export"),
+    "export": ("topp_rl.run.export.HFExport", "hf", "export"),
 }
 
 
@@ -372,8 +371,6 @@ def validate_overlap(cfg: DictConfig) -> None:
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
     a model with MoE layers (checked once the model is built, before any engine starts)."""
-    from topp_rl.moe import moe_routing
-
     if not cfg.rollout.get("routing_replay", False):
         return
     if not cfg.rollout.get("record_routes", False):

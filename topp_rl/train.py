@@ -20,20 +20,21 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl import loggers as run_loggers
-from topp_rl.checkpoint import AtomicCheckpointIO, RunRecord, exit_status_on_signal
+from topp_rl.callbacks.evaluation import Evaluation
 from topp_rl.config import callback_entries, validate_config, validate_routing
-from topp_rl.console import StepTimer, route_lightning_logs
-from topp_rl.hook import ToppLogProb
-from topp_rl.host_memory import keep_freed_memory
-from topp_rl.loggers import LogConfig
-from topp_rl.lora import build_policy_backbone, check_lora_config, engine_model_factory
-from topp_rl.module import PolicyModule
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
-from topp_rl.rundir import RunDir, resolve_ckpt_path
-from topp_rl.schedule import LRSchedule
-from topp_rl.stop import StopOnSignal
-from topp_rl.summary import RunSummary, outputs_summary, print_summary, write_summary
+from topp_rl.run import loggers as run_loggers
+from topp_rl.run.checkpoint import AtomicCheckpointIO, RunRecord
+from topp_rl.run.console import StepTimer, route_lightning_logs
+from topp_rl.run.host_memory import keep_freed_memory
+from topp_rl.run.loggers import LogConfig
+from topp_rl.run.rundir import RunDir, resolve_ckpt_path
+from topp_rl.run.stop import StopOnSignal, exit_status_on_signal
+from topp_rl.run.summary import RunSummary, outputs_summary, print_summary, write_summary
+from topp_rl.trainer.hook import ToppLogProb
+from topp_rl.trainer.lora import build_policy_backbone, check_lora_config, engine_model_factory
+from topp_rl.trainer.module import PolicyModule
+from topp_rl.trainer.schedule import LRSchedule
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Run:
 
 
 def build_loggers(cfg: DictConfig) -> list:
-    """The loggers of `cfg.logger` (W&B mode / name / group / resume: `topp_rl.loggers`)."""
+    """The loggers of `cfg.logger` (W&B mode / name / group / resume: `topp_rl.run.loggers`)."""
     return run_loggers.build_loggers(cfg)
 
 
@@ -155,17 +156,23 @@ def train_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> tuple[Ru
         run = build_run(cfg, rewards=rewards)
         run_dir.record_config(cfg)  # config.yaml, or config.resume-<n>.yaml: the history is kept
         fit(run)
-    summary = run.summary.summary() | {"steps": run.trainer.global_step} | outputs_summary(run.trainer, run_dir)
+    summary = (run.summary.summary() | {"steps": run.trainer.global_step} | outputs_summary(run.trainer, run_dir)
+               | evaluation_summary(run.trainer))
     if run.trainer.is_global_zero:
         write_summary(summary, Path(cfg.paths.output_dir) / "summary.json")
         print_summary(summary, str(cfg.paths.output_dir))
     return run, summary
 
 
+def evaluation_summary(trainer: L.Trainer) -> dict[str, float | str]:
+    """The last evaluation's figures with the best checkpoint (`Evaluation.summary`); empty without one."""
+    return {k: v for c in trainer.callbacks if isinstance(c, Evaluation) for k, v in c.summary().items()}
+
+
 @contextlib.contextmanager
 def process_settings(cfg: DictConfig) -> Iterator[None]:
     """The config's process-wide settings for one run: torch's intra-op threads (restored after: tests run several
-    trainings in one process) and host memory reuse (`topp_rl.host_memory`; kept: it changes no value)."""
+    trainings in one process) and host memory reuse (`topp_rl.run.host_memory`; kept: it changes no value)."""
     threads = torch.get_num_threads()
     try:
         if cfg.get("num_threads"):

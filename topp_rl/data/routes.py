@@ -4,7 +4,7 @@ A route array holds, for every token an engine fed through the model (the prompt
 the last, whose successor is never sampled: SGLang's `[0, seqlen - 1)` rows), the top-k expert ids each MoE
 layer picked: integer [tokens, moe_layers, k], in the router's own top-k order. Ids are stored in the smallest
 dtype that holds them (uint8 up to 256 experts, else int16): `moe_layers * k` bytes per token with uint8
-(Qwen3-30B-A3B: 48 layers x top-8 = 384 B). Pure data: no model code here (`topp_rl.moe` reads HF routers).
+(Qwen3-30B-A3B: 48 layers x top-8 = 384 B). Pure data: no model code here (`topp_rl.models.moe` reads HF routers).
 """
 
 import contextlib
@@ -93,7 +93,7 @@ def route_agreement(want: torch.Tensor, own: torch.Tensor) -> tuple[int, int]:
 
 
 class ReplayState:
-    """What a backbone's route replay keeps between its routers' calls (HF: `topp_rl.moe.RouterReplay`; Megatron:
+    """What a backbone's route replay keeps between its routers' calls (HF: `topp_rl.models.moe.RouterReplay`; Megatron:
     `topp_rl.megatron.replay.MegatronRouterReplay`): the routes of the forward inside `using(routes)` (int64
     [rows, num_layers, k]; NO_ROUTE rows route by themselves), whether to `force` them, and each router's own
     top-k ids of that forward for `agreement`. Outside `using`, the routers run untouched."""

@@ -9,7 +9,7 @@ log-prob and the draw all come from the same probabilities. Departures from SGLa
 whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
 draw uses one seeded `torch.Generator` per `generate` call, so the same seed gives the same rollout.
 MoE models (`record_routes`, default on): every sample also gets the experts each MoE layer picked for every
-token fed through the model (prompt and response but the last token), read from HF's router (`topp_rl.moe`).
+token fed through the model (prompt and response but the last token), read from HF's router (`topp_rl.models.moe`).
 """
 
 import contextlib
@@ -28,7 +28,7 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
-from topp_rl.moe import RouteRecorder, moe_routing
+from topp_rl.models.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates
 from topp_rl.ops.draw import inverse_cdf, sample_kept
 from topp_rl.ops.sampling import nonfinite_row_error
@@ -283,7 +283,7 @@ def _response_lengths(hits: list[torch.Tensor], done: torch.Tensor, max_new_toke
 
 
 def _has_peft_layers(model: torch.nn.Module) -> bool:
-    """Whether PEFT injected adapter layers into `model` (`topp_rl.lora`); never imports PEFT itself."""
+    """Whether PEFT injected adapter layers into `model` (`topp_rl.trainer.lora`); never imports PEFT itself."""
     if "peft" not in sys.modules:
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -24,10 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from topp_rl.backbone import HFBackbone
 from topp_rl.data import PackedBatch
-from topp_rl.lora import LoraBackbone, merged_named_tensors
 from topp_rl.parallel import ParallelLayout
+from topp_rl.parallel.dtensor import full_tensor
+from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.lora import LoraBackbone, merged_named_tensors
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -156,16 +157,6 @@ class FSDPLoraBackbone(FSDPBackbone):
 def shard_backbone(inner: HFBackbone, **kwargs) -> FSDPBackbone:
     """`FSDPLoraBackbone` for a `LoraBackbone`, else `FSDPBackbone` (keyword arguments: `FSDPBackbone`'s)."""
     return (FSDPLoraBackbone if isinstance(inner, LoraBackbone) else FSDPBackbone)(inner, **kwargs)
-
-
-def full_tensor(t: Tensor) -> Tensor:
-    """The unsharded tensor (an all-gather for a DTensor; CPU-offloaded shards travel through the mesh device)."""
-    if not isinstance(t, DTensor):
-        return t
-    mesh_device = torch.device(t.device_mesh.device_type)
-    if t.device.type != mesh_device.type:
-        t = t.to(mesh_device)
-    return t.full_tensor()
 
 
 def _probe(inner: HFBackbone) -> dict[str, Tensor]:

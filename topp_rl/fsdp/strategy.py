@@ -16,12 +16,12 @@ checkpoint directory is rewritten in place (a SIGKILL mid-save leaves no complet
   norms) stay so. On CPU, and for every other precision, no policy: float32 gathers, and the plugin's autocast
   alone (as the unsharded HF backbone runs) — gloo all-gathers in bf16 would save little on one host.
 - every rank is a data-parallel rank and its own rollout source (Lightning's DDP sampler kwargs; no `rollout_peers`).
-- checkpoints: sharded, torch.distributed.checkpoint (`topp_rl.sharded_checkpoint`: `last.ckpt` a symlink to a
+- checkpoints: sharded, torch.distributed.checkpoint (`topp_rl.run.sharded_checkpoint`: `last.ckpt` a symlink to a
   data directory, switched atomically): each rank writes its own shards of the weights (under the keys of an
   unsharded `PolicyModule`, so `python -m topp_rl.export` reads them like any checkpoint) and of AdamW's state
   (keyed by parameter name); nothing is gathered. DCP reshards on load, so a run resumes at any world size.
   Restored after setup (`restore_checkpoint_after_setup`), into the sharded module and its optimizer. A
-  single-file checkpoint (another parallel config's) is refused at start (`topp_rl.rundir`) with the way over.
+  single-file checkpoint (another parallel config's) is refused at start (`topp_rl.run.rundir`) with the way over.
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from topp_rl.backbone import HFBackbone
-from topp_rl.checkpoint import CheckpointWriteError
-from topp_rl.engines.embedded import EmbeddedEngine
-from topp_rl.fsdp.backbone import FSDPBackbone, shard_backbone
-from topp_rl.sharded_checkpoint import (
+from topp_rl.fsdp.backbone import shard_backbone
+from topp_rl.parallel.capabilities import StrategyCapabilities
+from topp_rl.run.checkpoint import CheckpointWriteError
+from topp_rl.run.sharded_checkpoint import (
     data_dir_for,
     discard_unpublished,
     finish_save,
     is_sharded,
     load_shards,
     read_meta,
+    single_file_refusal,
     write_shards,
 )
+from topp_rl.trainer.backbone import HFBackbone
 
 _SLOTS = ("policy", "reference")
 
@@ -61,10 +62,11 @@ def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPo
     return None
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(StrategyCapabilities, DDPStrategy):
     """DDPStrategy + FSDP2 sharding of the HF backbones (see module docstring)."""
 
     strategy_name = "fsdp2"
+    writes_sharded_checkpoints = adapts_lora = shards_hf_backbone = True
 
     def __init__(self, *, cpu_offload: bool = False, **kwargs: Any) -> None:
         if not isinstance(cpu_offload, bool):
@@ -87,22 +89,9 @@ class FSDPStrategy(DDPStrategy):
             backbones[slot] = None if backbone is None else shard_backbone(  # a LoraBackbone: FSDPLoraBackbone
                 backbone, mesh=mesh, cpu_offload=self.cpu_offload, mp_policy=mp_policy
             )
-        module.use_backbones(**backbones)
-        self._share_with_engine(backbones["policy"])
+        module.use_backbones(**backbones)  # a shared embedded engine learns of it from `WeightSync.on_fit_start`
 
-    def _share_with_engine(self, policy: FSDPBackbone) -> None:
-        """A shared embedded engine samples with the policy's HF module, now sharded: gather it per generate."""
-        from topp_rl.rollout import RolloutDataModule
-
-        datamodule = self.lightning_module.trainer.datamodule
-        engine = datamodule.engine if isinstance(datamodule, RolloutDataModule) else None
-        if isinstance(engine, EmbeddedEngine) and engine.share_weights:
-            if engine.model is not policy.model:
-                raise ValueError("the shared embedded engine samples with another module than the policy; build it "
-                                 "from the policy (rollout.engine.share_weights=true) or give it its own copy (false)")
-            engine.sample_sharded(policy.gathered)
-
-    # ---- checkpoints: sharded (torch.distributed.checkpoint), see topp_rl.sharded_checkpoint ------------------------
+    # ---- checkpoints: sharded (torch.distributed.checkpoint), see topp_rl.run.sharded_checkpoint ------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the shards load into the sharded module and the optimizer built over it
@@ -183,10 +172,3 @@ def _unsharded_name(name: str) -> str:
 def _sharded_name(name: str) -> str:
     slot, _, rest = name.partition(".")
     return f"{slot}.inner.{rest}" if slot in _SLOTS else name
-
-
-def single_file_refusal(path: Path) -> str:
-    return (f"checkpoint {path} is a single-file checkpoint (another parallel config wrote it); parallel=fsdp "
-            f"resumes its own sharded checkpoints only (at any world size). Resume it with the parallel config "
-            f"that wrote it, or start an FSDP run from its weights: python -m topp_rl.export {path} <hf dir>, "
-            f"then model=hf_path model.path=<hf dir>")

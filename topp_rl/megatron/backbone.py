@@ -1,7 +1,7 @@
 """A megatron-core GPTModel backbone for HF Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mistral configs (`spec` maps each
 family), returning final hidden states, not logits.
 
-A `topp_rl.backbone.Backbone`: `MegatronBackbone.forward_hidden(batch)` runs one packed (THD) micro-batch and
+A `topp_rl.trainer.backbone.Backbone`: `MegatronBackbone.forward_hidden(batch)` runs one packed (THD) micro-batch and
 returns this rank's final hidden states (after the final norm) [T_local, H] in the layout's CP order
 (`layout.local_positions(seq_lengths)` gives each row's position in the unsharded packed stream, -1 = CP
 padding) and the output-layer weight shard [V_local, H]. The loss side feeds these straight into
@@ -23,7 +23,7 @@ Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron'
 against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2, Llama 3, SmolLM2 at TP <= 8).
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
-them (`routing_agreement`, a `topp_rl.backbone.ReportsRouting`); `routing_replay=True` also forces them. The
+them (`routing_agreement`, a `topp_rl.trainer.backbone.ReportsRouting`); `routing_replay=True` also forces them. The
 routes follow the tokens through the CP layout (`cp_shard`, CP padding rows without a route).
 """
 
@@ -32,14 +32,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from topp_rl.backbone import batch_routes
 from topp_rl.data import PackedBatch
 from topp_rl.data.routes import NO_ROUTE
 from topp_rl.megatron import cpu_shims
+from topp_rl.megatron.convert import load_hf_into
+from topp_rl.megatron.export import hf_named_tensors
+from topp_rl.megatron.grads import clip_grad_norm_
 from topp_rl.megatron.hf_config import hf_inv_freq, is_moe
+from topp_rl.megatron.moe import moe_stats
 from topp_rl.megatron.replay import MegatronRouterReplay, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
+from topp_rl.trainer.backbone import batch_routes
 
 
 def check_layout(hf_config, layout: ParallelLayout) -> None:
@@ -147,7 +151,6 @@ class MegatronBackbone(torch.nn.Module):
     def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0,
                 moe_aux_loss_coeff: float = 0.0, routing_replay: bool = False) -> MegatronBackbone:
         """This rank's backbone holding the HF model's weights (parallel_state must be initialised)."""
-        from topp_rl.megatron.convert import load_hf_into
 
         dtype = next(hf_model.parameters()).dtype
         backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff,
@@ -171,7 +174,6 @@ class MegatronBackbone(torch.nn.Module):
 
     def hf_named_tensors(self):
         """(HF name, full tensor) pairs, layer by layer; a collective over the TP group (see `export`)."""
-        from topp_rl.megatron.export import hf_named_tensors
 
         return hf_named_tensors(self)
 
@@ -182,7 +184,6 @@ class MegatronBackbone(torch.nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip like `torch.nn.utils.clip_grad_norm_` on the unsharded model; the norm before clipping."""
-        from topp_rl.megatron.grads import clip_grad_norm_
 
         if self._grad_owner is not None:
             return self._grad_owner.clip_grad_norm_(max_norm)
@@ -191,7 +192,6 @@ class MegatronBackbone(torch.nn.Module):
 
     def moe_stats(self) -> dict[str, Tensor]:
         """MoE load statistics of the last forward (`moe.moe_stats`); empty for dense models."""
-        from topp_rl.megatron.moe import moe_stats
 
         return moe_stats(self.model)
 

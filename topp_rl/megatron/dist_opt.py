@@ -12,7 +12,7 @@
    16-bit model, exist for the shard alone), then one all-gather refreshes every replica's weights.
 
 The torch optimizer object is kept (megatron swaps its param groups to the shards), so the run's `LambdaLR`
-(`topp_rl.schedule.LRSchedule`) keeps setting the lr of the groups megatron steps: the same lr per step.
+(`topp_rl.trainer.schedule.LRSchedule`) keeps setting the lr of the groups megatron steps: the same lr per step.
 
 Departures from megatron's own setup (`get_megatron_optimizer`, `finalize_model_grads`):
 - gradients are summed, not averaged, over DP x CP (the DDP sees `calculate_per_token_loss=True`, scaling 1):

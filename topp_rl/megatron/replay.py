@@ -1,5 +1,5 @@
 """Rollout routing replay on the Megatron backbone: each MoE layer's router compares its own top-k with the
-rollout's recorded experts and, under replay, uses the recorded ones (the HF side is `topp_rl.moe`).
+rollout's recorded experts and, under replay, uses the recorded ones (the HF side is `topp_rl.models.moe`).
 
 megatron-core's `TopKRouter` hands its top-k selection to `router.router_replay.get_replay_topk(scores, topk,
 num_groups, group_topk, default_compute_topk)` whenever that slot is set (`moe_enable_routing_replay` puts a

@@ -20,7 +20,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from topp_rl.megatron import cpu_shims
+from topp_rl.megatron import cpu_shims, moe
 from topp_rl.megatron.hf_config import attention_window, head_dim, model_type, moe_layers, qk_norm, qkv_bias
 
 
@@ -136,7 +136,6 @@ def layer_specs(config, dtype: torch.dtype, *, moe_aux_loss_coeff: float = 0.0):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from topp_rl.megatron import moe
 
     te = use_transformer_engine(dtype)
     pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers

@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from topp_rl.backbone import HFBackbone
 from topp_rl.megatron.backbone import MegatronBackbone
+from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.dist_opt import ShardedOptimizer
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
+from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
+from topp_rl.trainer.backbone import HFBackbone
 
 _MODEL_SLOTS = ("policy", "reference")
 # The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
@@ -51,7 +53,7 @@ WEIGHTS_ONLY_WAY_OUT = ("to go on from its weights alone at this layout, export 
                         "<ckpt> OUT) and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
 
 
-class MegatronStrategy(DDPStrategy):
+class MegatronStrategy(StrategyCapabilities, DDPStrategy):
     """DDPStrategy + megatron-core TP x CP (see module docstring)."""
 
     strategy_name = "megatron"
@@ -149,7 +151,7 @@ class MegatronStrategy(DDPStrategy):
         if not isinstance(backbone, HFBackbone):
             raise TypeError(
                 f"MegatronStrategy converts HFBackbone policies, got a {type(backbone).__name__} as {slot}; wrap "
-                "the HF model as topp_rl.backbone.HFBackbone(model)"
+                "the HF model as topp_rl.trainer.backbone.HFBackbone(model)"
             )
         # routing_replay travels with the backbone it was configured on (policy and reference alike).
         return MegatronBackbone.from_hf(backbone.model, layout=self.layout, seed=self.seed,
@@ -209,7 +211,6 @@ class MegatronStrategy(DDPStrategy):
         return state
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        from topp_rl.megatron.convert import load_hf_into
 
         module, state = self.lightning_module, checkpoint["state_dict"]
         slots = _backbone_slots(module)

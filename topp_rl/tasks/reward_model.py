@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from topp_rl.models.builders import _check_tokenizer_files, _load_tokenizer
+
 if TYPE_CHECKING:
     from topp_rl.data import PromptRecord
 
@@ -47,7 +49,6 @@ class RewardModel:
 
         # models.py owns reading a checkpoint directory (which tokenizer class reloads it exactly); imported here,
         # lazily, because the tasks room imports no model code when it loads (tests/test_imports.py).
-        from topp_rl.models import _check_tokenizer_files, _load_tokenizer
 
         self.path = Path(path).expanduser()
         if not (self.path / "config.json").is_file():

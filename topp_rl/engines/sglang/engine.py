@@ -27,6 +27,8 @@ from topp_rl.engines.sglang.router import SGLangRouter, check_policy
 from topp_rl.engines.sglang.routes import check_capture_device, with_route_capture
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
 from topp_rl.engines.sglang.weights import SyncMethod, WeightSync, WeightSyncStats
+from topp_rl.models import save_model
+from topp_rl.models.moe import moe_routing
 
 
 class SGLangEngine(RolloutEngine):
@@ -139,9 +141,7 @@ class SGLangEngine(RolloutEngine):
         """The config factory (`rollout.engine`): servers launched on the policy's initial weights, written
         once to `workdir/init` (SGLang loads weights from disk); their logs and weight copies live under `workdir`.
         A server always holds its own weights: `share_weights` (the embedded engine's option) must be false.
-        `record_routes`: ask for the routed experts when the policy is an MoE model (`topp_rl.moe`)."""
-        from topp_rl.models import save_model
-        from topp_rl.moe import moe_routing
+        `record_routes`: ask for the routed experts when the policy is an MoE model (`topp_rl.models.moe`)."""
 
         if share_weights:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Glue of `python -m topp_rl.study ratios`: compose the config, build the model, engines and prompts, run the
+"""Glue of `python -m study ratios`: compose the config, build the model, engines and prompts, run the
 grid on each engine, write the tables and the plot."""
 
 import platform
@@ -13,14 +13,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from topp_rl.backbone import HFBackbone
+from study.grid import Setting, grid
+from study.output import plot, rows_of, write_tables
+from study.ratios import EngineRun, run_engine
+from study.stats import TokenFigures
 from topp_rl.config import validate_config
 from topp_rl.engines.sglang.server import sglang_python
 from topp_rl.paths import config_dir
-from topp_rl.study.grid import Setting, grid
-from topp_rl.study.output import plot, rows_of, write_tables
-from topp_rl.study.ratios import EngineRun, run_engine
-from topp_rl.study.stats import TokenFigures
+from topp_rl.trainer.backbone import HFBackbone
 
 FIGURES = "figures.pt"
 
@@ -91,7 +91,7 @@ def merge_ratios(args) -> list[Path]:
     for d in args.dirs:
         path = d if d.is_file() else d / FIGURES
         if not path.is_file():
-            raise ValueError(f"{path} does not exist; pass output dirs of python -m topp_rl.study ratios (or a "
+            raise ValueError(f"{path} does not exist; pass output dirs of python -m study ratios (or a "
                              "partial-<engine>.pt file)")
         more, f = load_runs(path)
         runs += more
@@ -130,7 +130,7 @@ def _save_partial(run: EngineRun, cfg, args) -> None:
 
 def _facts(cfg: DictConfig, args, runs: list[EngineRun]) -> dict:
     return {
-        "command": "python -m topp_rl.study ratios " + " ".join(
+        "command": "python -m study ratios " + " ".join(
             [f"--engines {','.join(args.engines)}", f"--prompts {args.prompts}",
              f"--sglang-prompts {args.sglang_prompts}", f"--samples {args.samples}",
              f"--max-new-tokens {args.max_new_tokens}", *args.overrides]),

@@ -31,7 +31,7 @@ class StepMetrics(Callback):
         owners = [c for c in trainer.callbacks if isinstance(c, StepMetrics)]
         if len(owners) != 1:
             raise ValueError(
-                f"the trainer has {len(owners)} topp_rl.step_metrics.StepMetrics callbacks, need exactly 1: it "
+                f"the trainer has {len(owners)} topp_rl.trainer.step_metrics.StepMetrics callbacks, need exactly 1: it "
                 "logs the step's figures; PolicyModule brings one, another LightningModule must add "
                 "StepMetrics() as the last of the trainer's callbacks"
             )

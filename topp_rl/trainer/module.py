@@ -30,7 +30,10 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from topp_rl.backbone import (
+from topp_rl.data import PackedBatch, RolloutBatch
+from topp_rl.losses import LossInputs, PolicyLoss
+from topp_rl.parallel import ParallelLayout, gather_tokens
+from topp_rl.trainer.backbone import (
     Backbone,
     FrozenBase,
     HFBackbone,
@@ -40,17 +43,14 @@ from topp_rl.backbone import (
     local_tensor,
     nonfinite_parameters,
 )
-from topp_rl.data import PackedBatch, RolloutBatch
-from topp_rl.hook import ToppLogProb
-from topp_rl.lora import BASE_RECORD
-from topp_rl.losses import LossInputs, PolicyLoss
-from topp_rl.metrics import SumCount, add_sums, reduce_sums
-from topp_rl.parallel import ParallelLayout, gather_tokens
-from topp_rl.precision import LossScaledFP16
-from topp_rl.records import OnPolicyRecord
-from topp_rl.schedule import LRSchedule
-from topp_rl.step_metrics import StepMetrics
-from topp_rl.timer import PhaseTimer
+from topp_rl.trainer.hook import ToppLogProb
+from topp_rl.trainer.lora import BASE_RECORD
+from topp_rl.trainer.metrics import SumCount, add_sums, reduce_sums
+from topp_rl.trainer.precision import LossScaledFP16
+from topp_rl.trainer.records import OnPolicyRecord
+from topp_rl.trainer.schedule import LRSchedule
+from topp_rl.trainer.step_metrics import StepMetrics
+from topp_rl.trainer.timer import PhaseTimer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -69,7 +69,7 @@ def _check_backbone(model, slot: str) -> Backbone:
     if not isinstance(model, nn.Module) or not isinstance(model, Backbone):
         hint = " wrap an HF causal LM as HFBackbone(model);" if isinstance(model, nn.Module) else ""
         raise TypeError(
-            f"PolicyModule {slot} is a {type(model).__name__}, not a topp_rl.backbone.Backbone;{hint} "
+            f"PolicyModule {slot} is a {type(model).__name__}, not a topp_rl.trainer.backbone.Backbone;{hint} "
             "Megatron models come from topp_rl.megatron.MegatronBackbone"
         )
     return model

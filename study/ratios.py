@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from topp_rl.backbone import HFBackbone
+from study.grid import Setting
+from study.stats import TokenFigures
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.hook import ToppLogProb
-from topp_rl.module import PolicyModule
 from topp_rl.ops import Candidates
 from topp_rl.parallel import cp_local_positions, response_rows
 from topp_rl.rollout import pack_samples
-from topp_rl.study.grid import Setting
-from topp_rl.study.stats import TokenFigures
+from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.hook import ToppLogProb
+from topp_rl.trainer.module import PolicyModule
 
 
 class OneForward:

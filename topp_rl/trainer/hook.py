@@ -15,7 +15,7 @@ import torch
 from topp_rl.data import PackedBatch
 from topp_rl.ops import candidate_head_logprobs, token_logprobs
 from topp_rl.parallel import ParallelLayout, cp_local_positions, response_rows
-from topp_rl.records import OnPolicyRecord
+from topp_rl.trainer.records import OnPolicyRecord
 
 RECORD_BLOCK_ELEMENTS = 1 << 23  # logits per block of the on-policy record pass
 

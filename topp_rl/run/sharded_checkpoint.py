@@ -42,7 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from topp_rl.checkpoint import (
+from topp_rl.run.checkpoint import (
     AtomicCheckpointIO,
     CheckpointReadError,
     CheckpointWriteError,
@@ -289,3 +289,10 @@ def _indexed_size(path: Path, name: str) -> int | None:
     except Exception:
         return None
     return max((s.offset + s.length for s in index.storage_data.values() if s.relative_path == name), default=None)
+
+
+def single_file_refusal(path: Path) -> str:
+    return (f"checkpoint {path} is a single-file checkpoint (another parallel config wrote it); parallel=fsdp "
+            f"resumes its own sharded checkpoints only (at any world size). Resume it with the parallel config "
+            f"that wrote it, or start an FSDP run from its weights: python -m topp_rl.export {path} <hf dir>, "
+            f"then model=hf_path model.path=<hf dir>")

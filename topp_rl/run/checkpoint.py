@@ -5,11 +5,11 @@ Lightning's `TorchCheckpointIO` writes through an fsspec transaction, which for 
 the system temp dir and then `shutil.move`s it: across file systems that is a copy, so a SIGKILL mid-write can
 leave a truncated `last.ckpt`. `AtomicCheckpointIO` writes a temp file next to the target, fsyncs it and
 `os.replace`s it (atomic on POSIX), so a checkpoint path always holds a complete file. The temp file is named
-`.<target>.<pid>.<random>.tmp` (unique per writer; `topp_rl.rundir` removes those of dead writers at start) and
+`.<target>.<pid>.<random>.tmp` (unique per writer; `topp_rl.run.rundir` removes those of dead writers at start) and
 created with the umask's normal mode (0644 under umask 022; `mkstemp` would give 0600).
 
 `LastCheckpoint` is the only writer of `last.ckpt` (periodic, train end, SIGTERM / Ctrl-C). Lightning alone stops
-the loop on SIGTERM and exits 0 without saving; `topp_rl.stop.StopOnSignal` has all ranks stop after the same
+the loop on SIGTERM and exits 0 without saving; `topp_rl.run.stop.StopOnSignal` has all ranks stop after the same
 step, `LastCheckpoint` saves there and `fit` turns the stop into exit status 128 + signal number.
 
 The rollout state (step, RNG, data position) travels in the checkpoint through the datamodule's `state_dict`,
@@ -22,7 +22,6 @@ import re
 import secrets
 import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,8 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl.stop import StopOnSignal
-from topp_rl.sweep import run_dir_override
+from topp_rl.run.sweep import run_dir_override
 
 RECORD_KEY = "topp_rl"  # checkpoint[RECORD_KEY] = {"config": the run's resolved config}
 _TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
@@ -196,7 +194,7 @@ class LastCheckpoint(Checkpoint):
     fresh start). An exception other than a signal stop saves nothing: it may land mid-update, and the last save
     stays the newest consistent state.
 
-    Signals: `topp_rl.stop.StopOnSignal` has every rank raise Lightning's `SIGTERMException` at the end of the same
+    Signals: `topp_rl.run.stop.StopOnSignal` has every rank raise Lightning's `SIGTERMException` at the end of the same
     step, so the save here is the same consistent post-step state on all ranks (a KeyboardInterrupt can land
     mid-update, where a save would not resume exactly). `exit_status_on_signal` turns the stop into exit status
     128 + signal number.
@@ -242,30 +240,3 @@ class LastCheckpoint(Checkpoint):
             f"resume with the same overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit "
             f"status {128 + signum})"
         ))
-
-
-def _callback(trainer, kind: type[Callback]) -> Any:
-    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
-
-
-@contextmanager
-def exit_status_on_signal(trainer) -> Iterator[None]:
-    """Turn Lightning's `SIGTERMException` (a SystemExit with status 0) into `RunInterrupted` (128 + signal), and
-    close the run's `StopOnSignal` (its watchdog bounds everything up to here)."""
-    stopper: StopOnSignal | None = _callback(trainer, StopOnSignal)
-    try:
-        yield
-    except SIGTERMException:
-        signum = stopper.signum if stopper is not None and stopper.signum else signal.SIGTERM
-        saver: LastCheckpoint | None = _callback(trainer, LastCheckpoint)
-        if saver is not None and saver.saved_step == trainer.global_step:
-            err = saver.interrupted(trainer.global_step, signum)
-        else:
-            err = RunInterrupted(signum, f"[topp_rl] stopped by {signal.Signals(signum).name} after step "
-                                         f"{trainer.global_step}; no checkpoint saved (exit status {128 + signum})")
-        if trainer.is_global_zero:
-            print(err.message, file=sys.stderr, flush=True)
-        raise err from None
-    finally:
-        if stopper is not None:
-            stopper.close()

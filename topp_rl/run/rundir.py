@@ -26,7 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+
+from topp_rl.parallel.capabilities import capabilities_of
+from topp_rl.run.checkpoint import RECORD_KEY, read_checkpoint, temp_writer
+from topp_rl.run.sharded_checkpoint import is_sharded, read_meta, remove_unreferenced, single_file_refusal
 
 LOCK = ".lock"
 WANDB_ID = "wandb_id"
@@ -110,7 +115,6 @@ def remove_stale_temps(directory: Path, *, target: str | None = None) -> list[Pa
     Without `target`: every `.*.tmp` in `directory` (a checkpoint dir, with the run dir locked). With `target`:
     only the temps of `directory/target` named by `temp_path` (the dir may be anyone's, e.g. an export's parent).
     """
-    from topp_rl.checkpoint import temp_writer
 
     removed = []
     for tmp in sorted(directory.glob(f".{glob.escape(target)}.*.tmp" if target else ".*.tmp")):
@@ -136,7 +140,6 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
     start from scratch)."""
     if not ckpt_path:
         return None
-    from topp_rl.sharded_checkpoint import is_sharded
 
     path = checkpoint_dir / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
     if not (path.is_file() or is_sharded(path)):
@@ -151,8 +154,6 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
 def read_record(path: Path) -> tuple[dict | None, int | None]:
     """(the config `RunRecord` stored in a checkpoint, or None for checkpoints written before it existed;
     the checkpoint's global step)."""
-    from topp_rl.checkpoint import RECORD_KEY, read_checkpoint
-    from topp_rl.sharded_checkpoint import is_sharded, read_meta
 
     # mmap: the weights are not read, only the small pickled record (a sharded checkpoint's is meta.pt).
     checkpoint = (read_meta(path) if is_sharded(path)
@@ -162,19 +163,12 @@ def read_record(path: Path) -> tuple[dict | None, int | None]:
 
 def writes_sharded_checkpoints(cfg: DictConfig) -> bool:
     """The configured strategy saves sharded checkpoints (`parallel=fsdp`)."""
-    from hydra.utils import get_class
-
-    from topp_rl.fsdp.strategy import FSDPStrategy
-
     strategy = cfg.parallel.get("strategy")
-    return bool(strategy) and issubclass(get_class(strategy._target_), FSDPStrategy)
+    return bool(strategy) and capabilities_of(get_class(strategy._target_)).writes_sharded_checkpoints
 
 
 def check_checkpoint_format(cfg: DictConfig, path: Path) -> None:
     """A sharded checkpoint resumes under `parallel=fsdp` only, and `parallel=fsdp` resumes sharded ones only."""
-    from topp_rl.fsdp.strategy import single_file_refusal
-    from topp_rl.sharded_checkpoint import is_sharded
-
     sharded, sharded_run = is_sharded(path), writes_sharded_checkpoints(cfg)
     if sharded_run and not sharded:
         raise ValueError(single_file_refusal(path))
@@ -221,7 +215,7 @@ def _select(tree: dict, key: str) -> Any:
     return tree
 
 
-# Modules that moved (topp_rl.rollout split into data / engines / tasks): a checkpoint recorded with the old
+# Modules that moved (topp_rl.rollout split into data / engines / tasks; issue 36's rooms): a checkpoint recorded with the old
 # import path names the same class, so a resume is not refused for it.
 MOVED_MODULES = {
     "topp_rl.rollout.tasks.": "topp_rl.tasks.generated.",
@@ -230,6 +224,12 @@ MOVED_MODULES = {
     "topp_rl.rollout.embedded.": "topp_rl.engines.embedded.",
     "topp_rl.rollout.sglang.": "topp_rl.engines.sglang.",
     "callbacks.": "topp_rl.callbacks.",
+    # issue 36: the loose modules moved into rooms
+    **{f"topp_rl.{m}.": f"topp_rl.trainer.{m}." for m in ("module", "hook", "backbone", "lora", "metrics",
+                                                          "step_metrics", "records", "precision", "schedule", "timer")},
+    **{f"topp_rl.{m}.": f"topp_rl.run.{m}." for m in ("rundir", "checkpoint", "sharded_checkpoint", "summary",
+                                                      "console", "loggers", "sweep", "stop", "host_memory")},
+    "topp_rl.moe.": "topp_rl.models.moe.",
 }
 
 
@@ -340,7 +340,6 @@ class RunDir:
         self._open(cfg)
 
     def _open(self, cfg: DictConfig) -> None:
-        from topp_rl.sharded_checkpoint import remove_unreferenced
 
         if not self.owner:
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from topp_rl.curves import (
+from topp_rl.report.curves import (
     MISMATCH,
     REWARD,
     Bounds,
@@ -36,7 +36,7 @@ SEED_PANELS = (  # (metric, title) of seeds.png
 
 def variant_of(job: str) -> str:
     """A job label without its sweep number and seed, in both job dir styles: `3-p0.9-maskTrue-seed1` (a run
-    name) -> `p0.9-maskTrue`; `3-seed=1,algo=gspo` (swept keys, topp_rl.sweep) -> `algo=gspo`."""
+    name) -> `p0.9-maskTrue`; `3-seed=1,algo=gspo` (swept keys, topp_rl.run.sweep) -> `algo=gspo`."""
     name = re.sub(r"^\d+-", "", Path(job).name)
     name = re.sub(r"(^|,)seed=\d+(?=,|$)", "", name).strip(",")
     return re.sub(r"[-_]?seed\d+", "", name) or name

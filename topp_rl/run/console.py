@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar
 from tqdm.auto import tqdm
 
-from topp_rl.step_metrics import StepMetrics
+from topp_rl.trainer.step_metrics import StepMetrics
 
 # (metric, label on the bar, format)
 BAR_FIGURES = (

@@ -1,12 +1,12 @@
-"""`python -m topp_rl.study ratios [options] [hydra overrides...]`: the ratio table of issue 13.
+"""`python -m study ratios [options] [hydra overrides...]`: the ratio table of issue 13.
 
 The project's Hydra config is composed from `conf/` with the overrides (`experiment=`, `model=`, `task=`, `seed=`,
 ...): the model, task (its first `--prompts` examples) and seed come from it; the sampling grid comes from the
 options below (`rollout.*` sampling keys are not used). Example, the committed run:
-    python -m topp_rl.study ratios experiment=study_countdown --engines embedded,sglang \
+    python -m study ratios experiment=study_countdown --engines embedded,sglang \
         --out docs/results --plot docs/img/ratios.png
 Engines run apart (one process each, or on other machines) merge into one table:
-    python -m topp_rl.study merge DIR_A DIR_B --out docs/results --plot docs/img/ratios.png
+    python -m study merge DIR_A DIR_B --out docs/results --plot docs/img/ratios.png
 """
 
 import argparse
@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from topp_rl.study.grid import TEMPERATURES, TRUNCATIONS
+from study.grid import TEMPERATURES, TRUNCATIONS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m topp_rl.study", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m study", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ratios", help="importance ratios with and without the mask, per sampling setting")
@@ -59,13 +59,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    from topp_rl.study.run import merge_ratios, run_ratios  # heavy imports after the argument check
+    from study.run import merge_ratios, run_ratios  # heavy imports after the argument check
 
     start = time.perf_counter()
     try:
         paths = (run_ratios if args.command == "ratios" else merge_ratios)(args)
     except ValueError as err:
-        raise SystemExit(f"python -m topp_rl.study ratios: {err}") from err
+        raise SystemExit(f"python -m study ratios: {err}") from err
     for path in paths:
         print(path)
     print(f"[study] done in {time.perf_counter() - start:.0f} s", flush=True)

@@ -27,15 +27,19 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from topp_rl.rundir import read_record
-from topp_rl.sweep import run_dir_override
+from topp_rl.run.checkpoint import LastCheckpoint, RunInterrupted
+from topp_rl.run.rundir import read_record
+from topp_rl.run.sweep import run_dir_override
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -175,3 +179,30 @@ def _last_checkpoint(last: Path) -> str:
         return f"{last} could not be read ({type(err).__name__}: {err})"
     return (f"the last complete checkpoint, {last} (step {step}), is kept: resume with the same overrides plus "
             f"{run_dir_override(last.parent.parent)} ckpt_path=last")
+
+
+def _callback(trainer, kind: type[Callback]) -> Any:
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
+
+
+@contextmanager
+def exit_status_on_signal(trainer) -> Iterator[None]:
+    """Turn Lightning's `SIGTERMException` (a SystemExit with status 0) into `RunInterrupted` (128 + signal), and
+    close the run's `StopOnSignal` (its watchdog bounds everything up to here)."""
+    stopper: StopOnSignal | None = _callback(trainer, StopOnSignal)
+    try:
+        yield
+    except SIGTERMException:
+        signum = stopper.signum if stopper is not None and stopper.signum else signal.SIGTERM
+        saver: LastCheckpoint | None = _callback(trainer, LastCheckpoint)
+        if saver is not None and saver.saved_step == trainer.global_step:
+            err = saver.interrupted(trainer.global_step, signum)
+        else:
+            err = RunInterrupted(signum, f"[topp_rl] stopped by {signal.Signals(signum).name} after step "
+                                         f"{trainer.global_step}; no checkpoint saved (exit status {128 + signum})")
+        if trainer.is_global_zero:
+            print(err.message, file=sys.stderr, flush=True)
+        raise err from None
+    finally:
+        if stopper is not None:
+            stopper.close()

@@ -11,8 +11,8 @@ saves (`support_size_counts.json`, per job). Renders, each with a title naming t
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;
 - `val.png`: held-out evaluation (val/accuracy, val/pass@k, val/mean@k), when the run evaluated;
 - `support_size_hist.png`: histogram of candidate-set sizes over the run's trainable tokens;
-- with `--group-seeds`, `seeds.png` and `seeds.md` (`topp_rl.report_seeds`).
-Curves are drawn faint as logged and thick as a centred moving average (`topp_rl.curves`; `--smooth N` points).
+- with `--group-seeds`, `seeds.png` and `seeds.md` (`topp_rl.report.seeds`).
+Curves are drawn faint as logged and thick as a centred moving average (`topp_rl.report.curves`; `--smooth N` points).
 """
 
 import argparse
@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from topp_rl.curves import (  # noqa: E402
+from topp_rl.report.curves import (  # noqa: E402
     MISMATCH,
     REWARD,
     Bounds,
@@ -45,7 +45,7 @@ from topp_rl.curves import (  # noqa: E402
     parse_range,
     task_reward_range,
 )
-from topp_rl.report_seeds import group_seeds, seed_band, seed_markdown, seed_summary, seeds_figure, variant_of  # noqa: E402
+from topp_rl.report.seeds import group_seeds, seed_band, seed_markdown, seed_summary, seeds_figure, variant_of  # noqa: E402
 
 COUNTS_FILE = "support_size_counts.json"  # written by callbacks.SupportStats
 
@@ -281,7 +281,7 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
            ranges: dict[str, Bounds] | None = None) -> list[Path]:
     """Write the run's (or sweep's) PNGs into `out_dir` (default RUN_DIR/plots); returns the paths written.
     `smooth`: the moving average's window in points (None: about a sixth of the points; 0 or 1: none).
-    `ranges`: {metric: (low, high)} over the name-based ranges of `topp_rl.curves.METRIC_RANGES`."""
+    `ranges`: {metric: (low, high)} over the name-based ranges of `topp_rl.report.curves.METRIC_RANGES`."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist; pass a training run's output directory")
@@ -326,6 +326,3 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.report
     for path in paths:
         print(path)
 
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@
   defaults the variable to offline, so nothing reaches the network unless a user opts in). Lightning's own
   `offline=True` is not used: it rewrites `WANDB_MODE` for the whole process, so an online run was impossible.
 - Run name: `run_name`, plus the swept keys of a multirun job (`grpo-top_p0.8-seed0 [rollout.top_p=0.8]`),
-  so jobs are told apart (`topp_rl.sweep` reads the swept keys from the sweep's `multirun.yaml`).
+  so jobs are told apart (`topp_rl.run.sweep` reads the swept keys from the sweep's `multirun.yaml`).
 - Group: `group`, else in multirun mode the sweep, named by its dir and swept keys
   (`2026-12-02_14-05-09 [rollout.top_p,algo]`).
 - One W&B run id per run dir (`<run dir>/wandb_id`): a resume appends to the same run.
@@ -20,8 +20,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl.rundir import wandb_run_id
-from topp_rl.sweep import group_label, job_label, sweep_keys_of
+from topp_rl.run.rundir import wandb_run_id
+from topp_rl.run.sweep import group_label, job_label, sweep_keys_of
 
 WANDB_MODES = ("online", "offline", "disabled")
 

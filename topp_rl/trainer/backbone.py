@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from topp_rl.data import PackedBatch
 from topp_rl.data.routes import NO_ROUTE, MoeRouting
-from topp_rl.moe import RouterReplay, moe_routing
+from topp_rl.models.moe import RouterReplay, moe_routing
 from topp_rl.parallel import ParallelLayout
 
 
@@ -72,8 +72,18 @@ class SyncsGradients(Protocol):
 
 
 @runtime_checkable
+class ShardedWeights(Protocol):
+    """A backbone whose weights are sharded over ranks (`FSDPBackbone`): an engine sampling with the same module
+    (a shared embedded engine) must hold them whole while it generates."""
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """The whole model unsharded for the block (a collective: every rank enters it together)."""
+        ...
+
+
+@runtime_checkable
 class FrozenBase(Protocol):
-    """A backbone that trains adapters on a frozen base (`topp_rl.lora.LoraBackbone`, and sharded:
+    """A backbone that trains adapters on a frozen base (`topp_rl.trainer.lora.LoraBackbone`, and sharded:
     `topp_rl.fsdp.backbone.FSDPLoraBackbone`): the base, the adapters off, is the KL reference, so no copy of the
     model is made for it."""
 
@@ -175,7 +185,7 @@ class HFBackbone(nn.Module):
     storing them (HF's own layer checkpointing, non-reentrant): the same values and gradients, less memory,
     about one more forward of compute.
 
-    MoE models (`topp_rl.moe`): a batch carrying routes has each token's own top-k compared with them
+    MoE models (`topp_rl.models.moe`): a batch carrying routes has each token's own top-k compared with them
     (`routing_agreement`); `routing_replay=True` also forces them (`RouterReplay`), and then every batch must carry
     routes. A dense model refuses `routing_replay=True`.
     """

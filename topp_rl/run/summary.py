@@ -14,10 +14,9 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from topp_rl.callbacks.evaluation import Evaluation
-from topp_rl.checkpoint import LastCheckpoint
-from topp_rl.export import HFExport
-from topp_rl.sweep import run_dir_override
+from topp_rl.run.checkpoint import LastCheckpoint
+from topp_rl.run.export import HFExport
+from topp_rl.run.sweep import run_dir_override
 
 SUMMARY_KEYS = (
     "rollout/reward_mean",
@@ -58,8 +57,8 @@ class RunSummary(Callback):
 
 
 def outputs_summary(trainer, run_dir) -> dict[str, float | str]:
-    """What the run resumed from and leaves: `last.ckpt` and the HF export with their steps, and the last
-    evaluation's figures with the best checkpoint (`Evaluation.summary`)."""
+    """What the run resumed from and leaves: `last.ckpt` and the HF export with their steps (the last evaluation's
+    figures are the evaluation callback's own `summary()`, added by `topp_rl.train`)."""
     out: dict[str, float | str] = {}
     if run_dir.resume_from is not None:
         out |= {"resumed_from": str(run_dir.resume_from), "resumed_step": run_dir.resume_step}
@@ -68,8 +67,6 @@ def outputs_summary(trainer, run_dir) -> dict[str, float | str]:
             out |= {"checkpoint": str(callback.path), "checkpoint_step": callback.saved_step}
         elif isinstance(callback, HFExport) and callback.exported_step is not None:
             out |= export_summary(callback)
-        elif isinstance(callback, Evaluation):
-            out |= callback.summary()
     return out
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from topp_rl.study.ratios import EngineRun
-from topp_rl.study.stats import table_rows
+from study.ratios import EngineRun
+from study.stats import table_rows
 
 COLUMNS = ("engine", "temperature", "truncation", "scoring", "tokens", "ratio_mean", "ratio_median", "ratio_p5",
            "ratio_p95", "outside_0.9_1.1", "kl_k3", "max_abs_log_ratio", "kept_size_mean", "kept_mass_mean",

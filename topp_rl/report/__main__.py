@@ -1,0 +1,5 @@
+"""`python -m topp_rl.report RUN_DIR [--out DIR]` (see `topp_rl.report.plots`)."""
+
+from topp_rl.report.plots import main
+
+main()
