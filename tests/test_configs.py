@@ -83,7 +83,10 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.n_samples=1", "rollout.n_samples"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.devices=2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
-        ("parallel=tp2 trainer.devices=3", "parallel.tp_size * parallel.cp_size"),
+        ("parallel=tp2 trainer.devices=3", "parallel.tp_size * parallel.cp_size * parallel.pp_size"),
+        # Pipeline parallelism is a plan field already, refused above 1 until it is built (issue 36).
+        ("parallel=tp2 parallel.pp_size=2", "parallel.pp_size"),
+        ("parallel.pp_size=0", "parallel.pp_size"),
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
         ("parallel.tp_size=2", "parallel.tp_size"),
         ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),
@@ -176,7 +179,7 @@ def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer
         validate_config(_compose(["parallel=tp2", "+parallel.cpu_offload=true"], tmp_path))
     assert str(info.value) == (
         "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/tp2/tp2_cp2/tp2_ep2 (the "
-        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, strategy, tp_size); drop the key, or pick "
+        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size); drop the key, or pick "
         "a layout that reads it (parallel=fsdp)"
     )
 

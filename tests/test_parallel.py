@@ -201,3 +201,50 @@ def test_cuda_tensors_give_the_cpu_results():
             want_rows, want_cands = response_rows(pos, lengths, responses)
             assert torch.equal(rows.cpu(), want_rows) and torch.equal(cand_rows.cpu(), want_cands)
             assert torch.equal(cp_shard(x.cuda(), pos).cpu(), cp_shard(x, pos))
+
+
+# ----- ParallelPlan: the one owner of the size arithmetic (issue 36) -----
+@pytest.mark.parametrize(
+    ("sizes", "dp"),
+    [(dict(world=1), 1), (dict(world=8, tp=2), 4), (dict(world=8, tp=2, cp=2), 2), (dict(world=4, cp=2, ep=2), 2),
+     (dict(world=4, tp=2, ep=2), 2), (dict(world=4, fsdp=True), 4)],
+)
+def test_plan_derives_dp_from_the_world_and_the_model_parallel_sizes(sizes, dp):
+    from topp_rl.parallel.plan import ParallelPlan
+
+    plan = ParallelPlan(**sizes)
+    assert plan.dp == dp and plan.dp * plan.model_parallel == plan.world
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(world=3, tp=2), r"config parallel.tp_size \* parallel.cp_size \* parallel.pp_size=2: must be a divisor "
+                              r"of the world size \(3 = trainer.devices \* trainer.num_nodes\)"),
+        (dict(world=2, tp=2, ep=2), r"config parallel.ep_size=2: must be a divisor of data-parallel x context-parallel "
+                                    r"size \(1 x 1"),
+        (dict(world=4, pp=2), r"config parallel.pp_size=2: must be 1 \(pipeline parallelism is not built yet\)"),
+        (dict(world=2, tp=2, fsdp=True), r"config parallel.tp_size=2: must be 1 with parallel=fsdp"),
+        (dict(world=2, cp=0), r"config parallel.cp_size=0: must be an integer >= 1; use parallel.cp_size=1"),
+        (dict(world=2, tp=True), r"config parallel.tp_size=True: must be an integer >= 1"),
+        (dict(world=0), r"config trainer.devices \* trainer.num_nodes=0: must be an integer >= 1"),
+        (dict(world=2, cp=2, cp_mode="ring"), r"config parallel.cp_mode='ring': must be one of zigzag, allgather"),
+    ],
+)
+def test_plan_refuses_sizes_that_do_not_fit_naming_the_key_and_the_fix(sizes, message):
+    from topp_rl.parallel.plan import ParallelPlan
+
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan(**sizes)
+
+
+def test_plan_checks_prompts_per_data_parallel_rank_and_describes_itself():
+    from topp_rl.parallel.plan import ParallelPlan
+
+    plan = ParallelPlan(world=8, tp=2, cp=2, cp_mode="zigzag")
+    plan.check_prompts(4)
+    with pytest.raises(ValueError, match=r"config rollout.prompts_per_step=3: must be divisible by the data-parallel "
+                                         r"size \(2\); use a multiple of 2"):
+        plan.check_prompts(3)
+    assert plan.describe() == "world=8 dp=2 tp=2 cp=2 ep=1 pp=1 (zigzag)"
+    assert ParallelPlan(world=2, fsdp=True).describe() == "world=2 dp=2 tp=1 cp=1 ep=1 pp=1 fsdp"

@@ -17,6 +17,7 @@ from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import capabilities_of
+from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -169,11 +170,6 @@ def _is_fsdp(cfg: DictConfig) -> bool:
 def validate_fsdp(cfg: DictConfig, world: int) -> None:
     """parallel=fsdp shards the HF backbone over data-parallel ranks only: what it cannot honour is refused here."""
     p = cfg.parallel
-    for key in ("tp_size", "cp_size", "ep_size"):
-        if p[key] != 1:
-            _fail(f"parallel.{key}", p[key], "1 with parallel=fsdp (FSDP shards the weights over data-parallel "
-                  "ranks; tensor / context / expert parallelism is the Megatron backbone's)",
-                  f"set parallel.{key}=1, or pick a Megatron layout (parallel=tp2, cp2, ep2, ...)")
     offload = p.get("cpu_offload", False)
     if not isinstance(offload, bool):
         _fail("parallel.cpu_offload", offload, "true or false", "set parallel.cpu_offload=true or false")
@@ -224,19 +220,28 @@ def validate_layout_keys(cfg: DictConfig) -> None:
               "drop the key" + (f", or pick a layout that reads it (parallel={'/'.join(readers)})" if readers else ""))
 
 
+def parallel_plan(cfg: DictConfig) -> ParallelPlan:
+    """The run's `ParallelPlan` (its construction checks every size and how they combine with the world size)."""
+    p = cfg.parallel
+    return ParallelPlan(world=world_size(cfg), tp=p.tp_size, cp=p.cp_size, ep=p.ep_size, pp=p.get("pp_size", 1),
+                        fsdp=_is_fsdp(cfg), cp_mode=p.get("cp_mode", "zigzag"))
+
+
 def validate_parallel(cfg: DictConfig) -> None:
     validate_device_counts(cfg)
     validate_layout_keys(cfg)
     p, world = cfg.parallel, world_size(cfg)
+    for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
+        _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
+    for key in ("tp_size", "cp_size", "ep_size"):
+        if p[key] > 1 and not p.get("strategy"):
+            _fail(f"parallel.{key}", p[key], "1 without a parallel strategy (parallel=none runs the HF model whole)",
+                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
     fsdp = _is_fsdp(cfg)
+    parallel_plan(cfg)  # the sizes together: FSDP alone, divisors of the world, pp = 1
     if fsdp:
         validate_fsdp(cfg, world)
     megatron = p.get("strategy") and not fsdp
-    for key in ("tp_size", "cp_size", "ep_size"):
-        size = _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
-        if size > 1 and not p.get("strategy"):
-            _fail(f"parallel.{key}", size, "1 without a parallel strategy (parallel=none runs the HF model whole)",
-                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
     coeff = _number(cfg, "module.moe_aux_loss_coeff")
     if coeff < 0:
         _fail("module.moe_aux_loss_coeff", coeff, ">= 0", "use 0 (off, the RL default) or a small positive weight")
@@ -252,20 +257,7 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     _validate_distributed_optimizer(cfg)
-    model_parallel = p.tp_size * p.cp_size
-    if world % model_parallel:
-        _fail("parallel.tp_size * parallel.cp_size", model_parallel,
-              f"a divisor of the world size ({world} = trainer.devices * trainer.num_nodes)",
-              "change trainer.devices or the parallel sizes")
-    dp = world // model_parallel
-    if (dp * p.cp_size) % p.ep_size:
-        _fail("parallel.ep_size", p.ep_size, f"a divisor of data-parallel x context-parallel size ({dp} x "
-              f"{p.cp_size}: megatron spreads the experts over those ranks, with expert TP = parallel.tp_size)",
-              "choose an ep_size dividing it, or raise trainer.devices")
-    prompts = cfg.rollout.prompts_per_step
-    if prompts % dp:
-        _fail("rollout.prompts_per_step", prompts, f"divisible by the data-parallel size ({dp})",
-              f"use a multiple of {dp}, so that every rank gets whole prompt groups")
+    parallel_plan(cfg).check_prompts(cfg.rollout.prompts_per_step)
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
         # not wired for that, so multi-rank runs need a parallel/ config that brings its own strategy.

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.fsdp.backbone import shard_backbone
 from topp_rl.parallel.capabilities import StrategyCapabilities
+from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.run.checkpoint import CheckpointWriteError
 from topp_rl.run.sharded_checkpoint import (
     data_dir_for,
@@ -73,6 +74,11 @@ class FSDPStrategy(StrategyCapabilities, DDPStrategy):
             raise ValueError(f"FSDPStrategy cpu_offload={cpu_offload!r} must be true or false")
         super().__init__(**kwargs)
         self.cpu_offload = cpu_offload
+        self.plan: ParallelPlan | None = None  # built in setup_distributed, once the world size is known
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self.plan = ParallelPlan(world=dist.get_world_size(), fsdp=True)  # every rank data-parallel: dp = world
 
     def configure_ddp(self) -> None:
         if self.cpu_offload and self.root_device.type == "cpu":

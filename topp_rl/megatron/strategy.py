@@ -44,6 +44,7 @@ from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
+from topp_rl.parallel.plan import ParallelPlan, check_sizes
 from topp_rl.trainer.backbone import HFBackbone
 
 _MODEL_SLOTS = ("policy", "reference")
@@ -58,12 +59,10 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     strategy_name = "megatron"
 
-    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, cp_mode: str = "zigzag",
-                 moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False, seed: int = 0,
-                 **kwargs: Any) -> None:
-        for name, value in (("tp_size", tp_size), ("cp_size", cp_size), ("ep_size", ep_size)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"MegatronStrategy {name}={value!r} must be an int >= 1; use 1 to disable it")
+    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
+                 cp_mode: str = "zigzag", moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False,
+                 seed: int = 0, **kwargs: Any) -> None:
+        check_sizes(tp=tp_size, cp=cp_size, ep=ep_size, pp=pp_size)  # the rest once the world size is known
         if cp_size > 1 and cp_mode != "zigzag":
             raise ValueError(
                 f"MegatronStrategy cp_mode={cp_mode!r}: the Megatron backbone supports only 'zigzag' context "
@@ -75,6 +74,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
+        self.pp_size = pp_size
+        self.plan: ParallelPlan | None = None  # the sizes checked against the world size, in setup_distributed
         self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
         self._grad_syncs: list[GradSync] = []
@@ -84,18 +85,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         super().setup_distributed()
         from megatron.core import parallel_state as ps
 
-        world = dist.get_world_size()
-        if world % (self.tp_size * self.cp_size):
-            raise ValueError(
-                f"world size {world} is not divisible by tp_size * cp_size = {self.tp_size * self.cp_size}; "
-                "set trainer.devices to a multiple of it"
-            )
-        if (world // self.tp_size) % self.ep_size:
-            raise ValueError(
-                f"parallel.ep_size={self.ep_size} does not divide world size / tp_size = {world // self.tp_size} "
-                "(data-parallel x context-parallel ranks, over which megatron spreads the experts); choose an "
-                "ep_size dividing it or set trainer.devices to a multiple of tp_size * ep_size"
-            )
+        self.plan = ParallelPlan(world=dist.get_world_size(), tp=self.tp_size, cp=self.cp_size, ep=self.ep_size,
+                                 pp=self.pp_size, cp_mode=self.cp_mode)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size,
@@ -103,9 +94,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     @property
     def dp_size(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_world_size(with_context_parallel=False)
+        assert self.plan is not None, "dp_size is known once setup_distributed built the plan"
+        return self.plan.dp
 
     @property
     def dp_rank(self) -> int:

@@ -1,0 +1,87 @@
+"""`ParallelPlan`: the one owner of the parallel arithmetic. World size, tensor / context / expert / pipeline
+sizes and FSDP are validated once, here, with errors that name the key, the value, the rule and the fix; the
+config checks at start and the strategies at setup build one and read `dp` from it instead of dividing sizes
+themselves (the per-rank groups and coordinates are `ParallelLayout`'s, built from the strategy's groups).
+
+Rules (megatron-core's): world = dp x pp x cp x tp; the experts spread over the data x context ranks of a
+stage (ep divides dp x cp), with expert TP = tp. FSDP shards the HF model over data-parallel ranks only, so it
+combines with none of tp / cp / ep / pp. Pipeline parallelism is a field already; only pp=1 is built.
+"""
+
+from dataclasses import dataclass
+
+from topp_rl.parallel.context import CP_MODES
+
+SIZES = ("tp", "cp", "ep", "pp")
+CONFIG_KEY = {"tp": "parallel.tp_size", "cp": "parallel.cp_size", "ep": "parallel.ep_size", "pp": "parallel.pp_size",
+              "world": "trainer.devices * trainer.num_nodes", "cp_mode": "parallel.cp_mode",
+              "tp * cp * pp": "parallel.tp_size * parallel.cp_size * parallel.pp_size"}
+
+
+def _fail(key: str, value, constraint: str, fix: str) -> None:
+    raise ValueError(f"config {CONFIG_KEY.get(key, key)}={value!r}: must be {constraint}; {fix}")
+
+
+def check_sizes(**sizes: int) -> None:
+    """Each size (tp, cp, ep, pp, world) an integer >= 1 (a bool is not a size)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(name, value, "an integer >= 1", f"use {CONFIG_KEY.get(name, name)}=1 to disable it"
+                  if name != "world" else "set trainer.devices and trainer.num_nodes to 1 or more")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The run's parallel sizes, valid together (checked at construction); `dp` is derived."""
+
+    world: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    fsdp: bool = False
+    cp_mode: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        check_sizes(world=self.world, tp=self.tp, cp=self.cp, ep=self.ep, pp=self.pp)
+        if self.cp_mode not in CP_MODES:
+            _fail("cp_mode", self.cp_mode, f"one of {', '.join(CP_MODES)}", "use parallel.cp_mode=zigzag")
+        if self.pp != 1:
+            _fail("pp", self.pp, "1 (pipeline parallelism is not built yet)",
+                  "set parallel.pp_size=1; tensor (parallel=tp2), context (cp2) and expert (ep2) parallelism or FSDP "
+                  "split a model over ranks today")
+        if self.fsdp:
+            for name in SIZES:
+                if getattr(self, name) != 1:
+                    _fail(name, getattr(self, name), "1 with parallel=fsdp (FSDP shards the weights over "
+                          "data-parallel ranks; tensor / context / expert parallelism is the Megatron backbone's)",
+                          f"set {CONFIG_KEY[name]}=1, or pick a Megatron layout (parallel=tp2, cp2, ep2, ...)")
+        if self.world % self.model_parallel:
+            _fail("tp * cp * pp", self.model_parallel, f"a divisor of the world size ({self.world} = "
+                  "trainer.devices * trainer.num_nodes)", "change trainer.devices or the parallel sizes")
+        if (self.dp * self.cp) % self.ep:
+            _fail("ep", self.ep, f"a divisor of data-parallel x context-parallel size ({self.dp} x {self.cp}: "
+                  "megatron spreads the experts over those ranks, with expert TP = parallel.tp_size)",
+                  "choose an ep_size dividing it, or raise trainer.devices")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model between them (and train on one rollout share): tp x cp x pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the number of rollout shares a step's prompts are split into."""
+        return self.world // self.model_parallel
+
+    def check_prompts(self, prompts_per_step: int) -> None:
+        """Every data-parallel rank gets whole prompt groups."""
+        if prompts_per_step % self.dp:
+            _fail("rollout.prompts_per_step", prompts_per_step, f"divisible by the data-parallel size ({self.dp})",
+                  f"use a multiple of {self.dp}, so that every rank gets whole prompt groups")
+
+    def describe(self) -> str:
+        """`world=4 dp=1 tp=2 cp=2 ep=1 pp=1` (+ `fsdp`, + the CP mode when CP splits sequences)."""
+        sizes = " ".join(f"{n}={getattr(self, n)}" for n in SIZES)
+        return (f"world={self.world} dp={self.dp} {sizes}" + (" fsdp" if self.fsdp else "")
+                + (f" ({self.cp_mode})" if self.cp > 1 else ""))
