@@ -16,7 +16,7 @@ from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
-from topp_rl.parallel.capabilities import capabilities_of
+from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.tasks.reward_import import check_reward_config
 
@@ -160,11 +160,15 @@ def validate_sglang_candidates(cfg: DictConfig) -> None:
               f"set rollout.max_candidates={SGLANG_MIN_CANDIDATES} or more (default 4096)")
 
 
-def _is_fsdp(cfg: DictConfig) -> bool:
+def _capabilities(cfg: DictConfig) -> type[StrategyCapabilities]:
+    """What the configured strategy class states it is (defaults without one)."""
     strategy = cfg.parallel.get("strategy")
-    if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
-        return False
-    return capabilities_of(target_class(strategy)).shards_hf_backbone
+    known = isinstance(strategy, DictConfig) and "_target_" in strategy
+    return capabilities_of(target_class(strategy) if known else None)
+
+
+def _is_fsdp(cfg: DictConfig) -> bool:
+    return _capabilities(cfg).shards_hf_backbone
 
 
 def validate_fsdp(cfg: DictConfig, world: int) -> None:
@@ -249,10 +253,10 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("module.moe_aux_loss_coeff", coeff, "0 with the HF backbone (it does not add the load-balancing "
               "loss; the Megatron backbone does)", "use a Megatron parallel/ config (e.g. parallel=ep2) or set 0")
     cp_mode = p.get("cp_mode", "zigzag")
-    if megatron and p.cp_size > 1 and cp_mode != "zigzag":
-        _fail("parallel.cp_mode", cp_mode, "'zigzag' with the Megatron backbone (Megatron's THD RoPE and "
-              "transformer-engine's CP attention assume the zigzag split; all-gather CP exists only in the ops)",
-              "use parallel.cp_mode=zigzag")
+    if p.get("strategy") and p.cp_size > 1 and cp_mode not in (modes := _capabilities(cfg).cp_modes):
+        _fail("parallel.cp_mode", cp_mode, f"one of {', '.join(map(repr, modes))} with this layout (the Megatron "
+              "backbone's THD RoPE and transformer-engine's CP attention assume the zigzag split; all-gather CP "
+              "exists only in the ops)", f"use parallel.cp_mode={modes[0]}")
     if megatron and cfg.module.get("gradient_checkpointing"):
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")

@@ -45,6 +45,15 @@ from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
 from topp_rl.trainer.backbone import batch_routes
 
+# The context-parallel splits the Megatron backbone runs: Megatron's THD RoPE and transformer-engine's CP attention
+# assume the zigzag split (all-gather CP exists in the ops and the HF scorer only).
+CP_MODES = ("zigzag",)
+
+
+def cp_mode_refusal(mode: str) -> str:
+    return (f"parallel.cp_mode={mode!r}: the Megatron backbone splits sequences zigzag only (Megatron's THD RoPE "
+            "and transformer-engine's CP attention assume it); use parallel.cp_mode=zigzag")
+
 
 def check_layout(hf_config, layout: ParallelLayout) -> None:
     """The layout must describe this model's vocabulary and a CP split the backbone can run."""
@@ -53,11 +62,8 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
             f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
             "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
         )
-    if layout.cp_size > 1 and layout.cp_mode != "zigzag":
-        raise ValueError(
-            f"cp_mode={layout.cp_mode!r}: the Megatron backbone splits sequences zigzag only (Megatron's THD "
-            "RoPE and transformer-engine's CP attention assume it); use cp_mode='zigzag'"
-        )
+    if layout.cp_size > 1 and layout.cp_mode not in CP_MODES:
+        raise ValueError(cp_mode_refusal(layout.cp_mode))
 
 
 def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, seed: int = 0,

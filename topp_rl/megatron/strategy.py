@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from topp_rl.megatron.backbone import MegatronBackbone
+from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
 from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.dist_opt import ShardedOptimizer
 from topp_rl.megatron.grads import GradSync, is_expert_param
@@ -58,17 +58,14 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
     """DDPStrategy + megatron-core TP x CP (see module docstring)."""
 
     strategy_name = "megatron"
+    cp_modes = CP_MODES
 
     def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
                  cp_mode: str = "zigzag", moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False,
                  seed: int = 0, **kwargs: Any) -> None:
         check_sizes(tp=tp_size, cp=cp_size, ep=ep_size, pp=pp_size)  # the rest once the world size is known
-        if cp_size > 1 and cp_mode != "zigzag":
-            raise ValueError(
-                f"MegatronStrategy cp_mode={cp_mode!r}: the Megatron backbone supports only 'zigzag' context "
-                "parallelism (Megatron's THD RoPE and transformer-engine's CP attention assume it); use "
-                "parallel.cp_mode=zigzag"
-            )
+        if cp_size > 1 and cp_mode not in self.cp_modes:
+            raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
         super().__init__(**kwargs)

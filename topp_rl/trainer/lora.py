@@ -38,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from topp_rl.parallel.capabilities import capabilities_of
 from topp_rl.trainer.backbone import HFBackbone
 
 ADAPTER = "default"  # PEFT's name of the one adapter a run trains
@@ -101,14 +103,11 @@ class LoraSettings:
         return cls(**values)
 
 
-COMPOSES_WITH = ("topp_rl.fsdp.strategy.FSDPStrategy",)  # strategies that shard the adapted HF backbone
-
-
 def check_lora_config(cfg: DictConfig) -> LoraSettings:
     """The run's `module.lora`, refused at start where the run cannot honour it (a Megatron strategy)."""
     settings = LoraSettings.from_config(cfg.module.get("lora"))
     target = cfg.parallel.strategy.get("_target_") if cfg.parallel.get("strategy") else None
-    if settings.enabled and target is not None and target not in COMPOSES_WITH:
+    if settings.enabled and target is not None and not capabilities_of(get_class(target)).adapts_lora:
         raise ValueError(
             f"module.lora.rank={settings.rank} with a parallel strategy ({target}): LoRA runs on the HF backbone "
             "(Megatron's sharded layers are not adapted); use parallel=none or parallel=fsdp, or train the full "
