@@ -14,7 +14,9 @@ ALLOWED = {
     "topp_rl.data": {"topp_rl.ops", "topp_rl.data"},
     # topp_rl.moe: the HF MoE router hooks, shared by the engine (records routes) and the trainer (replays them).
     "topp_rl.moe": {"topp_rl.data", "topp_rl.moe"},
-    "topp_rl.engines": {"topp_rl.ops", "topp_rl.data", "topp_rl.moe", "topp_rl.engines"},
+    # The engine-neutral serving layer (before topp_rl.engines: the first matching room wins) imports no engine.
+    "topp_rl.engines.serving": {"topp_rl.ops", "topp_rl.data", "topp_rl.engines.serving"},
+    "topp_rl.engines": {"topp_rl.ops", "topp_rl.data", "topp_rl.moe", "topp_rl.engines.serving", "topp_rl.engines"},
     # topp_rl.paths: where the shipped config and data are (a leaf: it imports nothing of topp_rl).
     "topp_rl.paths": {"topp_rl.paths"},
     "topp_rl.tasks": {"topp_rl.data", "topp_rl.paths", "topp_rl.tasks"},

@@ -38,7 +38,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from topp_rl.backbone import HFBackbone
 from topp_rl.checkpoint import CheckpointWriteError
-from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.fsdp.backbone import FSDPBackbone, shard_backbone
 from topp_rl.sharded_checkpoint import (
     data_dir_for,
@@ -96,7 +95,7 @@ class FSDPStrategy(DDPStrategy):
 
         datamodule = self.lightning_module.trainer.datamodule
         engine = datamodule.engine if isinstance(datamodule, RolloutDataModule) else None
-        if isinstance(engine, EmbeddedEngine) and engine.share_weights:
+        if engine is not None and engine.shares_trainer_weights:  # the embedded engine with share_weights=true
             if engine.model is not policy.model:
                 raise ValueError("the shared embedded engine samples with another module than the policy; build it "
                                  "from the policy (rollout.engine.share_weights=true) or give it its own copy (false)")
