@@ -1,13 +1,14 @@
-"""The `RolloutEngine` contract, one suite run against every engine: the embedded engine always, the real SGLang
-server (one for the module, float32) under the `sglang` marker.
+"""The `RolloutEngine` contract, one suite run against every engine: the embedded engine always, the real
+SGLang server (one for the module, float32) under the `sglang` marker.
 
 Each engine samples from the tiny float32 Qwen2 its own tests use (tests/test_embedded_engine.py,
-tests/sglang_checks.py), and every sample is checked against a dense HF recomputation of that model's logits: n samples per prompt, prompt-major; each sampled token
-in its recorded kept set, the set being SGLang's rule (`sampling_candidates`) on those logits; the recorded
-log-prob renormalised over exactly the kept set. Tolerances are each engine's own (the embedded engine replays
-the same float32 forward: 1e-5, as tests/test_embedded_engine.py; SGLang runs another float32 kernel: `TOL`,
-and a set may differ only at the top-p boundary, as tests/test_sglang.py). Then: a weight update is reflected by
-the next rollout, capabilities answer, bad parameters are refused naming the value, and `close` is idempotent.
+tests/sglang_checks.py), and every sample is checked against a dense HF recomputation of that model's logits:
+n samples per prompt, prompt-major; each sampled token in its recorded kept set, the set being SGLang's rule
+(`sampling_candidates`) on those logits; the recorded log-prob renormalised over exactly the kept set.
+Tolerances are each engine's own (the embedded engine replays the same float32 forward: 1e-5, as
+tests/test_embedded_engine.py; SGLang runs another float32 kernel: `TOL`, and a set may differ only at the
+top-p boundary, as tests/test_sglang.py). Then: a weight update is reflected by the next rollout, capabilities
+answer, bad parameters are refused naming the value, and `close` is idempotent.
 """
 
 from dataclasses import dataclass
@@ -89,7 +90,8 @@ def check_against(subject: Subject, samples, model, params: SamplingParams) -> l
             want = set(ref.ids[ref.offsets[i] : ref.offsets[i + 1]].tolist())
             assert tok in kept.tolist(), f"{subject.name}: sampled token {tok} missing from its kept set"
             if set(kept.tolist()) != want:
-                assert not subject.exact_sets, f"{subject.name}: token {i} kept {sorted(kept.tolist())}, want {sorted(want)}"
+                differs = f"{subject.name} token {i}: kept {sorted(kept.tolist())}, want {sorted(want)}"
+                assert not subject.exact_sets, differs
                 assert boundary_explained(scaled[i].exp(), set(kept.tolist()) ^ want, params.top_p)
             renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)  # the dense log-prob over the kept set
             assert abs(float(renorm) - s.rollout_log_probs[i]) <= subject.tol

@@ -51,7 +51,6 @@ class RolloutEngine(Protocol):
         self.close()
 
 
-
 class EngineWrapper(RolloutEngine):
     """An engine around another (`inner`), answering with its capabilities."""
 
@@ -72,6 +71,7 @@ class EngineWrapper(RolloutEngine):
     @property
     def records_routes(self) -> bool:
         return self.inner.records_routes
+
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     """Every engine's input check: non-empty prompts of ids inside the model vocabulary."""
