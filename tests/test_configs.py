@@ -296,6 +296,37 @@ def test_max_candidates_of_one_with_sglang_fails_before_the_server_starts(tmp_pa
 
 
 
+def test_sglang_limits_are_nested_groups_checked_at_start(tmp_path):
+    """rollout.engine.timeouts / retries map onto `Timeouts` / `Retries` (the defaults' values), and a key or a
+    value they would refuse fails at start naming the key, not when the engine is built after the model loaded."""
+    import dataclasses
+
+    from topp_rl.engines.serving import Retries, Timeouts
+
+    cfg = _compose(["rollout=sglang"], tmp_path)
+    assert dict(cfg.rollout.engine.timeouts) == dataclasses.asdict(Timeouts())
+    assert dict(cfg.rollout.engine.retries) == dataclasses.asdict(Retries())
+    validate_config(cfg)
+    validate_config(_compose(["rollout=sglang", "rollout.engine.timeouts.first_byte_s=900"], tmp_path))
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(["rollout=sglang", "+rollout.engine.timeouts.connect_timeout_s=5"], tmp_path))
+    assert str(info.value) == (
+        "config rollout.engine.timeouts.connect_timeout_s=5: must be a field of Timeouts (connect_s, first_byte_s, "
+        "per_token_s, transfer_s, weight_update_s, per_gb_s); did you mean rollout.engine.timeouts.connect_s? fix "
+        "the spelling, or drop the key"
+    )
+    with pytest.raises(ValueError, match=r"^config rollout.engine.retries.attempts=2: must be a field of Retries "
+                                         r"\(max_retries, backoff_s, max_backoff_s\); fix the spelling"):
+        validate_config(_compose(["rollout=sglang", "+rollout.engine.retries.attempts=2"], tmp_path))
+    with pytest.raises(ValueError, match=r"^config rollout.engine.timeouts: timeouts \{'per_token_s': -1\} out of "
+                                         r"range: bases must be > 0"):
+        validate_config(_compose(["rollout=sglang", "rollout.engine.timeouts.per_token_s=-1"], tmp_path))
+    # The flat keys of before are refused, naming the engine's parameters.
+    with pytest.raises(ValueError, match=r"^config rollout.engine.first_byte_timeout_s=5: must be a parameter of "
+                                         r"topp_rl.engines.sglang.SGLangEngine.for_policy \(.*timeouts, retries"):
+        validate_config(_compose(["rollout=sglang", "+rollout.engine.first_byte_timeout_s=5"], tmp_path))
+
+
 def test_booleans_name_the_key_value_and_fix(tmp_path):
     with pytest.raises(ValueError) as info:
         validate_config(_compose(["module.gradient_checkpointing=yes"], tmp_path))

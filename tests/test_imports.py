@@ -19,7 +19,9 @@ FLOORS: list[tuple[str, list[str], str]] = [
     ("leaves", ["topp_rl.paths", "topp_rl.ops"], "where the shipped config / data are; pure numerics"),
     ("contracts", ["topp_rl.data", "topp_rl.parallel", "topp_rl.losses"],
      "samples, packed batches, sampling params; the parallel layout and collectives; the RL losses"),
-    ("models", ["topp_rl.models"], "tiny / SmolLM2 / HF dir builders, MoE route recording and replay"),
+    ("models, serving", ["topp_rl.models", "topp_rl.engines.serving"],
+     "tiny / SmolLM2 / HF dir builders, MoE route recording and replay; the engine-neutral serving layer (HTTP "
+     "client, processes, wire format, weight broadcast), which imports no engine"),
     ("rollout parts", ["topp_rl.engines", "topp_rl.tasks"], "engines (embedded, SGLang, serving); tasks, rewards"),
     ("rollout", ["topp_rl.rollout"], "the rollout step, the datamodule, advantages, packing, TP x CP sharing"),
     ("trainer", ["topp_rl.trainer"], "PolicyModule, backbone protocol, scorer hook, LoRA, metrics, precision"),
@@ -46,8 +48,6 @@ LAZY = {
     ("topp_rl.cli", "topp_rl.train"): "`topp-rl --help` and `train --help` answer without importing Lightning",
     ("topp_rl.cli", "topp_rl.run.export"): "each subcommand loads only what it runs",
     ("topp_rl.cli", "topp_rl.report"): "each subcommand loads only what it runs (matplotlib for report)",
-    ("topp_rl.config", "topp_rl.engines.sglang"): "the SGLang checks load the SGLang client only for rollout=sglang",
-    ("topp_rl.config", "topp_rl.data.params"): "imported beside the SGLang engine it checks",
 }
 
 PACKAGE_DIRS = {"callbacks": "topp_rl.callbacks"}  # folders installed under another name (pyproject's package-dir)

@@ -32,9 +32,9 @@ from sglang_checks import (
     wait_for_prefills,
 )  # fmt: skip
 
-from topp_rl.engines.sglang.process import group_alive
-from topp_rl.engines.sglang.server import free_port
-from topp_rl.engines.sglang.wire import decode_candidates
+from topp_rl.engines.serving.net import free_port
+from topp_rl.engines.serving.process import group_alive
+from topp_rl.engines.serving.wire import decode_candidates
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
 from topp_rl.rollout import SampleStatus, SamplingParams
 from topp_rl.rollout.datamodule import RolloutDataModule
@@ -43,7 +43,8 @@ from topp_rl.tasks import CopyDigitTask
 pytestmark = pytest.mark.sglang
 require_sglang(module=True)
 
-from topp_rl.engines.sglang import SGLangEngine, SGLangRequestError  # noqa: E402
+from topp_rl.engines.serving import RequestError  # noqa: E402
+from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +246,9 @@ def test_bad_input_and_unreachable_server(engine):
     with pytest.raises(ValueError, match="config.json does not exist"):
         SGLangEngine(model_path=Path(engine.model_path).parent / "no-such-model")
     start = time.monotonic()
-    with pytest.raises(SGLangRequestError, match="after 3 attempts"):
+    with pytest.raises(RequestError, match="after 3 attempts"):
         SGLangEngine(
-            urls=[f"http://127.0.0.1:{free_port()}"], max_retries=2, backoff_s=0.05, vocab_size=VOCAB
+            urls=[f"http://127.0.0.1:{free_port()}"], retries={"max_retries": 2, "backoff_s": 0.05}, vocab_size=VOCAB
         )
     assert time.monotonic() - start < 10
 
@@ -296,7 +297,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, model):
     proxy = _FlakyProxy(engine.urls[0], failures=3)
     try:
-        client = SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
+        client = SGLangEngine(urls=[proxy.url], model_path=model_dir, retries={"backoff_s": 0.01}, progress=False)
         with client:
             samples = client.generate(PROMPTS[:1], SamplingParams(top_p=0.9, max_new_tokens=4))
         assert proxy.served_503 == 3  # the probe at connect time and the rollout both went through retries
@@ -310,8 +311,8 @@ def test_5xx_is_retried_with_backoff_and_urls_round_robin(engine, model_dir, mod
             proxy.forwarded_generate - before == 2 + 3
         )  # connect-time probes (vocab, patch) + samples 1, 3, 5
         proxy.failures += 10  # more failures than retries: the error names the attempts and the last status
-        with pytest.raises(SGLangRequestError, match="after 5 attempts.*HTTP 503"):
-            SGLangEngine(urls=[proxy.url], model_path=model_dir, backoff_s=0.01, progress=False)
+        with pytest.raises(RequestError, match="after 5 attempts.*HTTP 503"):
+            SGLangEngine(urls=[proxy.url], model_path=model_dir, retries={"backoff_s": 0.01}, progress=False)
     finally:
         proxy.shutdown()
         proxy.server_close()

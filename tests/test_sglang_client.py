@@ -12,8 +12,10 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.engines.sglang import Retries, SGLangEngine, SGLangRequestError, SGLangTimeoutError, Timeouts
-from topp_rl.engines.sglang.protocol import SGLANG_OVERFLOW, error_message, overflow_sample
+from topp_rl.engines.serving import RequestError, RequestTimeoutError, Retries, Timeouts
+from topp_rl.engines.serving.client import error_message
+from topp_rl.engines.sglang import SGLangEngine
+from topp_rl.engines.sglang.protocol import SGLANG_OVERFLOW, overflow_sample
 from topp_rl.engines.sglang.server import SGLANG_PYTHON_ENV, SGLangServer, make_workdir
 
 
@@ -60,9 +62,9 @@ def test_hung_server_fails_within_its_bound_naming_server_and_call(mode, tmp_pat
     server = _HungServer(mode)
     start = time.monotonic()
     try:
-        with pytest.raises(SGLangTimeoutError) as err:
-            SGLangEngine(urls=[server.url], vocab_size=64, workdir=tmp_path, first_byte_timeout_s=1.5,
-                         transfer_timeout_s=1.0, progress_interval_s=0.5, max_retries=4)  # fmt: skip
+        with pytest.raises(RequestTimeoutError) as err:
+            SGLangEngine(urls=[server.url], vocab_size=64, workdir=tmp_path, progress_interval_s=0.5,
+                         timeouts={"first_byte_s": 1.5, "transfer_s": 1.0}, retries={"max_retries": 4})  # fmt: skip
     finally:
         server.close()
     waited = time.monotonic() - start
@@ -72,7 +74,7 @@ def test_hung_server_fails_within_its_bound_naming_server_and_call(mode, tmp_pat
     assert len(server._conns) == 1
     message = str(err.value)
     assert message.startswith(f"SGLang server {server.url}: GET /server_info got no complete answer after ")
-    assert "first-byte bound 1.5 s = first_byte_timeout_s 1.5 + per_token_timeout_s 0.5 x 0 tokens" in message
+    assert "first-byte bound 1.5 s = timeouts.first_byte_s 1.5 + timeouts.per_token_s 0.5 x 0 tokens" in message
     assert "whole request 2.5 s" in message
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("[topp_rl] SGLang server")]
     assert lines and all(f"{server.url}: GET /server_info waiting" in ln for ln in lines)
@@ -80,39 +82,42 @@ def test_hung_server_fails_within_its_bound_naming_server_and_call(mode, tmp_pat
 
 
 def test_bad_timeouts_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"timeouts \{'connect_timeout_s': 0\} out of range"):
-        SGLangEngine(urls=["http://127.0.0.1:1"], vocab_size=64, workdir=tmp_path, connect_timeout_s=0)
+    with pytest.raises(ValueError, match=r"timeouts \{'connect_s': 0\} out of range"):
+        SGLangEngine(urls=["http://127.0.0.1:1"], vocab_size=64, workdir=tmp_path, timeouts={"connect_s": 0})
 
 
 def test_timeouts_and_retries_give_the_bounds_and_delays():
-    timeouts = Timeouts(first_byte_timeout_s=30, per_token_timeout_s=0.25, transfer_timeout_s=10)
+    timeouts = Timeouts(first_byte_s=30, per_token_s=0.25, transfer_s=10)
     call = timeouts.call(tokens=40)
     assert (call.first_byte_s, call.total_s) == (40.0, 50.0)
-    assert call.how == "first_byte_timeout_s 30 + per_token_timeout_s 0.25 x 40 tokens"
+    assert call.how == "timeouts.first_byte_s 30 + timeouts.per_token_s 0.25 x 40 tokens"
     update = timeouts.weights(2 * 10**9)  # defaults: 120 s + 60 s per GB
     assert (update.first_byte_s, update.total_s) == (240.0, 250.0)
-    assert update.how == "weight_update_timeout_s 120 + per_gb_timeout_s 60 x 2.000 GB"
+    assert update.how == "timeouts.weight_update_s 120 + timeouts.per_gb_s 60 x 2.000 GB"
     assert [Retries(backoff_s=0.5, max_backoff_s=3).delay(k) for k in range(5)] == [0, 0.5, 1, 2, 3]
-    with pytest.raises(ValueError, match=r"timeouts \{'per_token_timeout_s': -1\} out of range"):
-        Timeouts(per_token_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"timeouts \{'per_token_s': -1\} out of range"):
+        Timeouts(per_token_s=-1)
     with pytest.raises(ValueError, match=r"max_retries \(-1\) must be an integer >= 0, backoff_s \(0.5\)"):
         Retries(max_retries=-1)
 
 
-def test_engine_builds_timeouts_and_retries_from_its_keywords_or_takes_them(tmp_path):
+def test_engine_builds_timeouts_and_retries_from_mappings_or_takes_them(tmp_path):
     kwargs = {"urls": ["http://127.0.0.1:1"], "vocab_size": 64, "workdir": tmp_path}
-    with pytest.raises(ValueError, match=r"timeouts= and \['connect_timeout_s'\] are both given; pass the values"):
-        SGLangEngine(timeouts=Timeouts(), connect_timeout_s=5, **kwargs)
-    with pytest.raises(ValueError, match=r"retries= and \['backoff_s'\] are both given"):
-        SGLangEngine(retries={"max_retries": 1}, backoff_s=0.1, **kwargs)
-    with pytest.raises(ValueError, match=r"timeouts \{'first_byte_timeout_s': 0\} out of range"):
-        SGLangEngine(timeouts={"first_byte_timeout_s": 0}, **kwargs)
+    with pytest.raises(ValueError, match=r"timeouts has no key 'connect_timeout_s': valid keys are connect_s, "
+                       r"first_byte_s, per_token_s, transfer_s, weight_update_s, per_gb_s \(Timeouts\); did you "
+                       r"mean 'connect_s'\? fix the spelling, or drop the key"):
+        SGLangEngine(timeouts={"connect_timeout_s": 5}, **kwargs)
+    with pytest.raises(ValueError, match=r"retries has no key 'attempts': valid keys are max_retries, backoff_s, "
+                       r"max_backoff_s \(Retries\)"):
+        SGLangEngine(retries={"attempts": 1}, **kwargs)
+    with pytest.raises(ValueError, match=r"timeouts \{'first_byte_s': 0\} out of range"):
+        SGLangEngine(timeouts={"first_byte_s": 0}, **kwargs)
     assert list(tmp_path.iterdir()) == []  # rejected before the work dir is made
-    # Given either way, the same limits reach the client: one attempt, no wait, refused at once.
-    keywords = {"max_retries": 0, "connect_timeout_s": 2}
-    objects = {"retries": Retries(max_retries=0), "timeouts": {"connect_timeout_s": 2}}
-    for limits in (keywords, objects):
-        with pytest.raises(SGLangRequestError, match=r"GET http://127.0.0.1:1/server_info failed after 1 attempt"):
+    # A mapping of some fields or the objects: the same limits reach the client: one attempt, refused at once.
+    mappings = {"retries": {"max_retries": 0}, "timeouts": {"connect_s": 2}}
+    objects = {"retries": Retries(max_retries=0), "timeouts": Timeouts(connect_s=2)}
+    for limits in (mappings, objects):
+        with pytest.raises(RequestError, match=r"GET http://127.0.0.1:1/server_info failed after 1 attempt"):
             SGLangEngine(**kwargs, **limits)
 
 

@@ -15,7 +15,7 @@ import pytest
 from sglang_checks import require_sglang
 
 import topp_rl
-from topp_rl.engines.sglang.process import group_alive
+from topp_rl.engines.serving.process import group_alive
 from topp_rl.engines.sglang.server import make_workdir
 from topp_rl.models import build_tiny_model, save_model
 from topp_rl.rollout import SamplingParams
@@ -23,7 +23,8 @@ from topp_rl.rollout import SamplingParams
 pytestmark = [pytest.mark.sglang, pytest.mark.subprocess]  # the trainer is a process of its own
 require_sglang(module=True)
 
-from topp_rl.engines.sglang import SGLangEngine, SGLangTimeoutError  # noqa: E402
+from topp_rl.engines.serving import RequestTimeoutError  # noqa: E402
+from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 
 # The trainer: launches a server, reports it, and on "go" dies (SIGKILL from the test) inside a disk weight sync.
 TRAINER = """
@@ -31,7 +32,7 @@ import json, sys, time
 from pathlib import Path
 import torch
 from topp_rl.engines.sglang import SGLangEngine
-from topp_rl.engines.sglang.weights import write_checkpoint
+from topp_rl.engines.serving.weights import write_checkpoint
 engine = SGLangEngine(model_path=sys.argv[1], workdir=sys.argv[2], progress=False)
 print(json.dumps({"url": engine.urls[0], "pgid": engine.server.pid, "workdir": str(engine.workdir)}), flush=True)
 sys.stdin.readline()
@@ -76,13 +77,13 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
 
         # A hung server: every wait ends within its bound, naming the server and the call.
         client = SGLangEngine(urls=[url], model_path=model_dir, workdir=tmp_path / "client", progress=False,
-                              first_byte_timeout_s=2.0, per_token_timeout_s=0.05, transfer_timeout_s=1.0,
-                              weight_update_timeout_s=2.0, per_gb_timeout_s=0.0, progress_interval_s=0.5)  # fmt: skip
+                              timeouts={"first_byte_s": 2.0, "per_token_s": 0.05, "transfer_s": 1.0,
+                                        "weight_update_s": 2.0, "per_gb_s": 0.0}, progress_interval_s=0.5)  # fmt: skip
         os.killpg(pgid, signal.SIGSTOP)
         try:
             start = time.monotonic()
             with pytest.raises(
-                SGLangTimeoutError, match=rf"^SGLang server {url}: POST /generate got no complete "
+                RequestTimeoutError, match=rf"^SGLang server {url}: POST /generate got no complete "
             ):
                 client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=17))
             # At least the bound (waited for it); the upper bound only catches a hang (a loaded machine is slow,
@@ -90,7 +91,7 @@ def test_hung_server_times_out_and_killed_trainer_leaves_no_server(tmp_path, cap
             assert 2.0 + 0.05 * 20 <= time.monotonic() - start < 2.0 + 0.05 * 20 + 60
             start = time.monotonic()
             # A sync's first call to the worker, pausing its generation, is bounded like the weight push itself.
-            with pytest.raises(SGLangTimeoutError, match=rf"{url}: POST /pause_generation .*per_gb"):
+            with pytest.raises(RequestTimeoutError, match=rf"{url}: POST /pause_generation .*per_gb"):
                 client.update_weights(model.named_parameters())
             assert 2.0 <= time.monotonic() - start < 2.0 + 60
         finally:

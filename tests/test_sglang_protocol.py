@@ -9,19 +9,18 @@ import torch
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import SampleStatus
+from topp_rl.engines.serving.client import error_message, parse_answer
+from topp_rl.engines.serving.wire import encode_candidates
 from topp_rl.engines.sglang.protocol import (
     SEED_STRIDE,
     SGLANG_OVERFLOW,
     Codec,
     ServerOverflow,
-    error_message,
     generate_answer,
     mask_cap,
-    parse_answer,
     served_vocab,
     vocab_probe_body,
 )
-from topp_rl.engines.sglang.wire import encode_candidates
 from topp_rl.ops import Candidates
 
 CODEC = Codec(vocab_size=100, max_candidates=4, b64=True)
@@ -202,7 +201,7 @@ def test_status_codes_and_reported_failures():
     with pytest.raises(
         RuntimeError, match=rf"SGLang at {URL} reported failure on /update_weights_from_disk: shape"
     ):
-        parse_answer("POST", URL, "/update_weights_from_disk", 200, failed)
+        parse_answer("POST", URL, "/update_weights_from_disk", 200, failed, label="SGLang")
 
 
 def test_error_message_reads_sglang_and_smg_bodies():

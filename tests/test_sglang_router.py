@@ -33,8 +33,8 @@ from sglang_checks import (
     wait_for_prefills,
 )
 
-from topp_rl.engines.sglang.process import group_alive
-from topp_rl.engines.sglang.weights import iter_buckets
+from topp_rl.engines.serving.process import group_alive
+from topp_rl.engines.serving.weights import iter_buckets
 from topp_rl.models import save_model
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams

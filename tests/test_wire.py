@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topp_rl.engines.sglang.wire import (
+from topp_rl.engines.serving.wire import (
     IDS_KEY,
     OFFSETS_KEY,
     decode_candidates,

@@ -5,8 +5,10 @@ of deep inside a rollout step. The sampling rules are the ops' own (`topp_rl.ops
 can do is asked of its class (`_target_`), never guessed from names.
 """
 
+import dataclasses
 import difflib
 import inspect
+import typing
 from typing import Any
 
 from hydra.utils import get_object
@@ -14,6 +16,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
+from topp_rl.data.params import SamplingParams
+from topp_rl.engines.base import RolloutEngine
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -27,7 +31,8 @@ BOOLEAN_KEYS = (
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
     "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
 )
-# Below this, SGLangEngine aborts every sample a truncating sampler keeps two ids for (`validate_sglang_candidates`).
+# Below this, a capped engine (SGLangEngine) aborts every sample a truncating sampler keeps two ids for
+# (`validate_sglang_candidates`).
 SGLANG_MIN_CANDIDATES = 2
 
 
@@ -103,12 +108,57 @@ def validate_target_kwargs(node: DictConfig, path: str) -> None:
               (f"did you mean {path}.{near[0]}? " if near else "") + "fix the spelling, or drop the key")
 
 
+def target_annotations(target: str) -> dict[str, Any]:
+    """The annotation of each keyword a `_target_` accepts (a `Class.factory` classmethod's and its class's)."""
+    obj = get_object(target)
+    owner = getattr(obj, "__self__", None)
+    found: dict[str, Any] = {}
+    for source in (obj, owner) if isinstance(owner, type) else (obj,):
+        for param in inspect.signature(source).parameters.values():
+            found.setdefault(param.name, param.annotation)
+    return found
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass an annotation names (`Timeouts | Mapping[str, float] | None` -> `Timeouts`), else None."""
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def validate_target_groups(node: DictConfig, path: str) -> None:
+    """A nested group passed to a parameter typed with a dataclass (`rollout.engine.timeouts` -> `Timeouts`,
+    `rollout.engine.retries` -> `Retries`): its keys must be fields of that dataclass and its values pass the
+    dataclass's own checks, now rather than when the engine is built after the model loaded."""
+    annotations = target_annotations(str(node._target_))
+    for key in node:
+        child = node._get_node(key)
+        if not isinstance(child, DictConfig) or child._is_interpolation() or child._is_none() or "_target_" in child:
+            continue
+        kind = _dataclass_in(annotations.get(str(key)))
+        if kind is None:
+            continue
+        valid = [f.name for f in dataclasses.fields(kind)]
+        for sub in child:
+            if sub not in valid:
+                near = difflib.get_close_matches(str(sub), valid, n=1, cutoff=0.5)
+                _fail(f"{path}.{key}.{sub}", child._get_node(sub)._value(),
+                      f"a field of {kind.__name__} ({', '.join(valid)})",
+                      (f"did you mean {path}.{key}.{near[0]}? " if near else "") + "fix the spelling, or drop the key")
+        try:
+            kind(**OmegaConf.to_container(child, resolve=True))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"config {path}.{key}: {err}") from None
+
+
 def validate_targets(node: DictConfig | ListConfig, path: str = "") -> None:
     """`validate_target_kwargs` for every `_target_` node of the config (trainer, trainer.plugins, model, task,
     optimizer, algo.loss, rollout.engine, callbacks.*, ...). Interpolations are skipped: their source is checked
     where it is defined (`data.advantage: ${algo.advantage}`)."""
     if isinstance(node, DictConfig) and "_target_" in node and path:
         validate_target_kwargs(node, path)
+        validate_target_groups(node, path)
     keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
     for key in keys:
         if not path and key == "hydra":
@@ -140,16 +190,18 @@ def validate_sampling(cfg: DictConfig) -> None:
 
 
 def validate_sglang_candidates(cfg: DictConfig) -> None:
-    """SGLangEngine aborts every sample whose kept set outgrows max_candidates; at max_candidates=1 that is every
-    sample a truncating sampler keeps two ids for, so the first step stopped (all samples aborted) after the
-    ~60 s server start. Checked here, before it. Greedy (top_k=1) and untruncated sampling (no mask asked) work."""
-    from topp_rl.data.params import SamplingParams
-    from topp_rl.engines.sglang import SGLangEngine
-
+    """An engine with a candidate cap (`RolloutEngine.max_candidates`, e.g. SGLangEngine) aborts every sample whose
+    kept set outgrows it; at max_candidates=1 that is every sample a truncating sampler keeps two ids for, so the
+    first step stopped (all samples aborted) after the ~60 s server start. Checked here, before it. Greedy
+    (top_k=1) and untruncated sampling (no mask asked) work."""
     engine, r = cfg.rollout.get("engine"), cfg.rollout
     if not isinstance(engine, DictConfig) or "_target_" not in engine:
         return
-    if not issubclass(target_class(engine), SGLangEngine):
+    engine_class = target_class(engine)
+    # The MRO, not issubclass: a Protocol with data members refuses issubclass.
+    if not (isinstance(engine_class, type) and RolloutEngine in engine_class.__mro__):
+        return
+    if engine_class.max_candidates is None:  # records sets of any size (the embedded engine)
         return
     value = engine.get("max_candidates", r.max_candidates)
     truncates = SamplingParams(top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).truncates

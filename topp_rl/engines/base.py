@@ -1,8 +1,12 @@
 """The `RolloutEngine` protocol every backend implements (`EmbeddedEngine`, `SGLangEngine`).
 
-Contract (docs/ARCHITECTURE.md): `generate` returns `params.n` samples per prompt, prompt-major (the pipeline
-numbers them: `topp_rl.data.number_samples`); `update_weights` takes HF parameter names; engines are context
-managers that `close()` on exit.
+Contract (docs/ARCHITECTURE.md; `tests/test_engine_contract.py` checks it for every engine): `generate` returns
+`params.n` samples per prompt, prompt-major (the pipeline numbers them: `topp_rl.data.number_samples`), each
+sampled token in its recorded kept set and its log-prob renormalised over that set; `update_weights` takes HF
+parameter names; engines are context managers that `close()` on exit (idempotent).
+
+What an engine can do is asked of its capabilities below, never of its class: wrappers (`VersionedEngine`,
+`SharedWorkersEngine`) answer for the engine they wrap.
 """
 
 from collections.abc import Iterable
@@ -17,6 +21,19 @@ from topp_rl.data.sample import Sample
 @runtime_checkable
 class RolloutEngine(Protocol):
     vocab_size: int
+    # ---- capabilities (class-level defaults; an engine overrides them, per instance where config decides) ----
+    # Samples with the trainer's own module (one copy of the weights): `update_weights` has nothing to copy, the
+    # engine cannot generate while the trainer updates (no `rollout.overlap`), and a sharded trainer (FSDP) hands
+    # it its gather with `sample_sharded(gathered)`. The embedded engine with share_weights=true.
+    shares_trainer_weights: bool = False
+    # The engine reaches workers that every data-parallel rank of the job reaches too (servers given by URL, a
+    # running router): one rank pushes the weights for all (`topp_rl.engines.shared.SharedWorkersEngine`).
+    shared_by_ranks: bool = False
+    # The largest kept set the engine records; a sample whose set outgrows it is aborted and flagged
+    # `candidate_overflow`, never cut. None: sets of any size (the embedded engine).
+    max_candidates: int | None = None
+    # Samples carry `Sample.routes` (the experts every MoE layer picked per token) for an MoE policy.
+    records_routes: bool = False
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
@@ -32,6 +49,28 @@ class RolloutEngine(Protocol):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class EngineWrapper(RolloutEngine):
+    """An engine around another (`inner`), answering with its capabilities."""
+
+    inner: RolloutEngine
+
+    @property
+    def shares_trainer_weights(self) -> bool:
+        return self.inner.shares_trainer_weights
+
+    @property
+    def shared_by_ranks(self) -> bool:
+        return self.inner.shared_by_ranks
+
+    @property
+    def max_candidates(self) -> int | None:
+        return self.inner.max_candidates
+
+    @property
+    def records_routes(self) -> bool:
+        return self.inner.records_routes
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

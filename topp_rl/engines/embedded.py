@@ -35,6 +35,9 @@ from topp_rl.ops.sampling import nonfinite_row_error
 
 
 class EmbeddedEngine(RolloutEngine):
+    shared_by_ranks = False  # in-process: every rank has its own
+    max_candidates = None  # records kept sets of any size
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -84,6 +87,15 @@ class EmbeddedEngine(RolloutEngine):
         """The config factory (`rollout.engine`): an engine on the policy's HF module (shared or copied, as
         `share_weights` says), with the tokenizer's stop / pad ids (`workdir` is unused: it writes no files)."""
         return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kwargs)
+
+    @property
+    def shares_trainer_weights(self) -> bool:
+        """Samples with the trainer's module itself (`share_weights=True`), not a copy."""
+        return self.share_weights
+
+    @property
+    def records_routes(self) -> bool:
+        return self.routing is not None
 
     @property
     def device(self) -> torch.device:

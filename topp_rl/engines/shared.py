@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample
-from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.base import EngineWrapper, RolloutEngine
 
 
-class SharedWorkersEngine(RolloutEngine):
+class SharedWorkersEngine(EngineWrapper):
     """`engine` of one source among `group`'s, which share its workers; `pushes` on exactly one of them."""
 
     def __init__(self, engine: RolloutEngine, *, pushes: bool, group: dist.ProcessGroup) -> None:

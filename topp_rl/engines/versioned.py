@@ -13,10 +13,10 @@ import torch
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample
-from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.base import EngineWrapper, RolloutEngine
 
 
-class VersionedEngine(RolloutEngine):
+class VersionedEngine(EngineWrapper):
     """A `RolloutEngine` made safe to generate on one thread while another pushes weights."""
 
     def __init__(self, engine: RolloutEngine) -> None:

@@ -15,8 +15,8 @@ from topp_rl.engines.base import RolloutEngine
 _LAZY = {
     "EmbeddedEngine": "topp_rl.engines.embedded",
     "SGLangEngine": "topp_rl.engines.sglang",
-    "encode_candidates": "topp_rl.engines.sglang.wire",
-    "decode_candidates": "topp_rl.engines.sglang.wire",
+    "encode_candidates": "topp_rl.engines.serving.wire",
+    "decode_candidates": "topp_rl.engines.serving.wire",
     "pack_samples": "topp_rl.rollout.packing",
     "RolloutDataModule": "topp_rl.rollout.datamodule",
     "RolloutTicket": "topp_rl.rollout.datamodule",

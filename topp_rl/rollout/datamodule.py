@@ -44,7 +44,6 @@ from topp_rl.data.prompt import check_encodable
 from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines import VersionedEngine
 from topp_rl.engines.base import RolloutEngine
-from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
@@ -192,7 +191,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
         if self._prefetch is None:
             return engine
-        if isinstance(engine, EmbeddedEngine) and engine.share_weights:
+        if engine.shares_trainer_weights:
             raise ValueError(
                 "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
                 "samples with the trainer's own weights (rollout.engine.share_weights=true); set "

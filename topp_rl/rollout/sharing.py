@@ -9,7 +9,6 @@ rank's rollout in flight.
 import torch.distributed as dist
 
 from topp_rl.engines.base import RolloutEngine
-from topp_rl.engines.sglang import SGLangEngine
 from topp_rl.parallel.peers import RolloutPeers
 
 
@@ -18,7 +17,7 @@ def shared_workers(engine: RolloutEngine | None, peers: RolloutPeers, *, overlap
     share workers (`pushes`: whether it is the one that pushes; `group`: the sources), else None."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    mine = (peers.is_source, isinstance(engine, SGLangEngine) and engine.shared_by_ranks)
+    mine = (peers.is_source, engine is not None and engine.shared_by_ranks)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     sources = [rank for rank, (is_source, _) in enumerate(everyone) if is_source]

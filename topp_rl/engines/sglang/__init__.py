@@ -1,14 +1,10 @@
-"""The SGLang engine: real SGLang servers (launched here or given by URL), optionally behind a router."""
+"""The SGLang engine: real SGLang servers (launched here or given by URL), optionally behind a router.
 
-from topp_rl.engines.sglang.client import Retries, SGLangRequestError, SGLangTimeoutError, Timeouts
+What is SGLang's own lives here (server launch flags, the /generate codec, the router, SGLang's weight-update
+endpoints, routed experts); the engine-neutral parts (HTTP client, process groups, candidate wire format, the
+weight broadcast) are `topp_rl.engines.serving`.
+"""
+
 from topp_rl.engines.sglang.engine import SGLangEngine
-from topp_rl.engines.sglang.weights import WeightSyncStats
 
-__all__ = [
-    "Retries",
-    "SGLangEngine",
-    "SGLangRequestError",
-    "SGLangTimeoutError",
-    "Timeouts",
-    "WeightSyncStats",
-]
+__all__ = ["SGLangEngine"]

@@ -4,8 +4,9 @@ One `/generate` request per sample, sent concurrently from a thread pool: throug
 one, else round-robin over the server URLs. The engine is a facade over its parts, each tested on its own:
 - `fleet.py`: where the workers are (launched, behind a router, or given) and the connect-time checks;
 - `protocol.py`: the codec, SamplingParams -> request body and answer -> Sample (candidate sets, overflow, seeds);
-- `client.py`: bounded, retried HTTP calls (`Timeouts`, `Retries`), the wait lines, the request errors;
-- `weights.py`: weight sync (pause, push from disk or by broadcast, resume) into every worker directly.
+- `weights.py`: weight sync (pause, push from disk or by broadcast, resume) into every worker directly;
+and over the engine-neutral serving layer (`topp_rl.engines.serving`): bounded, retried HTTP calls (`Timeouts`,
+`Retries`, the wait lines, the request errors), process groups, the candidate wire format, the weight broadcast.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,13 +21,14 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
 from topp_rl.engines.base import RolloutEngine, check_prompts
-from topp_rl.engines.sglang.client import Retries, SGLangClient, Timeouts, limits_from
+from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts, limits_from
+from topp_rl.engines.serving.weights import WeightSyncStats
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
 from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answer
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
 from topp_rl.engines.sglang.routes import check_capture_device, with_route_capture
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
-from topp_rl.engines.sglang.weights import SyncMethod, WeightSync, WeightSyncStats
+from topp_rl.engines.sglang.weights import SyncMethod, WeightSync
 from topp_rl.models import save_model
 from topp_rl.models.moe import moe_routing
 
@@ -37,8 +39,8 @@ class SGLangEngine(RolloutEngine):
       `router=True` a router (smg) in front of them; all owned, bound to loopback, stopped on `close()`;
     - `router_url`: a running router; its workers are found through its `GET /workers`;
     - `urls`: running servers addressed directly, round-robin per sample (no router).
-    The timeout keywords (None: the `Timeouts` default) build `timeouts`, the retry ones `retries`; pass either
-    the keywords or the object (or a mapping of its fields)."""
+    `timeouts` and `retries`: a `Timeouts` / `Retries`, or a mapping of some of its fields (the config groups
+    `rollout.engine.timeouts` / `rollout.engine.retries`; a key left out keeps its default)."""
 
     def __init__(
         self,
@@ -59,15 +61,6 @@ class SGLangEngine(RolloutEngine):
         weight_sync: SyncMethod = "disk",
         weight_bucket_bytes: int = 512 * 2**20,
         max_concurrency: int = 64,
-        max_retries: int | None = None,  # Retries: 4
-        backoff_s: float | None = None,  # 0.5
-        max_backoff_s: float | None = None,  # 8
-        connect_timeout_s: float | None = None,  # Timeouts: 10
-        first_byte_timeout_s: float | None = None,  # 60
-        per_token_timeout_s: float | None = None,  # 0.5
-        transfer_timeout_s: float | None = None,  # 60
-        weight_update_timeout_s: float | None = None,  # 120
-        per_gb_timeout_s: float | None = None,  # 60
         timeouts: Timeouts | Mapping[str, float] | None = None,
         retries: Retries | Mapping[str, float] | None = None,
         progress: bool = True,
@@ -91,13 +84,8 @@ class SGLangEngine(RolloutEngine):
                 f"max_candidates ({max_candidates}) and weight_bucket_bytes ({weight_bucket_bytes}) must be >= 1 "
                 "(defaults: 4096, SGLang's --sampling-mask-max-tokens default, and 512 MiB)"
             )
-        self.timeouts = limits_from(Timeouts, timeouts, "timeouts", {
-            "connect_timeout_s": connect_timeout_s, "first_byte_timeout_s": first_byte_timeout_s,
-            "per_token_timeout_s": per_token_timeout_s, "transfer_timeout_s": transfer_timeout_s,
-            "weight_update_timeout_s": weight_update_timeout_s, "per_gb_timeout_s": per_gb_timeout_s,
-        })  # fmt: skip
-        self.retries = limits_from(Retries, retries, "retries",
-                               {"max_retries": max_retries, "backoff_s": backoff_s, "max_backoff_s": max_backoff_s})  # fmt: skip
+        self.timeouts = limits_from(Timeouts, timeouts, "timeouts")
+        self.retries = limits_from(Retries, retries, "retries")
         self.max_candidates = max_candidates
         self.record_candidates, self.record_raw_log_probs = record_candidates, record_raw_log_probs
         # MoE: ask every /generate for the routed experts; launched servers get SGLang's capture flag.
@@ -116,8 +104,8 @@ class SGLangEngine(RolloutEngine):
         self.workdir = make_workdir(workdir)
         self.fleet = Fleet(workdir=self.workdir, model_path=Path(model_path) if model_path is not None else None,
                            vocab_size=vocab_size or 0, max_candidates=max_candidates)  # fmt: skip
-        self.client = SGLangClient(timeouts=self.timeouts, retries=self.retries, max_concurrency=max_concurrency,
-                                   progress_interval_s=progress_interval_s, notes=self.fleet)  # fmt: skip
+        self.client = HTTPClient(timeouts=self.timeouts, retries=self.retries, max_concurrency=max_concurrency,
+                                 progress_interval_s=progress_interval_s, notes=self.fleet, label="SGLang")  # fmt: skip
         self.weights = WeightSync(self.client, bucket_bytes=weight_bucket_bytes, host=weight_sync_host,
                                   workdir=self.workdir)  # fmt: skip
         try:
@@ -165,11 +153,19 @@ class SGLangEngine(RolloutEngine):
     def model_path(self) -> Path | None:
         return self.fleet.model_path
 
+    # ---- capabilities (RolloutEngine) ---------------------------------------------------------------------
+    shares_trainer_weights = False  # a server always holds its own copy
+    max_candidates: int = 4096  # the class default; each engine keeps its own (`max_candidates=`)
+
     @property
     def shared_by_ranks(self) -> bool:
         """The workers were given (`urls`, `router_url`), not launched here: every data-parallel rank of the job
         connects to the same ones (`topp_rl.engines.shared`)."""
         return self.connected
+
+    @property
+    def records_routes(self) -> bool:
+        return self.routing is not None
 
     @property
     def urls(self) -> list[str]:

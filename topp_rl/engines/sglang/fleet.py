@@ -6,7 +6,7 @@ workers through `GET /workers`), or running servers by URL. Then, per worker dir
 which does not route control calls either), `Fleet.connect` checks the served model against the policy's (vocab
 size, architectures: a server serving another model fails here, not at the first weight push), the mask cap
 (`--sampling-mask-max-tokens`) and whether it carries `patches/sglang` (a probe request); and that a router
-passes the candidate sets through. The fleet also names the processes behind an error (`client.ProcessNotes`).
+passes the candidate sets through. The fleet also names the processes behind an error (`serving.client.ProcessNotes`).
 """
 
 import json
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+from topp_rl.engines.serving.client import HTTPClient, RequestError
 from topp_rl.engines.sglang import protocol
-from topp_rl.engines.sglang.client import SGLangClient, SGLangRequestError
 from topp_rl.engines.sglang.router import SGLangRouter, router_workers
 from topp_rl.engines.sglang.server import SGLangServer, remove_workdir
 
@@ -81,11 +81,11 @@ class Fleet:
     def use_urls(self, urls: Sequence[str]) -> None:
         self.urls = [u.rstrip("/") for u in urls]
 
-    def join_router(self, client: SGLangClient, router_url: str) -> None:
+    def join_router(self, client: HTTPClient, router_url: str) -> None:
         self.router_url = router_url.rstrip("/")
         self.urls = self.discover_workers(client)
 
-    def discover_workers(self, client: SGLangClient) -> list[str]:
+    def discover_workers(self, client: HTTPClient) -> list[str]:
         """The router's healthy workers (`GET /workers`)."""
         found = router_workers(client.get(self.router_url, "/workers"), healthy_only=True)
         if not found:
@@ -95,7 +95,7 @@ class Fleet:
             )
         return found
 
-    def live_workers(self, client: SGLangClient) -> list[str]:
+    def live_workers(self, client: HTTPClient) -> list[str]:
         """The workers to update: the launched servers still running (one that exited is named and skipped:
         the router stops routing to it), the router's healthy workers now, or the given URLs."""
         if self.servers:
@@ -108,11 +108,11 @@ class Fleet:
         else:
             targets = self.discover_workers(client) if self.router_url is not None else list(self.urls)
         if not targets:
-            raise SGLangRequestError(f"no SGLang worker left to update (all of {self.urls} exited)")
+            raise RequestError(f"no SGLang worker left to update (all of {self.urls} exited)")
         return targets
 
     # ---- connect-time checks --------------------------------------------------------------------------------
-    def connect(self, client: SGLangClient, *, wire: WireMode) -> bool:
+    def connect(self, client: HTTPClient, *, wire: WireMode) -> bool:
         """Per worker (directly, not through the router): served model, mask cap and patch; then that the
         router passes the candidate sets through. Returns whether the compact (b64) wire format is used."""
         infos = [client.get(url, "/server_info") for url in self.urls]
@@ -147,7 +147,7 @@ class Fleet:
             self._check_router_passes_masks(client, b64=b64)
         return b64
 
-    def _check_router_passes_masks(self, client: SGLangClient, *, b64: bool) -> None:
+    def _check_router_passes_masks(self, client: HTTPClient, *, b64: bool) -> None:
         """smg re-serialises /generate through a fixed struct; releases before 1.5.0 drop our top-level fields."""
         answer = client.post(self.router_url, "/generate", protocol.probe_body(b64=b64))
         if not protocol.has_candidates(answer, b64=b64):
@@ -157,7 +157,7 @@ class Fleet:
                 ">= 1.5.0 (scripts/setup_sglang.sh pins 1.13.0) or connect to the servers with urls=[...]"
             )
 
-    def _check_served_model(self, client: SGLangClient, url: str) -> None:
+    def _check_served_model(self, client: HTTPClient, url: str) -> None:
         """The server must serve the policy's model: same vocab size and architectures (else the candidate ids
         mean other tokens, and a weight push with the policy's names and shapes fails or kills the server)."""
         served_arch = client.get(url, "/model_info").get("architectures")
@@ -182,7 +182,7 @@ class Fleet:
                 f"--model-path {self.model_path} (the policy's checkpoint) or point urls= at a server that does"
             )
 
-    # ---- what an error names (client.ProcessNotes) ------------------------------------------------------------
+    # ---- what an error names (serving.client.ProcessNotes) ------------------------------------------------------------
     def exit_note(self) -> str:
         """Why a launched server stopped answering, when it is because it exited (not a network problem)."""
         return "".join(f"; the launched server {srv.url} exited (code {srv.returncode}), its log: {srv.log_path}"

@@ -1,8 +1,8 @@
 """The `/generate` codec of `SGLangEngine`: `SamplingParams` -> request body, SGLang's answer -> `Sample`. Pure
-functions of their inputs (no HTTP: `client.py` sends, `fleet.py` probes), so each rule is tested without a server.
+functions of their inputs (no HTTP: `serving.client` sends, `fleet.py` probes), so each rule is tested without a server.
 
 Per response token the Sample gets:
-- the candidate set: SGLang's sampling mask (the ids its sampler kept), decoded by `topp_rl.engines.sglang.wire`,
+- the candidate set: SGLang's sampling mask (the ids its sampler kept), decoded by `topp_rl.engines.serving.wire`,
   from our compact base64 arrays when the servers carry `patches/sglang` (`Codec.b64`), else from SGLang's
   nested JSON lists;
 - `rollout_log_probs`: SGLang's `output_token_sampling_logprobs`, the sampled token's log-prob renormalised
@@ -23,7 +23,6 @@ reproduce a rollout (and with min_p > 0 no seed is sent: SGLang's seeded sampler
 request yields an empty Sample with status "aborted", never a half-filled one.
 """
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,8 +33,9 @@ import torch
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.serving.client import error_message, parse_answer
+from topp_rl.engines.serving.wire import IDS_KEY, decode_candidates
 from topp_rl.engines.sglang.routes import decode_routes
-from topp_rl.engines.sglang.wire import IDS_KEY, decode_candidates
 
 FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
 SEED_STRIDE = 1_000_003  # sampling_seed = seed * stride + sample index: distinct per sample, same per rerun
@@ -162,7 +162,7 @@ def generate_answer(url: str, status: int, text: str) -> dict[str, Any] | Server
     """A /generate's answer: the JSON, or `ServerOverflow` for SGLang's own overflow abort (HTTP 400)."""
     if status == 400 and SGLANG_OVERFLOW in text:
         return ServerOverflow(error_message(text))
-    return parse_answer("POST", url, "/generate", status, text)
+    return parse_answer("POST", url, "/generate", status, text, label="SGLang")
 
 
 def overflow_sample(prompt: list[int], message: str, *, weight_version: str | None) -> Sample:
@@ -177,28 +177,6 @@ def overflow_sample(prompt: list[int], message: str, *, weight_version: str | No
             "weight_version": weight_version,
         },
     )
-
-
-def parse_answer(method: str, url: str, path: str, status: int, text: str) -> dict[str, Any]:
-    """JSON answer of a call below HTTP 500; 4xx raise ValueError, a reported failure RuntimeError."""
-    if status >= 400:
-        raise ValueError(
-            f"SGLang at {url} rejected {method} {path} (HTTP {status}): {text[:500]}; "
-            "check the request parameters against the server's flags"
-        )
-    data = json.loads(text)
-    if isinstance(data, dict) and data.get("success") is False:
-        raise RuntimeError(f"SGLang at {url} reported failure on {path}: {data.get('message')}")
-    return data
-
-
-def error_message(text: str) -> str:
-    """The message of an SGLang / smg error body ({"error": {"message": ...}}), else the body itself."""
-    try:
-        error = json.loads(text).get("error")
-        return str(error.get("message") if isinstance(error, dict) else error or text)
-    except (ValueError, AttributeError):
-        return text[:500]
 
 
 # ---- connect-time probes (sent by fleet.py) -------------------------------------------------------------------

@@ -23,8 +23,9 @@ from typing import Any
 
 import requests
 
-from topp_rl.engines.sglang.process import LoggedProcessGroup, spawn_group
-from topp_rl.engines.sglang.server import free_port, require_sglang_python
+from topp_rl.engines.serving.net import free_port
+from topp_rl.engines.serving.process import LoggedProcessGroup, spawn_group
+from topp_rl.engines.sglang.server import require_sglang_python
 
 # smg 1.13's policies for a regular (not prefill/decode-disaggregated) fleet; "manual" and "passthrough" need
 # routing headers this client does not send.
@@ -44,7 +45,7 @@ class SGLangRouter(LoggedProcessGroup):
     Ready once smg reports every worker healthy (`GET /readiness`). `log_path` (`workdir/router.log`) is kept
     when it failed."""
 
-    kind = "router"
+    label = "SGLang router"
 
     def __init__(
         self,

@@ -22,12 +22,10 @@ adds `--device cpu --attention-backend torch_native` and SGLang's CPU engine, `d
 GPU defaults (use a CUDA SGLang 0.5.23 venv with `patches/sglang` applied, via `python=`).
 """
 
-import ipaddress
 import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -35,11 +33,11 @@ from pathlib import Path
 
 import requests
 
-from topp_rl.engines.sglang.process import LoggedProcessGroup, signal_group, spawn_group
+from topp_rl.engines.serving.net import LOOPBACK_IFNAME, free_port, is_loopback
+from topp_rl.engines.serving.process import LoggedProcessGroup, signal_group, spawn_group
 
 SGLANG_PYTHON_ENV = "TOPP_RL_SGLANG_PYTHON"
 WORKDIR_PREFIX = "topp_rl-sglang-"
-LOOPBACK_IFNAME = "lo" if sys.platform == "linux" else "lo0"
 _OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the work dir
 
 def sglang_python() -> Path | None:
@@ -62,21 +60,6 @@ def require_sglang_python(python: str | os.PathLike | None = None) -> Path:
             f"{source} ({value}) is not a file; set it to the python that scripts/setup_sglang.sh prints"
         )
     return Path(value)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---- work dirs ----------------------------------------------------------------------------------------------
@@ -145,7 +128,7 @@ class SGLangServer(LoggedProcessGroup):
     stop removes) its own. `failed` is True once the server exited on its own or did not come up; its log is
     then kept and its path printed."""
 
-    kind = "server"
+    label = "SGLang server"
 
     def __init__(
         self,

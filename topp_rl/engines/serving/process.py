@@ -1,4 +1,4 @@
-"""A launched process group (an SGLang server or router) behind a watchdog, with its log and a watcher.
+"""A launched process group (an inference server or router) behind a watchdog, with its log and a watcher.
 
 `spawn_group` starts a command behind `WATCHDOG`, the group leader, in a new session; `stop_group` takes the
 whole group down (SIGTERM, then SIGKILL). `LoggedProcessGroup` is what a server and a router share: the start
@@ -34,12 +34,13 @@ sys.exit(server.returncode)
 
 
 class LoggedProcessGroup:
-    """What a launched server and router share: a process group (`_proc`) writing to `log_path` (`_log`)."""
+    """What a launched server and router share: a process group (`_proc`) writing to `log_path` (`_log`),
+    named in messages as `label` (e.g. "SGLang server")."""
 
     url: str
     log_path: Path
     failed: bool
-    kind: str = "process"
+    label: str = "process"
     _stopping: threading.Event | None = None  # set by the watcher once ready (`_watch`), by `stop` to silence it
     # Made with the watcher (once ready), set once it has reported an exit while in use: what a caller (or a
     # test) waits on, since the watcher polls every WATCH_INTERVAL_S and a rollout retried elsewhere can finish
@@ -64,10 +65,10 @@ class LoggedProcessGroup:
 
     def _await_start(self, wait_ready: Callable[[], None]) -> None:
         """Run `wait_ready`, saying on the console that the start began and how long it took (a server start on
-        CPU takes ~20 s, mostly imports); on any failure, stop the group (the subclass's `stop`) and re-raise."""
+        CPU can take ~20 s, mostly imports); on any failure, stop the group (the subclass's `stop`) and re-raise."""
         start = time.monotonic()
         # stderr, like the waiting lines below: stdout may be a protocol (a parent reading JSON from it)
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: starting (log: {self.log_path})", file=sys.stderr,
+        print(f"[topp_rl] {self.label} {self.url}: starting (log: {self.log_path})", file=sys.stderr,
               flush=True)
         try:
             wait_ready()
@@ -75,7 +76,7 @@ class LoggedProcessGroup:
             self.failed = True
             self.stop()
             raise
-        print(f"[topp_rl] SGLang {self.kind} {self.url}: ready in {time.monotonic() - start:.1f} s",
+        print(f"[topp_rl] {self.label} {self.url}: ready in {time.monotonic() - start:.1f} s",
               file=sys.stderr, flush=True)
         self._watch()
 
@@ -95,13 +96,13 @@ class LoggedProcessGroup:
                 if not self._stopping.is_set():
                     self.failed = True
                     status = f"{code} (signal {signal.Signals(-code).name})" if code < 0 else str(code)
-                    print(f"[topp_rl] SGLang {self.kind} {self.url} (pid {self._proc.pid}) exited with status "
+                    print(f"[topp_rl] {self.label} {self.url} (pid {self._proc.pid}) exited with status "
                           f"{status} while in use; calls to it fail from now on (a router retries them on the "
                           f"other workers); log: {self.log_path}", file=sys.stderr, flush=True)  # fmt: skip
                     self.exit_reported.set()
                 return
 
-        threading.Thread(target=watch, name=f"topp_rl-sglang-{self.kind}-watch", daemon=True).start()
+        threading.Thread(target=watch, name=f"topp_rl-{self.label.lower().replace(' ', '-')}-watch", daemon=True).start()
 
     def _stop_group(self, timeout_s: float) -> bool:
         """SIGTERM the group, SIGKILL what is left after `timeout_s`; True on the first call (idempotent)."""
@@ -114,7 +115,7 @@ class LoggedProcessGroup:
             return False
         self._log.close()
         if self.failed:
-            print(f"[topp_rl] SGLang {self.kind} {self.url} failed; its log is kept at {self.log_path}",
+            print(f"[topp_rl] {self.label} {self.url} failed; its log is kept at {self.log_path}",
                   file=sys.stderr, flush=True)  # fmt: skip
         return True
 

@@ -1,18 +1,21 @@
-"""The HTTP client of `SGLangEngine`: bounded, retried, streamed JSON calls to SGLang servers and routers.
+"""An engine-neutral HTTP client for inference servers: bounded, retried, streamed JSON calls (`HTTPClient`).
 
 No silent hangs: every wait is bounded, separately (`Timeouts`): connect, first byte (a base plus an allowance
 per prompt + new token of a /generate, per GB of weights of an update), and the whole request (first-byte bound
-+ `transfer_timeout_s`, checked between body chunks). A timeout is not retried (a hung server does not recover by
-asking again): it raises `SGLangTimeoutError` naming the server, the call and the wait. Connection errors and
++ `transfer_s`, checked between body chunks). A timeout is not retried (a hung server does not recover by
+asking again): it raises `RequestTimeoutError` naming the server, the call and the wait. Connection errors and
 5xx are retried with bounded exponential backoff (`Retries`; on top of a router's own retries on another
 worker). While calls wait, one line per server and call goes to stderr every `progress_interval_s` (`Waits`).
+The engine names its servers in every message (`label`, e.g. "SGLang"); the endpoints are the engine's own.
 """
 
 import contextlib
+import difflib
+import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar
@@ -20,14 +23,12 @@ from typing import Any, Protocol, TypeVar
 import requests
 import urllib3
 
-from topp_rl.engines.sglang.protocol import parse_answer
 
-
-class SGLangRequestError(RuntimeError):
+class RequestError(RuntimeError):
     """A request that still failed (connection error or 5xx) after every retry."""
 
 
-class SGLangTimeoutError(SGLangRequestError):
+class RequestTimeoutError(RequestError):
     """A server that accepted a request but did not answer within its bound (not retried)."""
 
 
@@ -42,18 +43,18 @@ class Bound:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Every wait on a server, in seconds; the names are the engine's keyword arguments (`rollout.engine.*`).
-    Bases must be > 0, the per-token / per-GB allowances >= 0: every wait needs a finite bound."""
+    """Every wait on a server, in seconds (the config's `rollout.engine.timeouts.*`). Bases must be > 0, the
+    per-token / per-GB allowances >= 0: every wait needs a finite bound."""
 
-    connect_timeout_s: float = 10.0
-    first_byte_timeout_s: float = 60.0  # + per_token_timeout_s x (prompt + max_new_tokens) of a /generate
-    per_token_timeout_s: float = 0.5
-    transfer_timeout_s: float = 60.0  # added to the first-byte bound for the whole request
-    weight_update_timeout_s: float = 120.0  # + per_gb_timeout_s x GB of a weight-update call
-    per_gb_timeout_s: float = 60.0
+    connect_s: float = 10.0
+    first_byte_s: float = 60.0  # + per_token_s x (prompt + max_new_tokens) of a /generate
+    per_token_s: float = 0.5
+    transfer_s: float = 60.0  # added to the first-byte bound for the whole request
+    weight_update_s: float = 120.0  # + per_gb_s x GB of a weight-update call
+    per_gb_s: float = 60.0
 
     def __post_init__(self) -> None:
-        allowances = ("per_token_timeout_s", "per_gb_timeout_s")
+        allowances = ("per_token_s", "per_gb_s")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         bad = {k: v for k, v in values.items() if not (v >= 0 if k in allowances else v > 0)}
         if bad:
@@ -64,18 +65,17 @@ class Timeouts:
 
     def call(self, *, tokens: int = 0) -> Bound:
         """A /generate's (or a small call's) limits, scaled with its tokens."""
-        first = self.first_byte_timeout_s + self.per_token_timeout_s * tokens
-        how = f"first_byte_timeout_s {self.first_byte_timeout_s:g} + per_token_timeout_s "
-        how += f"{self.per_token_timeout_s:g} x {tokens} tokens"
-        return Bound(first_byte_s=first, total_s=first + self.transfer_timeout_s, how=how)
+        first = self.first_byte_s + self.per_token_s * tokens
+        how = f"timeouts.first_byte_s {self.first_byte_s:g} + timeouts.per_token_s {self.per_token_s:g} x {tokens} "
+        how += "tokens"
+        return Bound(first_byte_s=first, total_s=first + self.transfer_s, how=how)
 
     def weights(self, weight_bytes: int) -> Bound:
         """A weight-update call's limits (a bucket, a checkpoint load, pause / resume), scaled with its bytes."""
         gb = weight_bytes / 1e9
-        first = self.weight_update_timeout_s + self.per_gb_timeout_s * gb
-        how = f"weight_update_timeout_s {self.weight_update_timeout_s:g} + per_gb_timeout_s "
-        how += f"{self.per_gb_timeout_s:g} x {gb:.3f} GB"
-        return Bound(first_byte_s=first, total_s=first + self.transfer_timeout_s, how=how)
+        first = self.weight_update_s + self.per_gb_s * gb
+        how = f"timeouts.weight_update_s {self.weight_update_s:g} + timeouts.per_gb_s {self.per_gb_s:g} x {gb:.3f} GB"
+        return Bound(first_byte_s=first, total_s=first + self.transfer_s, how=how)
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ class _Deadline(Exception):
     pass
 
 
-class SGLangClient:
-    """JSON calls to SGLang over HTTP: one `requests.Session` per thread, a pool of `max_concurrency` threads for
+class HTTPClient:
+    """JSON calls to inference servers over HTTP: one `requests.Session` per thread, a pool of `max_concurrency` threads for
     concurrent calls (`submit`), each call bounded by a `Bound` and retried per `retries`."""
 
     def __init__(
@@ -124,13 +124,15 @@ class SGLangClient:
         max_concurrency: int = 64,
         progress_interval_s: float = 30.0,
         notes: ProcessNotes | None = None,
+        label: str,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency ({max_concurrency}) must be >= 1")
-        self.timeouts, self.retries, self.notes = timeouts, retries, notes
+        self.timeouts, self.retries, self.notes, self.label = timeouts, retries, notes, label
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
-        self.waits = Waits(progress_interval_s)
+        prefix = f"{label.lower()}-client"
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=prefix)
+        self.waits = Waits(progress_interval_s, label=label)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run `fn(*args)` on the client's thread pool."""
@@ -146,7 +148,7 @@ class SGLangClient:
         self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: Bound
     ) -> dict[str, Any]:
         """The JSON answer; 4xx raise ValueError, a reported failure RuntimeError (`parse_answer`)."""
-        return parse_answer(method, url, path, *self.call(method, url, path, body, bound))
+        return parse_answer(method, url, path, *self.call(method, url, path, body, bound), label=self.label)
 
     def call(
         self, method: str, url: str, path: str, body: dict[str, Any] | None, bound: Bound
@@ -162,7 +164,7 @@ class SGLangClient:
                 with self.waits.track(url, f"{method} {path}", bound.total_s):
                     status, text = self._send(method, url + path, body, bound, start)
             except (requests.ReadTimeout, _Deadline):
-                raise SGLangTimeoutError(self._timeout_message(method, url, path, bound, start)) from None
+                raise RequestTimeoutError(self._timeout_message(method, url, path, bound, start)) from None
             except requests.ConnectionError as err:  # refused, reset, connect timeout: it may be restarting
                 last = f"{type(err).__name__}: {err}"
                 continue
@@ -170,7 +172,7 @@ class SGLangClient:
                 last = f"HTTP {status}: {text[:300]}"
                 continue
             return status, text
-        raise SGLangRequestError(
+        raise RequestError(
             f"{method} {url}{path} failed after {self.retries.max_retries + 1} attempts; last error: {last}"
             + (self.notes.exit_note() if self.notes is not None else "")
         )
@@ -186,7 +188,7 @@ class SGLangClient:
     ) -> tuple[int, str]:
         """One attempt: headers within the first-byte bound, then the body in chunks, each chunk read bounded
         by the socket timeout and the whole request by `bound.total_s` (checked between chunks)."""
-        timeout = (self.timeouts.connect_timeout_s, bound.first_byte_s)
+        timeout = (self.timeouts.connect_s, bound.first_byte_s)
         with self._session().request(method, full_url, json=body, timeout=timeout, stream=True) as resp:
             chunks = []
             try:
@@ -205,7 +207,7 @@ class SGLangClient:
         logs = self.notes.logs_of(url) if self.notes is not None else []
         log = f"; its log: {', '.join(logs)}" if logs else ""
         return (
-            f"SGLang server {url}: {method} {path} got no complete answer after {time.monotonic() - start:.1f} s "
+            f"{self.label} server {url}: {method} {path} got no complete answer after {time.monotonic() - start:.1f} s "
             f"(first-byte bound {bound.first_byte_s:.1f} s = {bound.how}; whole request {bound.total_s:.1f} s); "
             f"the server is hung or overloaded (stopped, or its scheduler died){log}; if it is only slow, raise "
             "those timeouts"
@@ -221,8 +223,8 @@ class Waits:
     """The calls in flight; while one waits longer than `interval_s`, a daemon thread prints one line per
     (server, call) every `interval_s`, so a slow or hung server is never silent. 0 turns the lines off."""
 
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
+    def __init__(self, interval_s: float, *, label: str) -> None:
+        self.interval_s, self.label = interval_s, label
         self._calls: dict[int, tuple[str, str, float, float]] = {}  # id -> (url, call, start, bound)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -234,7 +236,7 @@ class Waits:
         with self._lock:
             self._calls[id(key)] = (url, call, time.monotonic(), bound_s)
             if self._thread is None and self.interval_s > 0:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="sglang-waits")
+                self._thread = threading.Thread(target=self._run, daemon=True, name=f"{self.label.lower()}-waits")
                 self._thread.start()
         try:
             yield
@@ -257,7 +259,7 @@ class Waits:
         for (url, call), waits in sorted(groups.items()):
             start, bound = min(waits)
             if now - start >= self.interval_s:
-                out.append(f"[topp_rl] SGLang server {url}: {call} waiting {now - start:.0f} s "
+                out.append(f"[topp_rl] {self.label} server {url}: {call} waiting {now - start:.0f} s "
                            f"(bound {bound:.0f} s; {len(waits)} pending)")  # fmt: skip
         return out
 
@@ -268,14 +270,48 @@ class Waits:
 _Limits = TypeVar("_Limits", Timeouts, Retries)
 
 
-def limits_from(kind: type[_Limits], given: _Limits | Mapping[str, Any] | None, name: str,
-            keywords: dict[str, Any]) -> _Limits:  # fmt: skip
-    """`given` (an object or a mapping of its fields), else one built from the keywords set (not None)."""
-    set_ = {k: v for k, v in keywords.items() if v is not None}
-    if given is not None and set_:
-        raise ValueError(
-            f"{name}= and {sorted(set_)} are both given; pass the values once, either as keywords or in {name}="
-        )
+def limits_from(kind: type[_Limits], given: _Limits | Mapping[str, Any] | None, name: str) -> _Limits:
+    """`given` itself, or one built from a mapping of its fields (a config group such as
+    `rollout.engine.timeouts`; a key missing keeps its default), or the defaults for None. A key that is not a
+    field raises ValueError naming it and the valid ones."""
+    if given is None:
+        return kind()
     if isinstance(given, kind):
         return given
-    return kind(**(given if given is not None else set_))
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{name}= is a {type(given).__name__}; pass a {kind.__name__} or a mapping of its fields")
+    check_group_keys(kind, given.keys(), name)
+    return kind(**given)
+
+
+def check_group_keys(kind: type, keys: Iterable[Any], name: str) -> None:
+    """Every key of the group `name` must be a field of the dataclass `kind`; ValueError naming the first other."""
+    valid = [f.name for f in fields(kind)]
+    for key in keys:
+        if key not in valid:
+            near = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            raise ValueError(
+                f"{name} has no key {key!r}: valid keys are {', '.join(valid)} ({kind.__name__}); "
+                + (f"did you mean {near[0]!r}? " if near else "") + "fix the spelling, or drop the key"
+            )
+
+def parse_answer(method: str, url: str, path: str, status: int, text: str, *, label: str) -> dict[str, Any]:
+    """JSON answer of a call below HTTP 500; 4xx raise ValueError, a reported failure RuntimeError."""
+    if status >= 400:
+        raise ValueError(
+            f"{label} at {url} rejected {method} {path} (HTTP {status}): {text[:500]}; "
+            "check the request parameters against the server's flags"
+        )
+    data = json.loads(text)
+    if isinstance(data, dict) and data.get("success") is False:
+        raise RuntimeError(f"{label} at {url} reported failure on {path}: {data.get('message')}")
+    return data
+
+
+def error_message(text: str) -> str:
+    """The message of an error body in the OpenAI style ({"error": {"message": ...}}), else the body itself."""
+    try:
+        error = json.loads(text).get("error")
+        return str(error.get("message") if isinstance(error, dict) else error or text)
+    except (ValueError, AttributeError):
+        return text[:500]
