@@ -7,9 +7,8 @@ previous step's weights reached the engine (`WeightSync`) - runs the rollout ste
 zero-variance groups and packs a `RolloutBatch` (`topp_rl.rollout.packing.pack_samples`).
 
 Data parallel: `prompts_per_step` counts prompts per step over ALL DP ranks; DP rank r takes the r-th slice
-of each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P)). The DP rank and
-size default to the trainer's global rank and world size (the data-parallel ones under a model-parallel
-strategy); pass `dp_rank` / `dp_size` to fix them. The loss denominators (`num_loss_tokens_global`,
+of each step's prompts (`topp_rl.rollout.tickets`). The DP rank and size default to the trainer's global rank
+and world size (the data-parallel ones under a model-parallel strategy); pass `dp_rank` / `dp_size` to fix them. The loss denominators (`num_loss_tokens_global`,
 `num_sequences_global`) are summed over DP ranks, by `collectives` (`topp_rl.parallel.collectives`).
 
 Tensor / context parallel: a strategy that `SharesRollouts` (MegatronStrategy) names each rank's TP x CP peers;
@@ -29,52 +28,31 @@ State (`state_dict`): the next step to generate and the seed; prompts and genera
 """
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from topp_rl.data import PackedBatch, PromptRecord, RolloutBatch
+from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.data.params import SamplingParams
-from topp_rl.data.prompt import check_encodable
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.engines import VersionedEngine
 from topp_rl.engines.base import RolloutEngine
-from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.collectives import DataParallelCollectives
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage, informative_groups
 from topp_rl.rollout.broadcast import share_samples
-from topp_rl.rollout.overlap import Prefetcher
+from topp_rl.rollout.overlap import Prefetcher, versioned
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.sharing import shared_workers
+from topp_rl.rollout.stats import overlap_stats, share_stats, step_stats
 from topp_rl.rollout.step import RolloutStep, SingleTurnStep
+from topp_rl.rollout.tickets import RolloutTicket, TicketStream, local_prompt_count, make_ticket
 from topp_rl.tasks import Task
 
-
-@dataclass(frozen=True, kw_only=True)
-class RolloutTicket:
-    step: int
-    records: list[PromptRecord]  # this DP rank's prompts
-    first_group: int  # global index of records[0] within the step
-    seed: int  # generation seed of this (step, DP rank)
-
-
-class _TicketStream(IterableDataset):
-    def __init__(self, datamodule: "RolloutDataModule") -> None:
-        self.datamodule = datamodule
-
-    def __iter__(self) -> Iterator[RolloutTicket]:
-        step = self.datamodule.step  # read when iteration starts: after a checkpoint restore
-        while True:
-            yield self.datamodule.ticket(step)
-            step += 1
-
+__all__ = ["EngineFactory", "RolloutDataModule", "RolloutTicket", "SharesRollouts"]
 
 EngineFactory = Callable[[int], RolloutEngine]  # dp_rank -> engine
 
@@ -146,44 +124,29 @@ class RolloutDataModule(L.LightningDataModule):
     # ----- data parallel layout -----
     @property
     def dp_size(self) -> int:
-        if self._dp[1] is not None:
-            return self._dp[1]
-        return self._sampler_kwargs().get("num_replicas", 1)
+        return self._dp[1] if self._dp[1] is not None else self._sampler_kwargs().get("num_replicas", 1)
 
     @property
     def dp_rank(self) -> int:
-        if self._dp[0] is not None:
-            return self._dp[0]
-        return self._sampler_kwargs().get("rank", 0)
-
-    def _trainer_attached(self) -> bool:
-        return getattr(self, "trainer", None) is not None
+        return self._dp[0] if self._dp[0] is not None else self._sampler_kwargs().get("rank", 0)
 
     def _sampler_kwargs(self) -> dict:
         # Lightning's data-parallel coordinates: the global rank / world size under DDP, the data-parallel rank /
         # size under a model-parallel strategy (MegatronStrategy), so TP / CP peers draw the same prompts.
-        kwargs = self.trainer.distributed_sampler_kwargs if self._trainer_attached() else None
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         return kwargs or {}
 
     @property
     def collectives(self) -> DataParallelCollectives:
-        """Sums and maxima over this rank's data-parallel group (building it is a collective of every rank)."""
+        """Sums, maxima and gathers over this rank's data-parallel group (built at `setup`, else at first use)."""
         if self._collectives is None:
             self._collectives = DataParallelCollectives.build(dp_rank=self.dp_rank, dp_size=self.dp_size,
                                                               peers=self.peers)
         return self._collectives
 
-    def _local_prompts(self) -> int:
-        if self.prompts_per_step % self.dp_size:
-            raise ValueError(
-                f"prompts_per_step ({self.prompts_per_step}) is not divisible by the data-parallel size "
-                f"({self.dp_size}); make it a multiple so every DP rank gets the same number of prompts"
-            )
-        return self.prompts_per_step // self.dp_size
-
     # ----- engine: on the source rank of each TP x CP group only -----
     def setup(self, stage: str) -> None:
-        strategy = self.trainer.strategy if self._trainer_attached() else None
+        strategy = self.trainer.strategy if self.trainer is not None else None
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
         if self.peers.is_source:
             self.ensure_engine()
@@ -192,8 +155,8 @@ class RolloutDataModule(L.LightningDataModule):
         else:  # a TP x CP peer never generates: let go of the factory and the full HF model it holds
             self._engine_factory = None
         self._share_workers()
-        self._collectives = None  # the DP group follows these peers: rebuilt here, on every rank at once
-        self.collectives  # noqa: B018
+        # The DP group follows these peers; building it is a collective, so here, where every rank is.
+        self._collectives = DataParallelCollectives.build(dp_rank=self.dp_rank, dp_size=self.dp_size, peers=self.peers)
 
     def ensure_engine(self) -> RolloutEngine:
         if self.engine is None:
@@ -210,15 +173,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine = SharedWorkersEngine(self.engine, **self._shared)
 
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
-        if self._prefetch is None:
-            return engine
-        if isinstance(engine, EmbeddedEngine) and engine.share_weights:
-            raise ValueError(
-                "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
-                "samples with the trainer's own weights (rollout.engine.share_weights=true); set "
-                "rollout.engine.share_weights=false so it keeps its own copy, or use rollout=sglang"
-            )
-        return VersionedEngine(engine)
+        return engine if self._prefetch is None else versioned(engine)
 
     def close_engine(self) -> None:
         """Release a factory-built engine (servers, work dirs); idempotent, rebuilt on next use. An engine passed
@@ -231,18 +186,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
-        local = self._local_prompts()
-        first = self.dp_rank * local
-        start = step * self.prompts_per_step + first
-        records = [self.task.prompt(start + i, self.tokenizer) for i in range(local)]
-        for record in records:
-            check_encodable(record, self.tokenizer)
-        seed = int(np.random.SeedSequence([self.seed, step, self.dp_rank]).generate_state(1)[0])
-        return RolloutTicket(step=step, records=records, first_group=first, seed=seed)
+        return make_ticket(self.task, self.tokenizer, step=step, prompts_per_step=self.prompts_per_step,
+                           dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed)
 
     def train_dataloader(self) -> DataLoader:
-        self._local_prompts()  # fail at start on a bad split
-        return DataLoader(_TicketStream(self), batch_size=None, num_workers=0)
+        local_prompt_count(self.prompts_per_step, self.dp_size)  # fail at start on a bad split
+        return DataLoader(TicketStream(self), batch_size=None, num_workers=0)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.rollout(batch) if isinstance(batch, RolloutTicket) else batch
@@ -259,19 +208,14 @@ class RolloutDataModule(L.LightningDataModule):
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
-        if self._prefetch is not None:
-            self._prefetch_next(ticket.step + 1)
+        if self._prefetch is not None:  # also after the last step: the final checkpoint holds it (extensible runs)
+            following = self.ticket(ticket.step + 1)
+            self._prefetch.submit(following.step, lambda: self._sample(following))
         return self.rollout_step.score(samples, ticket.records, self.params, task=self.task,
                                        tokenizer=self.tokenizer, first_group=ticket.first_group)
 
     def _sample(self, ticket: RolloutTicket) -> list[Sample]:
         return self.rollout_step.generate(self.ensure_engine(), ticket.records, self.params, seed=ticket.seed)
-
-    def _prefetch_next(self, step: int) -> None:
-        """Start generating `step` on the background thread. Also after the trainer's last step: the final
-        checkpoint holds it, so a run extended past its `max_steps` continues exactly as a longer run would."""
-        ticket = self.ticket(step)
-        self._prefetch.submit(step, lambda: self._sample(ticket))
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
@@ -283,19 +227,13 @@ class RolloutDataModule(L.LightningDataModule):
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
         micro, dropped, groups = self._pack(ticket.step, samples)
         self.step = ticket.step + 1
-        wait_seconds = gen_seconds
-        if overlapped:  # the generation's own time (it ran beside the previous step), not the wait for it
-            gen_seconds = self.last_generate_s
-        stats = _step_stats(samples, micro, gen_seconds=gen_seconds, dropped=dropped, groups=groups)
+        # With overlap: the generation's own time (it ran beside the previous step), not the wait for it.
+        stats = step_stats(samples, micro, generate_s=self.last_generate_s if overlapped else gen_seconds,
+                           dropped=dropped, groups=groups)
         if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
-            stats["perf/rollout_wait_s"] = (wait_seconds if overlapped else 0.0, float(overlapped))
-            stats["rollout/weight_staleness"] = (
-                float(sum(self.engine.version - s.weight_version for s in own)) if overlapped else 0.0,
-                float(len(own)) if overlapped else 0.0)
-        if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
-            stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
-                                             float(self.peers.is_source))
-            stats["perf/rollout_share_bytes"] = (float(shared_bytes), float(self.peers.is_source))
+            stats |= overlap_stats(own, self.engine, wait_s=gen_seconds)
+        if self.peers.size > 1:
+            stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
 
     def _pack(self, step: int, samples: list[Sample]) -> tuple[list[PackedBatch], int, int]:
@@ -317,8 +255,12 @@ class RolloutDataModule(L.LightningDataModule):
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
-        if self._prefetch is not None:
-            state["in_flight"] = self._in_flight_state()
+        if self._prefetch is not None:  # per DP rank, the generation in flight for `self.step` (waits for it)
+            mine = self._prefetch.entry(self.step, self.engine) if self.peers.is_source else None
+            # Every rank builds a checkpoint, Lightning writes rank 0's datamodule state: rank 0's DP group holds
+            # the source of every DP rank.
+            entries = self.collectives.gather_objects((self.dp_rank, mine))
+            state["in_flight"] = {dp: entry for dp, entry in entries if entry is not None}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -329,18 +271,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.step = int(state["step"])
         self.seed = int(state["seed"])
-        if self._prefetch is not None:
-            self._restore_in_flight(state.get("in_flight") or {})
-
-    def _in_flight_state(self) -> dict[int, dict]:
-        """Per DP rank, the generation in flight for `self.step`, gathered over the DP group: Lightning writes
-        rank 0's datamodule state only, and rank 0's group holds every DP rank's source. Waits for it."""
-        mine = self._prefetch.entry(self.step, self.engine) if self.peers.is_source else None
-        entries = self.collectives.gather_objects((self.dp_rank, mine))  # every rank builds a checkpoint
-        return {dp: entry for dp, entry in entries if entry is not None}
-
-    def _restore_in_flight(self, in_flight: dict[int, dict]) -> None:
-        entry = in_flight.get(self.dp_rank)
+        entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._prefetch is not None else None
         if entry is not None and self.peers.is_source:
             self._prefetch.restore(entry, self.step, self.engine)
 
@@ -362,16 +293,3 @@ def _fail_without_samples(step: int, samples: list[Sample]) -> None:
         "engine aborts (its log; an /abort_request call), then resume from the last checkpoint (ckpt_path=last)"
     )
 
-
-def _step_stats(samples: list[Sample], micro: list[PackedBatch], *, gen_seconds: float, dropped: int,
-                groups: int) -> dict[str, tuple[float, float]]:
-    """The rollout metrics every step logs, as (sum, count) pairs."""
-    return {
-        "perf/generate_s": (gen_seconds, 1.0),
-        "perf/generate_tokens_per_s": (sum(s.response_length for s in samples) / max(gen_seconds, 1e-9), 1.0),
-        "rollout/dropped_group_frac": (float(dropped), float(groups)),
-        "rollout/num_micro_batches": (float(len(micro)), 1.0),
-        # Samples whose kept set outgrew rollout.max_candidates: aborted by the engine, never truncated.
-        "rollout/candidate_overflow_frac": (float(sum(bool(s.metadata.get("candidate_overflow")) for s in samples)),
-                                            float(len(samples))),
-    }

@@ -23,8 +23,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from topp_rl.data.sample import Sample
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.engines.versioned import VersionedEngine
 from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
+
+
+def versioned(engine: RolloutEngine) -> VersionedEngine:
+    """`engine` under one lock with a weight version; refused where generating beside training cannot work."""
+    if isinstance(engine, EmbeddedEngine) and engine.share_weights:
+        raise ValueError(
+            "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
+            "samples with the trainer's own weights (rollout.engine.share_weights=true); set "
+            "rollout.engine.share_weights=false so it keeps its own copy, or use rollout=sglang"
+        )
+    return VersionedEngine(engine)
 
 
 class Prefetcher:
