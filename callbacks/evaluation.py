@@ -3,7 +3,8 @@ checkpoint.
 
 Per evaluation, on the rank that owns an engine in each TP x CP group (its peers take part in the reductions
 and the checkpoint save only), this DP rank's share of `num_prompts` held-out prompts (at most the evaluated
-task's number of examples) is generated twice:
+task's number of examples) goes twice through the training's own rollout step (`datamodule.rollout_step`:
+generate, number, score):
 - greedily (`top_k=1`, one sample): `val/accuracy` (a sample is correct when the task marks it so, else when its
   reward is >= `correct_reward`) and `val/response_length_mean`;
 - `k` samples at the rollout's own sampling settings: `val/pass@k` (share of prompts with at least one correct
@@ -27,7 +28,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 from tqdm.auto import tqdm
 
-from topp_rl.data.sample import SampleStatus, number_samples
+from topp_rl.data.sample import SampleStatus
 from topp_rl.tasks import Task
 from topp_rl.tasks.base import HELD_OUT_OFFSET
 from topp_rl.tasks.splits import EvalExamples, eval_examples
@@ -134,15 +135,13 @@ class Evaluation(Callback):
         records = self._prompts(datamodule)
         if not records:
             return {}
-        task, engine, params = self.examples.task, datamodule.ensure_engine(), datamodule.params
+        step, engine, params = datamodule.rollout_step, datamodule.ensure_engine(), datamodule.params
         greedy = dataclasses.replace(params, top_k=1, n=1)
         sampled = dataclasses.replace(params, n=self.k)
         sums: dict[str, tuple[float, float]] = {}
         for kind, p in (("greedy", greedy), ("sampled", sampled)):
-            samples = number_samples(engine.generate([r.prompt_ids for r in records], p, seed=0),
-                                     prompts=len(records), n=p.n)
-            live = [s for s in samples if s.status != SampleStatus.ABORTED]
-            task.score(live, records, datamodule.tokenizer)
+            samples = step.run(engine, records, p, task=self.examples.task, tokenizer=datamodule.tokenizer,
+                               seed=0).samples
             correct = [s.status != SampleStatus.ABORTED and self._correct(s) for s in samples]
             if kind == "greedy":
                 add_sums(sums, {"val/accuracy": (sum(correct), len(samples)),

@@ -374,7 +374,7 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
         validate_config(_compose(["+rollout.topp=0.9"], tmp_path))
     assert str(info.value) == (
         "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_new_tokens, "
-        "min_p, n_samples, overlap, prompts_per_step, record_routes, routing_replay, sampling, stop_token_ids, "
+        "min_p, n_samples, overlap, prompts_per_step, record_routes, routing_replay, sampling, step, stop_token_ids, "
         "temperature, top_k, top_p); "
         "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
         "this one)"

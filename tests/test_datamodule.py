@@ -11,7 +11,7 @@ from topp_rl.ops import Candidates
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, Sample, SampleStatus, SamplingParams
 from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
-from topp_rl.rollout.packing import pack_samples, plan_micro_batches
+from topp_rl.rollout.packing import pack_samples, plan_micro_batches, plan_step
 from topp_rl.tasks import CopyDigitTask
 
 TOK = build_char_tokenizer()
@@ -65,6 +65,15 @@ def test_plan_reaches_another_ranks_micro_batch_count_by_halving_the_fullest():
     assert plan_micro_batches([3, 4, 2], max_tokens=7, min_count=2) == [[0, 1], [2]]  # already enough
     with pytest.raises(ValueError, match=r"2 samples cannot fill the 3 micro-batches .*max_tokens_per_micro_batch"):
         plan_micro_batches([1, 1], max_tokens=10, min_count=3)
+
+
+def test_plan_step_is_the_greedy_plan_split_to_the_most_micro_batches_of_any_rank():
+    samples = [_sample([1] * 3, [2] * 2, index=i) for i in range(5)]  # 5 tokens each: 2 per budget of 10
+    assert plan_step(samples, max_tokens=10) == [[0, 1], [2, 3], [4]]
+    assert plan_step(samples, max_tokens=10, most=lambda count: count) == [[0, 1], [2, 3], [4]]
+    assert plan_step(samples, max_tokens=10, most=lambda count: count + 1) == [[0], [1], [2, 3], [4]]
+    micro = pack_samples(samples, [0.0] * 5, max_tokens=10, most=lambda count: 5)
+    assert [mb.sample_index.tolist() for mb in micro] == [[0], [1], [2], [3], [4]]
 
 
 def test_budget_plan_is_greedy_in_order_and_never_splits():

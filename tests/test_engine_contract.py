@@ -29,7 +29,7 @@ from topp_rl.data.routes import MoeRouting
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model, save_model
-from topp_rl.moe import moe_routing
+from topp_rl.models.moe import moe_routing
 from topp_rl.ops import sampling_candidates
 from topp_rl.rollout import SampleStatus, SamplingParams
 

@@ -1,5 +1,5 @@
-"""The rollout pipeline (datamodule: generate -> score -> number -> filter -> pack, advantages, broadcast,
-prefetch), and the names users import from here: the contracts (`topp_rl.data`), the engines
+"""The rollout pipeline (datamodule: the rollout step (generate -> number -> score) -> filter -> pack,
+advantages, broadcast, prefetch), and the names users import from here: the contracts (`topp_rl.data`), the engines
 (`topp_rl.engines`) and the tasks (`topp_rl.tasks`) re-exported.
 
 Heavy pieces (transformers, lightning, the SGLang client) load lazily on first attribute access, so
@@ -20,6 +20,8 @@ _LAZY = {
     "pack_samples": "topp_rl.rollout.packing",
     "RolloutDataModule": "topp_rl.rollout.datamodule",
     "RolloutTicket": "topp_rl.rollout.datamodule",
+    "RolloutStep": "topp_rl.rollout.step",
+    "SingleTurnStep": "topp_rl.rollout.step",
     "Task": "topp_rl.tasks",
     "ArithmeticTask": "topp_rl.tasks",
     "CopyDigitTask": "topp_rl.tasks",

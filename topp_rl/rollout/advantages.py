@@ -8,6 +8,7 @@
 - `NoBaseline`: the raw reward.
 Config: `algo.advantage` is a `_target_` entry naming one of these classes. `group_relative` tells config
 validation whether the estimator compares samples of one prompt (and so needs `rollout.n_samples >= 2`).
+`informative_groups` drops the groups whose rewards are all equal (`data.drop_zero_variance_groups`).
 """
 
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
+
+from topp_rl.data.sample import Sample
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -104,3 +107,19 @@ class NoBaseline:
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
         return rewards.float()
+
+
+def informative_groups(live: list[Sample], *, drop: bool) -> tuple[list[Sample], int, int]:
+    """(samples to train on, dropped groups, groups): with `drop`, the groups of two or more samples whose
+    rewards are all equal are left out. Never drops everything (ranks stay in lockstep)."""
+    by_group: dict[int, list[Sample]] = {}
+    for s in live:
+        by_group.setdefault(s.group_index, []).append(s)
+    if not drop:
+        return live, 0, len(by_group)
+    keep = [g for g, ss in by_group.items() if len(ss) < 2 or len({s.reward for s in ss}) > 1]
+    if not keep:  # no group carries signal: train on all (advantages are zero) rather than on nothing
+        return live, 0, len(by_group)
+    kept = [s for g in keep for s in by_group[g]]
+    kept.sort(key=lambda s: s.index)
+    return kept, len(by_group) - len(keep), len(by_group)

@@ -2,14 +2,14 @@
 
 Lightning fetches one batch ahead, so the dataloader yields only cheap `RolloutTicket`s (step index, this DP
 rank's prompt records, a generation seed). `on_before_batch_transfer` - called for the current batch after the
-previous step's weights reached the engine (`WeightSync`) - generates, scores, computes advantages, optionally
-drops zero-variance groups and packs a `RolloutBatch`.
+previous step's weights reached the engine (`WeightSync`) - runs the rollout step (`rollout_step`, a
+`topp_rl.rollout.step.RolloutStep`: generate, number, score), computes advantages, optionally drops
+zero-variance groups and packs a `RolloutBatch` (`topp_rl.rollout.packing.pack_samples`).
 
 Data parallel: `prompts_per_step` counts prompts per step over ALL DP ranks; DP rank r takes the r-th slice
-of each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P)). The DP rank and
-size default to the trainer's global rank and world size (the data-parallel ones under a model-parallel
-strategy); pass `dp_rank` / `dp_size` to fix them. The loss denominators (`num_loss_tokens_global`,
-`num_sequences_global`) are summed over DP ranks.
+of each step's prompts (`topp_rl.rollout.tickets`). The DP rank and size default to the trainer's global rank
+and world size (the data-parallel ones under a model-parallel strategy); pass `dp_rank` / `dp_size` to fix them. The loss denominators (`num_loss_tokens_global`,
+`num_sequences_global`) are summed over DP ranks, by `collectives` (`topp_rl.parallel.collectives`).
 
 Tensor / context parallel: a strategy that `SharesRollouts` (MegatronStrategy) names each rank's TP x CP peers;
 only their source rank creates the engine (`engine` may be a factory `dp_rank -> RolloutEngine`, called in
@@ -28,50 +28,31 @@ State (`state_dict`): the next step to generate and the seed; prompts and genera
 """
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
-import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from topp_rl.data import PromptRecord, RolloutBatch
+from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.data.params import SamplingParams
-from topp_rl.data.prompt import check_encodable
-from topp_rl.data.sample import Sample, SampleStatus, number_samples
-from topp_rl.engines import VersionedEngine
+from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.shared import SharedWorkersEngine
+from topp_rl.parallel.collectives import DataParallelCollectives
 from topp_rl.parallel.peers import RolloutPeers
-from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage
-from topp_rl.rollout.broadcast import samples_from_state, samples_to_state, share_samples
-from topp_rl.rollout.overlap import Prefetcher
-from topp_rl.rollout.packing import pack_samples, plan_micro_batches, sequence_lengths
+from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage, informative_groups
+from topp_rl.rollout.broadcast import share_samples
+from topp_rl.rollout.overlap import Prefetcher, versioned
+from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.sharing import shared_workers
+from topp_rl.rollout.stats import overlap_stats, share_stats, step_stats
+from topp_rl.rollout.step import RolloutStep, SingleTurnStep
+from topp_rl.rollout.tickets import RolloutTicket, TicketStream, local_prompt_count, make_ticket
 from topp_rl.tasks import Task
 
-
-@dataclass(frozen=True, kw_only=True)
-class RolloutTicket:
-    step: int
-    records: list[PromptRecord]  # this DP rank's prompts
-    first_group: int  # global index of records[0] within the step
-    seed: int  # generation seed of this (step, DP rank)
-
-
-class _TicketStream(IterableDataset):
-    def __init__(self, datamodule: "RolloutDataModule") -> None:
-        self.datamodule = datamodule
-
-    def __iter__(self) -> Iterator[RolloutTicket]:
-        step = self.datamodule.step  # read when iteration starts: after a checkpoint restore
-        while True:
-            yield self.datamodule.ticket(step)
-            step += 1
-
+__all__ = ["EngineFactory", "RolloutDataModule", "RolloutTicket", "SharesRollouts"]
 
 EngineFactory = Callable[[int], RolloutEngine]  # dp_rank -> engine
 
@@ -99,6 +80,7 @@ class RolloutDataModule(L.LightningDataModule):
         dp_rank: int | None = None,
         dp_size: int | None = None,
         overlap: bool = False,
+        rollout_step: RolloutStep | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -126,45 +108,45 @@ class RolloutDataModule(L.LightningDataModule):
                 "topp_rl.rollout.advantages.GroupAdvantage() (in config: algo.advantage._target_)"
             )
         self.advantage = advantage if advantage is not None else GroupAdvantage()
+        if rollout_step is not None and not isinstance(rollout_step, RolloutStep):
+            raise TypeError(
+                f"rollout_step is a {type(rollout_step).__name__}; pass a topp_rl.rollout.step.RolloutStep such as "
+                "SingleTurnStep() (in config: rollout.step._target_)"
+            )
+        self.rollout_step: RolloutStep = rollout_step if rollout_step is not None else SingleTurnStep()
         self.drop_zero_variance_groups = drop_zero_variance_groups
         self.seed = seed
         self._dp = (dp_rank, dp_size)
+        self._collectives: DataParallelCollectives | None = None  # built at setup, or at first use without one
         self.step = 0  # next rollout step to generate
         self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
 
     # ----- data parallel layout -----
     @property
     def dp_size(self) -> int:
-        if self._dp[1] is not None:
-            return self._dp[1]
-        return self._sampler_kwargs().get("num_replicas", 1)
+        return self._dp[1] if self._dp[1] is not None else self._sampler_kwargs().get("num_replicas", 1)
 
     @property
     def dp_rank(self) -> int:
-        if self._dp[0] is not None:
-            return self._dp[0]
-        return self._sampler_kwargs().get("rank", 0)
-
-    def _trainer_attached(self) -> bool:
-        return getattr(self, "trainer", None) is not None
+        return self._dp[0] if self._dp[0] is not None else self._sampler_kwargs().get("rank", 0)
 
     def _sampler_kwargs(self) -> dict:
         # Lightning's data-parallel coordinates: the global rank / world size under DDP, the data-parallel rank /
         # size under a model-parallel strategy (MegatronStrategy), so TP / CP peers draw the same prompts.
-        kwargs = self.trainer.distributed_sampler_kwargs if self._trainer_attached() else None
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         return kwargs or {}
 
-    def _local_prompts(self) -> int:
-        if self.prompts_per_step % self.dp_size:
-            raise ValueError(
-                f"prompts_per_step ({self.prompts_per_step}) is not divisible by the data-parallel size "
-                f"({self.dp_size}); make it a multiple so every DP rank gets the same number of prompts"
-            )
-        return self.prompts_per_step // self.dp_size
+    @property
+    def collectives(self) -> DataParallelCollectives:
+        """Sums, maxima and gathers over this rank's data-parallel group (built at `setup`, else at first use)."""
+        if self._collectives is None:
+            self._collectives = DataParallelCollectives.build(dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                                              peers=self.peers)
+        return self._collectives
 
     # ----- engine: on the source rank of each TP x CP group only -----
     def setup(self, stage: str) -> None:
-        strategy = self.trainer.strategy if self._trainer_attached() else None
+        strategy = self.trainer.strategy if self.trainer is not None else None
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
         if self.peers.is_source:
             self.ensure_engine()
@@ -173,6 +155,8 @@ class RolloutDataModule(L.LightningDataModule):
         else:  # a TP x CP peer never generates: let go of the factory and the full HF model it holds
             self._engine_factory = None
         self._share_workers()
+        # The DP group follows these peers; building it is a collective, so here, where every rank is.
+        self._collectives = DataParallelCollectives.build(dp_rank=self.dp_rank, dp_size=self.dp_size, peers=self.peers)
 
     def ensure_engine(self) -> RolloutEngine:
         if self.engine is None:
@@ -189,15 +173,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine = SharedWorkersEngine(self.engine, **self._shared)
 
     def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
-        if self._prefetch is None:
-            return engine
-        if engine.shares_trainer_weights:
-            raise ValueError(
-                "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
-                "samples with the trainer's own weights (rollout.engine.share_weights=true); set "
-                "rollout.engine.share_weights=false so it keeps its own copy, or use rollout=sglang"
-            )
-        return VersionedEngine(engine)
+        return engine if self._prefetch is None else versioned(engine)
 
     def close_engine(self) -> None:
         """Release a factory-built engine (servers, work dirs); idempotent, rebuilt on next use. An engine passed
@@ -210,18 +186,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
-        local = self._local_prompts()
-        first = self.dp_rank * local
-        start = step * self.prompts_per_step + first
-        records = [self.task.prompt(start + i, self.tokenizer) for i in range(local)]
-        for record in records:
-            check_encodable(record, self.tokenizer)
-        seed = int(np.random.SeedSequence([self.seed, step, self.dp_rank]).generate_state(1)[0])
-        return RolloutTicket(step=step, records=records, first_group=first, seed=seed)
+        return make_ticket(self.task, self.tokenizer, step=step, prompts_per_step=self.prompts_per_step,
+                           dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed)
 
     def train_dataloader(self) -> DataLoader:
-        self._local_prompts()  # fail at start on a bad split
-        return DataLoader(_TicketStream(self), batch_size=None, num_workers=0)
+        local_prompt_count(self.prompts_per_step, self.dp_size)  # fail at start on a bad split
+        return DataLoader(TicketStream(self), batch_size=None, num_workers=0)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.rollout(batch) if isinstance(batch, RolloutTicket) else batch
@@ -238,22 +208,14 @@ class RolloutDataModule(L.LightningDataModule):
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
-        if self._prefetch is not None:
-            self._prefetch_next(ticket.step + 1)
-        # Step-global numbers across DP ranks: this rank's prompts start at group `first_group`.
-        number_samples(samples, prompts=len(ticket.records), n=self.params.n, first_group=ticket.first_group)
-        records = {ticket.first_group + j: r for j, r in enumerate(ticket.records)}
-        self.task.score([s for s in samples if s.status != SampleStatus.ABORTED], records, self.tokenizer)
-        return samples
+        if self._prefetch is not None:  # also after the last step: the final checkpoint holds it (extensible runs)
+            following = self.ticket(ticket.step + 1)
+            self._prefetch.submit(following.step, lambda: self._sample(following))
+        return self.rollout_step.score(samples, ticket.records, self.params, task=self.task,
+                                       tokenizer=self.tokenizer, first_group=ticket.first_group)
 
     def _sample(self, ticket: RolloutTicket) -> list[Sample]:
-        return self.ensure_engine().generate([r.prompt_ids for r in ticket.records], self.params, seed=ticket.seed)
-
-    def _prefetch_next(self, step: int) -> None:
-        """Start generating `step` on the background thread. Also after the trainer's last step: the final
-        checkpoint holds it, so a run extended past its `max_steps` continues exactly as a longer run would."""
-        ticket = self.ticket(step)
-        self._prefetch.submit(step, lambda: self._sample(ticket))
+        return self.rollout_step.generate(self.ensure_engine(), ticket.records, self.params, seed=ticket.seed)
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
@@ -263,92 +225,42 @@ class RolloutDataModule(L.LightningDataModule):
         samples, shared_bytes = share_samples(own, self.peers)
         share_seconds = time.perf_counter() - generated
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
-        live = [s for s in samples if s.status != SampleStatus.ABORTED]
-        train, dropped, groups = self._trainable(live)
-        rewards = torch.tensor([float(s.reward) for s in train], dtype=torch.float64)
-        group_ids = torch.tensor([s.group_index for s in train], dtype=torch.long)
-        adv = self.advantage(rewards, group_ids, reduce=self._dp_sum)
-        totals = self._dp_sum(
-            torch.tensor(
-                [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train)],
-                dtype=torch.float64,
-            )
-        )
-        if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
-            _fail_without_samples(ticket.step, samples)
-        micro = pack_samples(
-            train,
-            adv,
-            max_tokens=self.max_tokens,
-            num_loss_tokens_global=float(totals[0]),
-            num_sequences_global=int(totals[1]),
-            min_micro_batches=self._max_over_ranks(
-                len(plan_micro_batches(sequence_lengths(train), max_tokens=self.max_tokens))),
-        )
+        micro, dropped, groups = self._pack(ticket.step, samples)
         self.step = ticket.step + 1
-        wait_seconds = gen_seconds
-        if overlapped:  # the generation's own time (it ran beside the previous step), not the wait for it
-            gen_seconds = self.last_generate_s
-        stats = {
-            "perf/generate_s": (gen_seconds, 1.0),
-            "perf/generate_tokens_per_s": (
-                sum(s.response_length for s in samples) / max(gen_seconds, 1e-9),
-                1.0,
-            ),
-            "rollout/dropped_group_frac": (float(dropped), float(groups)),
-            "rollout/num_micro_batches": (float(len(micro)), 1.0),
-            # Samples whose kept set outgrew rollout.max_candidates: aborted by the engine, never truncated.
-            "rollout/candidate_overflow_frac": (float(sum(bool(s.metadata.get("candidate_overflow")) for s in samples)),
-                                                float(len(samples))),
-        }
+        # With overlap: the generation's own time (it ran beside the previous step), not the wait for it.
+        stats = step_stats(samples, micro, generate_s=self.last_generate_s if overlapped else gen_seconds,
+                           dropped=dropped, groups=groups)
         if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
-            stats["perf/rollout_wait_s"] = (wait_seconds if overlapped else 0.0, float(overlapped))
-            stats["rollout/weight_staleness"] = (
-                float(sum(self.engine.version - s.weight_version for s in own)) if overlapped else 0.0,
-                float(len(own)) if overlapped else 0.0)
-        if self.peers.size > 1:  # the TP x CP broadcast: its cost, measured on the source
-            stats["perf/rollout_share_s"] = (share_seconds if self.peers.is_source else 0.0,
-                                             float(self.peers.is_source))
-            stats["perf/rollout_share_bytes"] = (float(shared_bytes), float(self.peers.is_source))
+            stats |= overlap_stats(own, self.engine, wait_s=gen_seconds)
+        if self.peers.size > 1:
+            stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
 
-    def _trainable(self, live: list[Sample]) -> tuple[list[Sample], int, int]:
-        """(samples to train on, dropped groups, groups); never drops everything (ranks stay in lockstep)."""
-        by_group: dict[int, list[Sample]] = {}
-        for s in live:
-            by_group.setdefault(s.group_index, []).append(s)
-        if not self.drop_zero_variance_groups:
-            return live, 0, len(by_group)
-        keep = [g for g, ss in by_group.items() if len(ss) < 2 or len({s.reward for s in ss}) > 1]
-        if not keep:  # no group carries signal: train on all (advantages are zero) rather than on nothing
-            return live, 0, len(by_group)
-        kept = [s for g in keep for s in by_group[g]]
-        kept.sort(key=lambda s: s.index)
-        return kept, len(by_group) - len(keep), len(by_group)
-
-    @staticmethod
-    def _max_over_ranks(count: int) -> int:
-        """The largest micro-batch count of any rank: every rank packs as many (a forward per micro-batch is a
-        collective under FSDP and Megatron's gradient sync)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return count
-        out = torch.tensor([count], dtype=torch.int64)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return int(out)
-
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over DP ranks (ranks that share a DP rank hold the same data: divide their copies out)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return t
-        out = t.clone()
-        dist.all_reduce(out)
-        return out / (dist.get_world_size() // self.dp_size)
+    def _pack(self, step: int, samples: list[Sample]) -> tuple[list[PackedBatch], int, int]:
+        """(micro-batches, dropped groups, groups): advantages, DP-global denominators, packing."""
+        live = [s for s in samples if s.status != SampleStatus.ABORTED]
+        train, dropped, groups = informative_groups(live, drop=self.drop_zero_variance_groups)
+        dp = self.collectives
+        rewards = torch.tensor([float(s.reward) for s in train], dtype=torch.float64)
+        group_ids = torch.tensor([s.group_index for s in train], dtype=torch.long)
+        adv = self.advantage(rewards, group_ids, reduce=dp.sum)
+        totals = dp.sum(torch.tensor(
+            [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train)], dtype=torch.float64))
+        if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
+            _fail_without_samples(step, samples)
+        micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]),
+                             num_sequences_global=int(totals[1]), most=dp.max)
+        return micro, dropped, groups
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
-        if self._prefetch is not None:
-            state["in_flight"] = self._in_flight_state()
+        if self._prefetch is not None:  # per DP rank, the generation in flight for `self.step` (waits for it)
+            mine = self._prefetch.entry(self.step, self.engine) if self.peers.is_source else None
+            # Every rank builds a checkpoint, Lightning writes rank 0's datamodule state: rank 0's DP group holds
+            # the source of every DP rank.
+            entries = self.collectives.gather_objects((self.dp_rank, mine))
+            state["in_flight"] = {dp: entry for dp, entry in entries if entry is not None}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -359,33 +271,9 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.step = int(state["step"])
         self.seed = int(state["seed"])
-        if self._prefetch is not None:
-            self._restore_in_flight(state.get("in_flight") or {})
-
-    def _in_flight_state(self) -> dict[int, dict]:
-        """Per DP rank, the generation in flight for `self.step` (its samples, the engine's version), gathered
-        from every rank: Lightning writes rank 0's datamodule state only. Waits for the generation to finish."""
-        mine = None
-        if self.peers.is_source and (ahead := self._prefetch.peek(self.step)) is not None:
-            samples, seconds = ahead
-            mine = {"step": self.step, "samples": samples_to_state(samples), "seconds": seconds,
-                    "engine_version": self.engine.version}
-        entries = [(self.dp_rank, mine)]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, entries[0])  # every rank builds a checkpoint: a collective is safe
-            entries = gathered
-        return {dp: entry for dp, entry in entries if entry is not None}
-
-    def _restore_in_flight(self, in_flight: dict[int, dict]) -> None:
-        entry = in_flight.get(self.dp_rank)
-        if entry is None or not self.peers.is_source:
-            return
-        if entry["step"] != self.step:
-            raise ValueError(f"checkpoint holds the rollout in flight for step {entry['step']}, but its data "
-                             f"position is step {self.step}; the checkpoint is inconsistent: resume another one")
-        self._prefetch.put(self.step, samples_from_state(entry["samples"]), entry["seconds"])
-        self.engine.restore(entry["engine_version"])
+        entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._prefetch is not None else None
+        if entry is not None and self.peers.is_source:
+            self._prefetch.restore(entry, self.step, self.engine)
 
 
 def _fail_without_samples(step: int, samples: list[Sample]) -> None:
@@ -404,3 +292,4 @@ def _fail_without_samples(step: int, samples: list[Sample]) -> None:
         f"(finish reasons: {reasons}), and a data-parallel rank has no sample left to train on; find out why the "
         "engine aborts (its log; an /abort_request call), then resume from the last checkpoint (ckpt_path=last)"
     )
+

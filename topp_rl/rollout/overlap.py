@@ -14,8 +14,8 @@ or `algo.loss.icepop_low` / `icepop_high` corrects the gap. Where it pays: an en
 
 Resume: the generation in flight was sampled with weights one update older than the checkpoint's, which no
 checkpoint holds, so the checkpoint holds its samples instead (`RolloutDataModule.state_dict` waits for them)
-and the engine's version; a resumed run trains its first step on them and continues with exactly the rollouts
-of an uninterrupted run.
+and the engine's version (`Prefetcher.entry` / `restore`); a resumed run trains its first step on them and
+continues with exactly the rollouts of an uninterrupted run.
 """
 
 import time
@@ -23,6 +23,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from topp_rl.data.sample import Sample
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.versioned import VersionedEngine
+from topp_rl.rollout.broadcast import samples_from_state, samples_to_state
+
+
+def versioned(engine: RolloutEngine) -> VersionedEngine:
+    """`engine` under one lock with a weight version; refused where generating beside training cannot work."""
+    if engine.shares_trainer_weights:
+        raise ValueError(
+            "rollout.overlap=true generates the next step while this one trains, but the embedded engine "
+            "samples with the trainer's own weights (rollout.engine.share_weights=true); set "
+            "rollout.engine.share_weights=false so it keeps its own copy, or use rollout=sglang"
+        )
+    return VersionedEngine(engine)
 
 
 class Prefetcher:
@@ -58,6 +72,23 @@ class Prefetcher:
         done: Future = Future()
         done.set_result((samples, seconds))
         self._pending = (step, done)
+
+    def entry(self, step: int, engine: VersionedEngine) -> dict | None:
+        """The generation in flight for `step` as checkpoint state (its samples, the engine's version), waiting
+        for it to finish; None if none is in flight."""
+        if (ahead := self.peek(step)) is None:
+            return None
+        samples, seconds = ahead
+        return {"step": step, "samples": samples_to_state(samples), "seconds": seconds,
+                "engine_version": engine.version}
+
+    def restore(self, entry: dict, step: int, engine: VersionedEngine) -> None:
+        """Hand a checkpoint's `entry` over as the generation of `step`, at the engine version it was sampled."""
+        if entry["step"] != step:
+            raise ValueError(f"checkpoint holds the rollout in flight for step {entry['step']}, but its data "
+                             f"position is step {step}; the checkpoint is inconsistent: resume another one")
+        self.put(step, samples_from_state(entry["samples"]), entry["seconds"])
+        engine.restore(entry["engine_version"])
 
     def wait(self) -> None:
         """Let the generation in flight finish, dropping its result (and its error: nobody will train on it)."""

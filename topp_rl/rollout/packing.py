@@ -4,9 +4,15 @@
 Layout (docs/ARCHITECTURE.md): sequences (prompt + response) back to back with no padding; per response token
 fields in sample order; candidates concatenated in sample order with EMPTY (= unrestricted) rows for samples
 that recorded none and for non-trainable tokens; MoE routes (when recorded) aligned with the tokens, with a
-NO_ROUTE row for each sequence's last token (never fed through the engine's model) and for samples without routes. Packing is greedy in sample order under a token budget
-(deterministic, sequences never split), like slime's, but without reordering samples by length.
+NO_ROUTE row for each sequence's last token (never fed through the engine's model) and for samples without
+routes. Packing is greedy in sample order under a token budget (deterministic, sequences never split), like
+slime's, but without reordering samples by length.
+
+`plan_step` is the one planner of a step's micro-batches: the greedy plan, then as many micro-batches as the
+data-parallel rank with the most (`most`: a max over DP ranks), since every rank must run as many forwards.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +54,16 @@ def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int, min_count: in
     return groups
 
 
+def plan_step(samples: list[Sample], *, max_tokens: int, most: Callable[[int], int] | None = None
+              ) -> list[list[int]]:
+    """Sample indices of each micro-batch: greedy under `max_tokens`, then split to `most(count)` micro-batches,
+    `most` giving the largest count of any DP rank (a collective; None: this rank alone)."""
+    lengths = sequence_lengths(samples)
+    plan = plan_micro_batches(lengths, max_tokens=max_tokens)
+    count = len(plan) if most is None else most(len(plan))
+    return plan if count <= len(plan) else plan_micro_batches(lengths, max_tokens=max_tokens, min_count=count)
+
+
 def pack_samples(
     samples: list[Sample],
     advantages: list[float] | torch.Tensor,
@@ -55,12 +71,13 @@ def pack_samples(
     max_tokens: int,
     num_loss_tokens_global: float | None = None,
     num_sequences_global: int | None = None,
-    min_micro_batches: int = 1,
+    most: Callable[[int], int] | None = None,
 ) -> list[PackedBatch]:
-    """Micro-batches of `samples` (in order) under `max_tokens`; `advantages` is one value per sample.
+    """Micro-batches of `samples` (in order) under `max_tokens` (`plan_step`); `advantages` is one value per
+    sample.
 
     The global denominators default to this call's own totals (one DP rank); the datamodule passes the values
-    summed over all DP ranks.
+    summed over all DP ranks, and `most` (the max over DP ranks) for the micro-batch count.
     """
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv.numel() != len(samples):
@@ -73,7 +90,7 @@ def pack_samples(
         num_loss_tokens_global = float(sum(sum(s.loss_mask) for s in samples))
     if num_sequences_global is None:
         num_sequences_global = len(samples)
-    plan = plan_micro_batches(sequence_lengths(samples), max_tokens=max_tokens, min_count=min_micro_batches)
+    plan = plan_step(samples, max_tokens=max_tokens, most=most)
     return [
         _pack([samples[i] for i in idx], adv[idx], float(num_loss_tokens_global), int(num_sequences_global))
         for idx in plan

@@ -1,0 +1,66 @@
+"""One rollout step, prompts -> scored samples, shared by training (`RolloutDataModule`) and evaluation
+(`topp_rl.callbacks.evaluation`): the `RolloutStep` protocol and its first implementation, `SingleTurnStep`.
+
+A step has two phases, because with `rollout.overlap=true` the first runs ahead on the prefetch thread:
+- `generate`: engine work only (and, for a multi-turn agent loop, the environment between turns): n samples
+  per prompt, prompt-major, unscored;
+- `score`: on the trainer's thread (rewards may use signals or a reward model on the trainer's device): number
+  the samples step-globally and set the reward of every sample the engine did not abort.
+`run` does both, timing the first. Config: `rollout.step` (`_target_`, default `SingleTurnStep`), handed to
+the datamodule as `data.step`; a multi-turn agent loop is a second implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from topp_rl.data import PromptRecord, SamplingParams
+from topp_rl.data.sample import Sample, SampleStatus, number_samples
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.tasks import Task
+
+
+@dataclass(frozen=True)
+class StepResult:
+    samples: list[Sample]  # numbered, scored; aborted ones kept (unscored) for the stats
+    generate_s: float  # time `generate` took
+
+
+@runtime_checkable
+class RolloutStep(Protocol):
+    def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
+                 seed: int | None) -> list[Sample]:
+        """`params.n` samples per record, prompt-major, unscored; may run on the prefetch thread."""
+        ...
+
+    def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
+              tokenizer: Any, first_group: int = 0) -> list[Sample]:
+        """Number `samples` in place (records[0] is prompt group `first_group` of the step) and score the live
+        ones with `task`; returns `samples`."""
+        ...
+
+    def run(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *, task: Task,
+            tokenizer: Any, seed: int | None, first_group: int = 0) -> StepResult:
+        """`generate` then `score` (a default for explicit subclasses)."""
+        start = time.perf_counter()
+        samples = self.generate(engine, records, params, seed=seed)
+        seconds = time.perf_counter() - start
+        self.score(samples, records, params, task=task, tokenizer=tokenizer, first_group=first_group)
+        return StepResult(samples=samples, generate_s=seconds)
+
+
+class SingleTurnStep(RolloutStep):
+    """One engine call per step: each prompt answered once, n times."""
+
+    def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
+                 seed: int | None) -> list[Sample]:
+        return engine.generate([r.prompt_ids for r in records], params, seed=seed)
+
+    def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
+              tokenizer: Any, first_group: int = 0) -> list[Sample]:
+        number_samples(samples, prompts=len(records), n=params.n, first_group=first_group)
+        by_group = {first_group + j: r for j, r in enumerate(records)}
+        task.score([s for s in samples if s.status != SampleStatus.ABORTED], by_group, tokenizer)
+        return samples
