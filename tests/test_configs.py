@@ -152,6 +152,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.engine.share_weights=yes", "rollout.engine.share_weights"),
         ("rollout=sglang rollout.engine.router=yes", "rollout.engine.router"),
         ("rollout=sglang rollout.max_candidates=0", "rollout.max_candidates"),
+        # The serving limits moved into nested groups (issue 36): the old flat key names its new place.
+        ("rollout=sglang +rollout.engine.first_byte_timeout_s=900", "rollout.engine.first_byte_timeout_s"),
         ("rollout=sglang rollout.max_candidates=-3", "rollout.max_candidates"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "

@@ -92,6 +92,11 @@ def _signature_names(obj: Any) -> tuple[list[str], bool]:
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
+# Engine keys that moved into a nested group (issue 36: one shape for the serving limits): old name -> new path.
+MOVED_KEYS = {f"{name}_timeout_s": f"timeouts.{name}_s"
+              for name in ("connect", "first_byte", "per_token", "transfer", "weight_update", "per_gb")}
+
+
 def validate_target_kwargs(node: DictConfig, path: str) -> None:
     """The keys of the `_target_` node at `path` must be parameters of its target, unless that takes **kwargs:
     Hydra's `+` adds any key, and the constructor would fail with a raw TypeError only when it is called (the
@@ -102,6 +107,9 @@ def validate_target_kwargs(node: DictConfig, path: str) -> None:
     for key in node:
         if str(key).startswith("_") or key in params or (key == "enabled" and path.startswith("callbacks.")):
             continue  # Hydra's own keys; a callback entry's switch is read by train.py, not passed on
+        if key in MOVED_KEYS and MOVED_KEYS[key].split(".")[0] in params:
+            _fail(f"{path}.{key}", node._get_node(key)._value(), f"absent: it moved to {path}.{MOVED_KEYS[key]}",
+                  f"set {path}.{MOVED_KEYS[key]} instead")
         near = difflib.get_close_matches(str(key), sorted(params), n=1, cutoff=0.5)
         _fail(f"{path}.{key}", node._get_node(key)._value(),
               f"a parameter of {node._target_} ({', '.join(params)})",
