@@ -47,9 +47,6 @@ class RewardModel:
     ) -> None:
         from transformers import AutoConfig
 
-        # models.py owns reading a checkpoint directory (which tokenizer class reloads it exactly); imported here,
-        # lazily, because the tasks room imports no model code when it loads (tests/test_imports.py).
-
         self.path = Path(path).expanduser()
         if not (self.path / "config.json").is_file():
             raise ValueError(
