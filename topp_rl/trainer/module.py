@@ -211,13 +211,14 @@ class PolicyModule(L.LightningModule):
 
         def loss_step(i: int, mb: PackedBatch, hidden: Tensor, weight: Tensor):
             scored = self.hook(mb, layout=self.layout, hidden=hidden, weight=weight)
-            record = None
             if old is None:
                 with timer.phase("old_logprob"):
                     masked = scored.logprobs if self.hook.use_mask else None
                     mb_old, record = self.onpolicy_from_hidden(mb, hidden, weight, masked=masked)
+            else:
+                mb_old, record = old[i], None
             logprobs = self._gather(scored.logprobs, scored.token_index, mb)
-            loss, sums = self.loss_fn(_loss_inputs(mb, logprobs, old[i] if old is not None else mb_old, refs[i]))
+            loss, sums = self.loss_fn(_loss_inputs(mb, logprobs, mb_old, refs[i]))
             # this micro-batch's MoE routing figures: averaged over micro-batches and ranks
             moe = {f"train/{k}": (float(v), 1.0) for k, v in self.policy.moe_stats().items()}
             return loss, (sums | moe, record)
