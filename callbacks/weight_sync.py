@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from topp_rl.callbacks._common import log_metrics
 from topp_rl.engines.base import RolloutEngine
-from topp_rl.trainer.backbone import ShardedWeights, WeightSource
+from topp_rl.trainer.backbone import WeightSource
 from topp_rl.trainer.module import PolicyModule
 
 
@@ -75,7 +75,7 @@ class WeightSync(Callback):
         setup, which runs before this hook) leaves it whole only inside `gathered()`, so every generate runs there."""
         engine = self.engine(trainer)
         policy = pl_module.policy if isinstance(pl_module, PolicyModule) else None
-        if engine is not None and engine.shares_trainer_weights and isinstance(policy, ShardedWeights):
+        if engine is not None and engine.shares_trainer_weights and policy is not None and policy.shards_weights:
             if engine.model is not policy.model:
                 raise ValueError("the shared embedded engine samples with another module than the policy; build it "
                                  "from the policy (rollout.engine.share_weights=true) or give it its own copy (false)")

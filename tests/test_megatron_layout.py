@@ -1,4 +1,4 @@
-"""megatron-core interop on gloo: `ParallelLayout.from_megatron` reads Megatron's TP/CP groups correctly, and our
+"""megatron-core interop on gloo: `ParallelLayout.from_megatron` reads Megatron's TP/CP/PP groups correctly, and our
 vocab-parallel log-prob equals -`megatron.core.tensor_parallel.vocab_parallel_cross_entropy` (values and
 gradients w.r.t. the vocab-sharded logits). One spawn of 4 ranks runs every (tp, cp) grid.
 """
@@ -75,8 +75,30 @@ def rank_main(rank):
                     layout.vocab_size),
             tp_ranks=ranks_of(layout.tp_group), cp_ranks=ranks_of(layout.cp_group), vocab_range=layout.vocab_range(),
             ce={t: cross_entropy_pair(layout, t, seed=10 * tp + cp) for t in TEMPERATURES},
+            pp=(layout.pp_size, layout.pp_rank, ranks_of(layout.pp_group), layout.is_last_stage),
         )
         ps.destroy_model_parallel()
+    out["pipelined"] = pipelined_layout()
+    return out
+
+
+def pipelined_layout() -> dict:
+    """tp=2 x pp=2: the layout's PP coordinates, its log line, and the Megatron backbone's refusal (one stage)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from topp_rl.megatron.backbone import check_layout
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    layout = ParallelLayout.from_megatron(VOCAB)
+    out = dict(pp=(layout.pp_size, layout.pp_rank, ranks_of(layout.pp_group), layout.is_last_stage),
+               describe=layout.describe(world_size=WORLD))
+    try:
+        check_layout(SimpleNamespace(vocab_size=VOCAB), layout)
+    except ValueError as err:
+        out["refused"] = str(err)
+    ps.destroy_model_parallel()
     return out
 
 
@@ -89,6 +111,7 @@ def test_from_megatron_and_vocab_parallel_cross_entropy_match():
             tp_rank, cp_rank, tp_ranks, cp_ranks = expected_coords(rank, tp, cp)
             assert got["fields"] == (tp, tp_rank, cp, cp_rank, mode, VOCAB), (rank, tp, cp)
             assert got["tp_ranks"] == tp_ranks and got["cp_ranks"] == cp_ranks, (rank, tp, cp)
+            assert got["pp"] == (1, 0, [rank], True), (rank, tp, cp)  # one stage: every rank is the last
             shard = VOCAB // tp
             assert got["vocab_range"] == (tp_rank * shard, (tp_rank + 1) * shard)
             for t, ce in got["ce"].items():
@@ -96,6 +119,11 @@ def test_from_megatron_and_vocab_parallel_cross_entropy_match():
                 torch.testing.assert_close(ce["ours"], ce["meg"], atol=1e-5, rtol=1e-5, msg=where)
                 torch.testing.assert_close(ce["ours_grad"], ce["meg_grad"], atol=1e-6, rtol=1e-5, msg=where)
                 assert ce["ours_grad"].abs().sum() > 0
+        # megatron's order tp-cp-ep-dp-pp: stage = rank // (tp * cp * dp), its peers 2 ranks apart
+        stage = rank // 2
+        assert res["pipelined"]["pp"] == (2, stage, [rank % 2, rank % 2 + 2], stage == 1)
+        assert res["pipelined"]["describe"] == "world=4 dp=1 tp=2 cp=1 ep=1 pp=2"
+        assert "pp_size=2: the Megatron backbone runs the whole decoder on every rank" in res["pipelined"]["refused"]
 
 
 def test_describe_prints_ep_and_ep_sizes_are_validated():
@@ -106,3 +134,4 @@ def test_describe_prints_ep_and_ep_sizes_are_validated():
         ParallelLayout(vocab_size=128, ep_size=0)
     with pytest.raises(ValueError, match=r"ep_size=2 needs ep_group"):
         ParallelLayout(vocab_size=128, ep_size=2)
+

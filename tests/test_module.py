@@ -216,3 +216,41 @@ def test_phase_timer_counts_a_nested_phase_once_in_itself():
             pass
     # optim: 0 .. 1, 3 .. 4, 10 .. 10.5, 11 .. 12 (its exit)
     assert dict(timer.seconds) == {"optim": 1.0 + 1.0 + 0.5 + 1.0, "old_logprob": 2.0 + 6.0, "other": 0.5}
+
+
+def test_backbone_runs_the_micro_batch_schedule_like_a_plain_loop(policy):
+    """`forward_backward` calls the step on each micro-batch's forward in order and backpropagates its loss: the
+    same gradients, bit for bit, as the loop written out; `forward_only` gives the forward's values without grad."""
+    samples = make_samples(policy)
+    micro = [pack(samples, idx, advantages=torch.zeros(6)) for idx in ([0, 1], [2], [3, 4, 5])]
+    backbone = HFBackbone(policy)
+
+    def step(i, mb, hidden, weight):
+        return (hidden @ weight.T).logsumexp(-1).sum() * (i + 1), (i, mb.tokens.numel())
+
+    backbone.zero_grad(set_to_none=True)
+    outputs = backbone.forward_backward(micro, step)
+    assert outputs == [(i, mb.tokens.numel()) for i, mb in enumerate(micro)]
+    scheduled = [p.grad.clone() for p in backbone.parameters()]
+    backbone.zero_grad(set_to_none=True)
+    for i, mb in enumerate(micro):
+        step(i, mb, *backbone.forward_hidden(mb))[0].backward()
+    for a, p in zip(scheduled, backbone.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
+    (hidden, weight), = backbone.forward_only(micro[:1], lambda mb, h, w: (h, w))
+    assert not hidden.requires_grad
+    torch.testing.assert_close(hidden, backbone.forward_hidden(micro[0])[0].detach(), rtol=0, atol=0)
+    backbone.zero_grad(set_to_none=True)
+
+
+def test_optional_capabilities_have_neutral_defaults(policy):
+    backbone = HFBackbone(policy)  # a dense model on one rank: no frozen base, nothing sharded, no MoE figures
+    assert not backbone.has_frozen_base and not backbone.shards_weights
+    assert backbone.drop_base({"policy.x": torch.zeros(1)}, prefix="policy.") is None
+    assert backbone.routing_agreement() is None and backbone.moe_stats() == {}
+    with backbone.gathered():
+        pass
+    with pytest.raises(NotImplementedError, match="HFBackbone has no frozen base"):
+        backbone.base_weights()
+    with pytest.raises(TypeError, match="not a topp_rl.trainer.backbone.Backbone; wrap an HF causal LM"):
+        PolicyModule(policy=policy, loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb())

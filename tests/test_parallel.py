@@ -140,6 +140,8 @@ def test_single_layout_holds_the_whole_vocabulary_and_stream():
     assert ParallelLayout(vocab_size=12).vocab_range() == (0, 12)
     single = ParallelLayout.single(7)
     assert (single.tp_size, single.cp_size, single.cp_mode, single.vocab_range()) == (1, 1, "zigzag", (0, 7))
+    # one pipeline stage, which is therefore the last (the one that scores)
+    assert (single.pp_size, single.pp_rank, single.pp_group, single.is_last_stage) == (1, 0, None, True)
     assert single.local_positions(torch.tensor([2, 3])).tolist() == [0, 1, 2, 3, 4]
 
 
@@ -154,6 +156,9 @@ def test_single_layout_holds_the_whole_vocabulary_and_stream():
         (dict(vocab_size=10, cp_rank=-1), r"cp_rank=-1"),
         (dict(vocab_size=10, cp_mode="ring"), r"cp_mode='ring' must be one of"),
         (dict(vocab_size=10, tp_size=1.5), r"tp_size=1.5"),
+        (dict(vocab_size=10, pp_size=0), r"pp_size=0 must be an int >= 1"),
+        (dict(vocab_size=10, pp_size=2, pp_rank=1), r"pp_size=2 needs pp_group"),
+        (dict(vocab_size=10, pp_rank=1), r"pp_rank=1 must be an int in \[0, pp_size=1\)"),
     ],
 )
 def test_layout_validation_names_the_value(kwargs, match):

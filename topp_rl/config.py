@@ -296,7 +296,8 @@ def validate_parallel(cfg: DictConfig) -> None:
     validate_layout_keys(cfg)
     p, world = cfg.parallel, world_size(cfg)
     for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
-        _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
+        if key in p:  # pp_size may be absent from a config written before it existed: 1
+            _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
     for key in ("tp_size", "cp_size", "ep_size"):
         if p[key] > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", p[key], "1 without a parallel strategy (parallel=none runs the HF model whole)",

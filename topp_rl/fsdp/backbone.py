@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from topp_rl.data import PackedBatch
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.dtensor import full_tensor
-from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.backbone import BackboneBase, HFBackbone
 from topp_rl.trainer.lora import LoraBackbone, merged_named_tensors
 
 
@@ -46,8 +46,11 @@ def _tied(model: nn.Module) -> bool:
     return model.get_input_embeddings().weight is model.get_output_embeddings().weight
 
 
-class FSDPBackbone(nn.Module):
-    """`HFBackbone` sharded in place over `mesh` (see module docstring); `inner` is the sharded HFBackbone."""
+class FSDPBackbone(BackboneBase):
+    """`HFBackbone` sharded in place over `mesh` (see module docstring); `inner` is the sharded HFBackbone. It runs
+    `BackboneBase.forward_backward`'s loop, reducing gradients after the last micro-batch's backward only."""
+
+    shards_weights = True
 
     def __init__(self, inner: HFBackbone, *, mesh: DeviceMesh, cpu_offload: bool = False,
                  mp_policy: MixedPrecisionPolicy | None = None) -> None:
@@ -99,6 +102,7 @@ class FSDPBackbone(nn.Module):
         return self.inner.routing_agreement()
 
     def set_gradient_sync(self, enabled: bool) -> None:
+        """Off for all but the last micro-batch: their unsharded gradients stay local, one reduce-scatter a step."""
         self.inner.set_requires_gradient_sync(enabled)  # recursive: every unit
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -134,11 +138,13 @@ class FSDPBackbone(nn.Module):
 
 
 class FSDPLoraBackbone(FSDPBackbone):
-    """A `LoraBackbone` sharded like any HF backbone (a `FrozenBase`): each decoder-layer unit holds its layer's
+    """A `LoraBackbone` sharded like any HF backbone (`has_frozen_base`): each decoder-layer unit holds its layer's
     frozen base weights and its adapters together (FSDP2 units may mix frozen and trainable parameters), so each
     rank keeps 1/world of both, and the optimizer (built over the parameters that require grad) 1/world of the
     adapters' AdamW state. The KL reference is the sharded base itself, PEFT's adapters disabled around its passes.
     Checkpoints are the strategy's sharded ones: base shards included (not left out as by `LoraBackbone`)."""
+
+    has_frozen_base = True
 
     def __init__(self, inner: LoraBackbone, **kwargs) -> None:
         if not isinstance(inner, LoraBackbone):

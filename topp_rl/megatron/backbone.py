@@ -23,7 +23,7 @@ Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron'
 against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2, Llama 3, SmolLM2 at TP <= 8).
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
-them (`routing_agreement`, a `topp_rl.trainer.backbone.ReportsRouting`); `routing_replay=True` also forces them. The
+them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The
 routes follow the tokens through the CP layout (`cp_shard`, CP padding rows without a route).
 """
 
@@ -43,7 +43,7 @@ from topp_rl.megatron.moe import moe_stats
 from topp_rl.megatron.replay import MegatronRouterReplay, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
-from topp_rl.trainer.backbone import batch_routes
+from topp_rl.trainer.backbone import BackboneBase, batch_routes
 
 # The context-parallel splits the Megatron backbone runs: Megatron's THD RoPE and transformer-engine's CP attention
 # assume the zigzag split (all-gather CP exists in the ops and the HF scorer only).
@@ -61,6 +61,11 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
         raise ValueError(
             f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
             "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
+        )
+    if layout.pp_size > 1:
+        raise ValueError(
+            f"pp_size={layout.pp_size}: the Megatron backbone runs the whole decoder on every rank (one pipeline "
+            "stage); launch megatron with pipeline_model_parallel_size=1"
         )
     if layout.cp_size > 1 and layout.cp_mode not in CP_MODES:
         raise ValueError(cp_mode_refusal(layout.cp_mode))
@@ -124,8 +129,9 @@ def packed_seq_params(seq_lengths: Tensor, *, cp_size: int, cp_group=None):
     )
 
 
-class MegatronBackbone(torch.nn.Module):
-    """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract."""
+class MegatronBackbone(BackboneBase):
+    """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract. One pipeline
+    stage: it runs `BackboneBase.forward_backward`'s loop (the strategy's backward hooks reduce the gradients)."""
 
     def __init__(self, hf_config, *, layout: ParallelLayout, seed: int = 0,
                  dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0,

@@ -1,4 +1,4 @@
-"""`ParallelLayout`: the tensor- and context-parallel coordinates of one rank, passed explicitly to the ops.
+"""`ParallelLayout`: the tensor-, context- and pipeline-parallel coordinates of one rank, passed explicitly to the ops.
 
 Math code never reads parallel state from globals; it receives this frozen, validated record instead.
 `from_megatron` is the one place that reads megatron-core's `parallel_state` (imported lazily, so the
@@ -20,12 +20,16 @@ import torch.distributed as dist
 
 from topp_rl.parallel.context import CP_MODES, CPMode, cp_local_positions
 
+DIMS = ("tp", "cp", "ep", "pp")  # the factors with a rank and a group
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
     """This rank's place in the TP x CP grid, with the process groups the ops reduce over.
 
-    `tp_group` / `cp_group` / `ep_group` may be None only when the matching size is 1. Expert parallelism
+    `tp_group` / `cp_group` / `ep_group` / `pp_group` may be None only when the matching size is 1. Pipeline
+    parallelism (`pp_*`) splits the decoder layers into stages; only the last stage holds the final hidden states
+    and the output layer, so only it scores tokens (`is_last_stage`). Expert parallelism
     (`ep_*`) splits an MoE layer's experts over EP ranks, which span data / context-parallel ranks (megatron's
     expert grid: expert TP = TP, so EP must divide DP x CP); the ops never reduce over it. `vocab_size` is the full
     (TP-unsharded, already padded) vocabulary, i.e. `tp_size` times the width of this rank's logits.
@@ -39,17 +43,20 @@ class ParallelLayout:
     cp_mode: CPMode = "zigzag"
     ep_size: int = 1
     ep_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
     fsdp_size: int = 1  # ranks the weights are sharded over by FSDP2 (all data-parallel; 1 = unsharded)
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "tp_size", "cp_size", "ep_size", "fsdp_size"):
+        for name in ("vocab_size", "tp_size", "cp_size", "ep_size", "pp_size", "fsdp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout {name}={value!r} must be an int >= 1; pass a positive size")
-        for dim in ("tp", "cp", "ep"):
+        for dim in DIMS:
             _check_rank(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"))
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"ParallelLayout cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
@@ -59,7 +66,7 @@ class ParallelLayout:
                 "exact log-probs need equal unpadded vocabulary shards: choose a tp_size that divides "
                 f"{self.vocab_size}"
             )
-        for dim in ("tp", "cp", "ep"):
+        for dim in DIMS:
             _check_group(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"),
                          getattr(self, f"{dim}_group"))
 
@@ -70,7 +77,7 @@ class ParallelLayout:
 
     @classmethod
     def from_megatron(cls, vocab_size: int, *, cp_mode: CPMode = "zigzag") -> ParallelLayout:
-        """Read TP / CP sizes, ranks and groups from megatron-core after `initialize_model_parallel`.
+        """Read TP / CP / EP / PP sizes, ranks and groups from megatron-core after `initialize_model_parallel`.
 
         `vocab_size` is Megatron's padded vocabulary (the output layer's full row count).
         """
@@ -96,8 +103,16 @@ class ParallelLayout:
             ep_rank=ps.get_expert_model_parallel_rank(),
             tp_group=ps.get_tensor_model_parallel_group(),
             cp_group=ps.get_context_parallel_group(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
             ep_group=ps.get_expert_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
         )
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage: the one with the final hidden states, which scores."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def vocab_shard_size(self) -> int:
@@ -109,11 +124,12 @@ class ParallelLayout:
         return start, start + self.vocab_shard_size
 
     def describe(self, *, world_size: int) -> str:
-        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `fsdp=4` appended when sharded."""
-        model_parallel = self.tp_size * self.cp_size
+        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `pp=2` appended when pipelined,
+        `fsdp=4` when sharded."""
+        model_parallel = self.tp_size * self.cp_size * self.pp_size
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not a multiple of tp_size * cp_size = {model_parallel}; "
+                f"world size {world_size} is not a multiple of tp_size * cp_size * pp_size = {model_parallel}; "
                 "launch a multiple of the model-parallel size"
             )
         dp = world_size // model_parallel
@@ -123,8 +139,9 @@ class ParallelLayout:
                 "data / context-parallel ranks: choose an ep_size dividing it or launch more ranks"
             )
         mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
+        pp = f" pp={self.pp_size}" if self.pp_size > 1 else ""
         fsdp = f" fsdp={self.fsdp_size}" if self.fsdp_size > 1 else ""
-        return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}{fsdp}"
+        return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}{pp}{fsdp}"
 
     def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
         """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""

@@ -55,7 +55,6 @@ from topp_rl.run.export_target import (
     swap_in,
 )
 from topp_rl.run.sharded_checkpoint import is_sharded, read_meta, read_tensors, saved_keys
-from topp_rl.trainer.backbone import FrozenBase
 from topp_rl.trainer.lora import adapt_checkpoint_model, adapter_dir_for, base_keys_from_model, hf_tensors
 
 POLICY_PREFIX = "policy.model."  # a checkpoint's policy weights: policy.model.<HF name> (both backends)
@@ -165,7 +164,7 @@ class HFExport(Callback):
         tokenizer = trainer.datamodule.tokenizer
         info = {"step": trainer.global_step, "source": "training", "rollout": self.rollout}
         path = None
-        lora = isinstance(pl_module.policy, FrozenBase)  # a LoraBackbone, or sharded (FSDPLoraBackbone)
+        lora = pl_module.policy.has_frozen_base  # a LoraBackbone, or sharded (FSDPLoraBackbone)
         if lora:  # every rank gathers sharded adapters (FSDP; a plain tensor is taken as it is), one rank writes
             path = write_adapter_dir(pl_module.policy.model, self.adapter_dir, info=info, full=full_tensor,
                                      write=trainer.is_global_zero)

@@ -1,17 +1,21 @@
-"""`Backbone`: what `PolicyModule` needs from a policy body, and `HFBackbone`, its adapter for HF causal LMs.
+"""`Backbone`: what `PolicyModule` needs from a policy body; `BackboneBase`, the one base class every backbone
+derives from; and `HFBackbone`, the backbone of HF causal LMs.
 
 A backbone turns a packed micro-batch into this rank's final hidden states and output-layer weight; the scorer
-(`ToppLogProb`) does the rest, so no backbone ever forms [T, V] logits. Every backbone carries the
-`ParallelLayout` it was built for (the one owner of a run's layout is whoever builds the backbone: `HFBackbone`
-for a single rank, `MegatronStrategy` under TP / CP), so the module reads its layout from the backbone instead
-of rebuilding it from globals. Implementations: `HFBackbone` (here) and `topp_rl.megatron.MegatronBackbone`.
+(`ToppLogProb`) does the rest, so no backbone ever forms [T, V] logits. It also runs the step's micro-batch
+schedule (`BackboneBase.forward_backward`), so a pipeline-parallel backbone can run its own. Optional capabilities
+(a frozen base, sharded weights, MoE figures) are `BackboneBase` methods and flags with neutral defaults, never
+types to probe. Every backbone carries the `ParallelLayout` it was built for (the one owner of a run's layout is
+whoever builds the backbone: `HFBackbone` for a single rank, `MegatronStrategy` under TP / CP), so the module reads
+its layout from the backbone instead of rebuilding it from globals. Implementations: `HFBackbone` (here),
+`topp_rl.trainer.lora.LoraBackbone`, `topp_rl.fsdp.FSDPBackbone` and `topp_rl.megatron.MegatronBackbone`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +26,11 @@ from topp_rl.data import PackedBatch
 from topp_rl.data.routes import NO_ROUTE, MoeRouting
 from topp_rl.models.moe import RouterReplay, moe_routing
 from topp_rl.parallel import ParallelLayout
+
+T = TypeVar("T")
+# (micro-batch index, batch, hidden [T_local, H], output weight [V_local, H]) -> (loss to backpropagate, output)
+StepFn = Callable[[int, PackedBatch, Tensor, Tensor], tuple[Tensor, T]]
+ForwardFn = Callable[[PackedBatch, Tensor, Tensor], T]  # (batch, hidden, output weight) -> output
 
 
 @runtime_checkable
@@ -35,11 +44,12 @@ class WeightSource(Protocol):
 
 @runtime_checkable
 class Backbone(WeightSource, Protocol):
-    """A policy body (an `nn.Module`) seen through the four things training needs from it."""
+    """A policy body (a `BackboneBase`) seen through what training needs from it: the required members below, the
+    micro-batch schedule (`forward_backward`, `forward_only`) and `BackboneBase`'s optional capabilities."""
 
     @property
     def layout(self) -> ParallelLayout:
-        """This rank's TP / CP coordinates; `vocab_size` is the model's full vocabulary."""
+        """This rank's TP / CP / PP coordinates; `vocab_size` is the model's full vocabulary."""
         ...
 
     @property
@@ -49,6 +59,15 @@ class Backbone(WeightSource, Protocol):
 
     def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         """(final normed hidden states [T_local, H] in `layout`'s CP order, output weight [V_local, H])."""
+        ...
+
+    def forward_backward(self, micro_batches: Sequence[PackedBatch], step_fn: StepFn[T], *,
+                         backward: Callable[[Tensor], None] = Tensor.backward) -> list[T]:
+        """Gradients of every micro-batch's loss accumulated into .grad; `step_fn`'s outputs in micro-batch order."""
+        ...
+
+    def forward_only(self, micro_batches: Sequence[PackedBatch], fn: ForwardFn[T]) -> list[T]:
+        """`fn(batch, hidden, weight)` of every micro-batch without gradients, in micro-batch order."""
         ...
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -62,58 +81,72 @@ class Backbone(WeightSource, Protocol):
     def eval(self) -> Backbone: ...
 
 
-@runtime_checkable
-class SyncsGradients(Protocol):
-    """A backbone whose gradient reduction across ranks can wait for the last micro-batch (`FSDPBackbone`)."""
+class BackboneBase(nn.Module):
+    """The one base of every backbone: the micro-batch schedule, and each optional capability as a method or flag
+    whose default means "not this kind of backbone", so callers call instead of probing types.
+
+    Schedule: `forward_backward` runs the step's micro-batches one after the other (forward, loss, backward), the
+    plain loop every single-stage backbone shares. The seam is megatron-core's `forward_backward_func`: `step_fn`
+    plays its `loss_func` on the forward's output, so a pipeline-parallel backbone can override it with the 1F1B
+    schedule, calling `step_fn` on its last stage only (`layout.is_last_stage`) and handing every rank the same
+    outputs, so that every rank logs the same metric keys.
+    """
+
+    has_frozen_base: ClassVar[bool] = False  # adapters on a frozen base: `base_weights()` is the KL reference
+    shards_weights: ClassVar[bool] = False  # weights sharded over ranks: whole only inside `gathered()`
+
+    def forward_backward(self, micro_batches: Sequence[PackedBatch], step_fn: StepFn[T], *,
+                         backward: Callable[[Tensor], None] = Tensor.backward) -> list[T]:
+        """For micro-batch i: `loss, out = step_fn(i, batch, hidden, weight)` on its `forward_hidden`, then
+        `backward(loss)` (the module's `manual_backward`, so a strategy's backward hooks run); returns the `out`s.
+        Gradient reduction over ranks may wait for the last backward (`set_gradient_sync`)."""
+        outputs = []
+        for i, batch in enumerate(micro_batches):
+            self.set_gradient_sync(i == len(micro_batches) - 1)  # one reduction per step
+            hidden, weight = self.forward_hidden(batch)
+            loss, out = step_fn(i, batch, hidden, weight)
+            backward(loss)
+            outputs.append(out)
+        return outputs
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: Sequence[PackedBatch], fn: ForwardFn[T]) -> list[T]:
+        """`fn(batch, hidden, weight)` of each micro-batch's `forward_hidden`, without gradients (the on-policy and
+        reference passes)."""
+        return [fn(batch, *self.forward_hidden(batch)) for batch in micro_batches]
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """Reduce gradients over the data-parallel ranks in the next backward (True) or only accumulate them."""
-        ...
-
-
-@runtime_checkable
-class ShardedWeights(Protocol):
-    """A backbone whose weights are sharded over ranks (`FSDPBackbone`): an engine sampling with the same module
-    (a shared embedded engine) must hold them whole while it generates."""
-
-    def gathered(self) -> contextlib.AbstractContextManager[None]:
-        """The whole model unsharded for the block (a collective: every rank enters it together)."""
-        ...
-
-
-@runtime_checkable
-class FrozenBase(Protocol):
-    """A backbone that trains adapters on a frozen base (`topp_rl.trainer.lora.LoraBackbone`, and sharded:
-    `topp_rl.fsdp.backbone.FSDPLoraBackbone`): the base, the adapters off, is the KL reference, so no copy of the
-    model is made for it."""
+        """Reduce gradients over the data-parallel ranks in the next backward (True) or only accumulate them. No-op
+        here: gradients are reduced by the strategy's backward hooks, or not at all (one rank)."""
 
     def base_weights(self) -> contextlib.AbstractContextManager[None]:
-        """Forward passes inside the block use the frozen base weights (the adapters disabled)."""
-        ...
+        """Forward passes inside the block use the frozen base weights (the adapters disabled); only where
+        `has_frozen_base`."""
+        raise NotImplementedError(f"{type(self).__name__} has no frozen base (has_frozen_base is False)")
 
-
-@runtime_checkable
-class LeavesBaseOut(Protocol):
-    """A `FrozenBase` whose checkpoints leave the base out (the run rebuilds it from its config): `LoraBackbone`.
-    A sharded one (FSDP) saves its base shards like any weight."""
-
-    def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict:
-        """Remove the frozen base's entries from a checkpoint's state dict; a record for `restore_base`."""
-        ...
+    def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict | None:
+        """Remove the frozen base's entries from a checkpoint's state dict (the run rebuilds it from its config);
+        the record `restore_base` checks. None: the checkpoint keeps every weight (the default)."""
+        return None
 
     def restore_base(self, state_dict: dict[str, Tensor], record: dict, *, prefix: str) -> None:
-        """Fill the base's entries back in from this backbone, checking `record` (the same base)."""
-        ...
+        """Fill the entries `drop_base` left out back in from this backbone, checking `record` (the same base).
+        Nothing to do for a backbone that leaves nothing out."""
 
-
-@runtime_checkable
-class ReportsRouting(Protocol):
-    """A backbone of an MoE model that compares its own routes with the rollout's (optional for backbones)."""
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """The whole model unsharded for the block (where `shards_weights`: a collective, every rank enters it
+        together); the weights are whole already by default."""
+        return contextlib.nullcontext()
 
     def routing_agreement(self) -> tuple[float, float] | None:
-        """(token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded) of the
-        last `forward_hidden`; None when its batch carried no routes."""
-        ...
+        """MoE: (token-layer routes whose own top-k set equals the recorded one, token-layer routes recorded) of the
+        last `forward_hidden`; None when its batch carried no routes, or the model has no routers to compare."""
+        return None
+
+    def moe_stats(self) -> dict[str, Tensor]:
+        """MoE load figures of the last forward, logged as `train/<name>` (`MegatronBackbone`: `moe_aux_loss`,
+        `expert_load_max_frac`); {} for backbones that report none."""
+        return {}
 
 
 # HF config fields that transform the logits after the output layer, with the value that leaves them unchanged.
@@ -173,7 +206,7 @@ def check_plain_logits(model: nn.Module, *, probe_tokens: int = 8) -> None:
         )
 
 
-class HFBackbone(nn.Module):
+class HFBackbone(BackboneBase):
     """An HF causal LM run whole on one rank (no TP / CP), as a `Backbone`.
 
     HF attention on CPU does not build block-diagonal masks from packed position ids, so each packed batch is

@@ -2,8 +2,8 @@
 
 - `LoraSettings`: the validated `module.lora` node (rank, alpha, dropout, target modules).
 - `LoraBackbone`: an `HFBackbone` over a PEFT-adapted model. Only the adapter weights require gradients, so only
-  they reach the optimizer (`PolicyModule.configure_optimizers` takes the parameters that require grad). It is a
-  `FrozenBase`: the KL reference is the policy's own base with the adapters disabled (PEFT's `disable_adapter()`),
+  they reach the optimizer (`PolicyModule.configure_optimizers` takes the parameters that require grad). It
+  `has_frozen_base`: the KL reference is the policy's own base with the adapters disabled (PEFT's `disable_adapter()`),
   so no second copy of the model is held. Its `hf_named_tensors` are the MERGED weights under the plain HF names
   (W + B @ A * alpha / rank for each adapted linear layer, every other weight as it is): what a server that was
   started without LoRA (SGLang on CPU, see docs/lora.md) and an HF export need.
@@ -193,7 +193,9 @@ class _PeftHandle:
 
 
 class LoraBackbone(HFBackbone):
-    """`HFBackbone` over a PEFT-adapted model (see the module docstring); a `FrozenBase`."""
+    """`HFBackbone` over a PEFT-adapted model (see the module docstring): a frozen base whose checkpoints leave it out."""
+
+    has_frozen_base = True
 
     def __init__(self, peft_model, *, settings: LoraSettings, **kwargs) -> None:
         super().__init__(peft_model.get_base_model(), **kwargs)

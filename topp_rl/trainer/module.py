@@ -11,6 +11,11 @@ One `training_step` per rollout step:
    (one step per epoch, not one per micro-batch): the losses divide by the rollout step's global token / sequence
    counts, so the accumulated gradient equals that of one large batch, whatever the token budget per micro-batch.
    With `ppo_epochs=1` the update is exactly on-policy (ratio 1); more epochs reuse the rollout (PPO-style).
+   The update itself is guarded (`optim_step`: non-finite gradients and float32 overflows stop the run).
+
+The backbone runs the micro-batch schedule (`Backbone.forward_backward`, and `forward_only` for the no-grad
+passes); the module hands it each micro-batch's loss as a function of the forward's output, so a backbone with
+its own schedule (pipeline stages) trains through the same seam.
 
 The backbone returns final hidden states and the output weight (`Backbone.forward_hidden`); `ToppLogProb`
 never forms [T, V] logits for rows with candidates. The parallel layout is the backbone's: the module never
@@ -21,10 +26,10 @@ entropy, phase timings), reduced across ranks once per step, through the `StepMe
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import resource
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -33,19 +38,11 @@ from torch import Tensor, nn
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.losses import LossInputs, PolicyLoss
 from topp_rl.parallel import ParallelLayout, gather_tokens
-from topp_rl.trainer.backbone import (
-    Backbone,
-    FrozenBase,
-    HFBackbone,
-    LeavesBaseOut,
-    ReportsRouting,
-    SyncsGradients,
-    local_tensor,
-    nonfinite_parameters,
-)
+from topp_rl.trainer.backbone import Backbone, BackboneBase, HFBackbone, nonfinite_parameters
 from topp_rl.trainer.hook import ToppLogProb
 from topp_rl.trainer.lora import BASE_RECORD
 from topp_rl.trainer.metrics import SumCount, add_sums, reduce_sums
+from topp_rl.trainer.optim_step import checked_grad_norm, checked_optimizer_step
 from topp_rl.trainer.precision import LossScaledFP16
 from topp_rl.trainer.records import OnPolicyRecord
 from topp_rl.trainer.schedule import LRSchedule
@@ -55,18 +52,8 @@ from topp_rl.trainer.timer import PhaseTimer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-@runtime_checkable
-class ReportsMoE(Protocol):
-    """A backbone that reports its MoE layers' routing after each forward (`MegatronBackbone`)."""
-
-    def moe_stats(self) -> dict[str, Tensor]:
-        """`moe_aux_loss` (switch load-balancing loss summed over MoE layers, no coefficient) and
-        `expert_load_max_frac` (routed-token share of a layer's busiest expert, max over layers); {} if dense."""
-        ...
-
-
 def _check_backbone(model, slot: str) -> Backbone:
-    if not isinstance(model, nn.Module) or not isinstance(model, Backbone):
+    if not isinstance(model, BackboneBase) or not isinstance(model, Backbone):
         hint = " wrap an HF causal LM as HFBackbone(model);" if isinstance(model, nn.Module) else ""
         raise TypeError(
             f"PolicyModule {slot} is a {type(model).__name__}, not a topp_rl.trainer.backbone.Backbone;{hint} "
@@ -102,8 +89,8 @@ class PolicyModule(L.LightningModule):
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip ({grad_clip}) must be > 0, or null to disable clipping")
         self.automatic_optimization = False
-        if reference is None and loss.needs_ref_logprobs and not isinstance(policy, FrozenBase):
-            reference = copy.deepcopy(policy)  # a FrozenBase (LoRA) is its own reference: its base, adapters off
+        if reference is None and loss.needs_ref_logprobs and not _check_backbone(policy, "policy").has_frozen_base:
+            reference = copy.deepcopy(policy)  # a frozen base (LoRA) is its own reference: its base, adapters off
         self.use_backbones(policy=policy, reference=reference)
         self.loss_fn = loss
         self.optimizer_factory = optimizer
@@ -144,11 +131,12 @@ class PolicyModule(L.LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if isinstance(self.policy, LeavesBaseOut):  # the adapters only: the base is rebuilt from the run config
-            checkpoint[BASE_RECORD] = self.policy.drop_base(checkpoint["state_dict"], prefix="policy.")
+        # LoRA: the adapters only, the base is rebuilt from the run config
+        if (record := self.policy.drop_base(checkpoint["state_dict"], prefix="policy.")) is not None:
+            checkpoint[BASE_RECORD] = record
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if isinstance(self.policy, LeavesBaseOut) and BASE_RECORD in checkpoint:
+        if BASE_RECORD in checkpoint:
             self.policy.restore_base(checkpoint["state_dict"], checkpoint[BASE_RECORD], prefix="policy.")
 
     def configure_callbacks(self) -> list[StepMetrics]:
@@ -180,9 +168,8 @@ class PolicyModule(L.LightningModule):
 
     def onpolicy_pass(self, batch: PackedBatch) -> tuple[torch.Tensor, OnPolicyRecord]:
         """(old log-probs [R] for the loss, the on-policy record over this rank's tokens)."""
-        with torch.no_grad():
-            hidden, weight = self.policy.forward_hidden(batch)
-        return self.onpolicy_from_hidden(batch, hidden, weight)
+        (out,) = self.policy.forward_only([batch], self.onpolicy_from_hidden)
+        return out
 
     @torch.no_grad()
     def onpolicy_from_hidden(self, batch: PackedBatch, hidden: Tensor, weight: Tensor, *,
@@ -191,79 +178,65 @@ class PolicyModule(L.LightningModule):
         this rank's masked log-probs, already scored from it by the hook (see `ToppLogProb.onpolicy`)."""
         hidden, weight = hidden.detach(), weight.detach()
         token_index, record = self.hook.onpolicy(batch, layout=self.layout, hidden=hidden, weight=weight, masked=masked)
-        if isinstance(self.policy, ReportsRouting):  # read right after the forward that made `hidden`
-            record = dataclasses.replace(record, routing_agreement=self.policy.routing_agreement())
+        if (agreement := self.policy.routing_agreement()) is not None:  # of the forward that made `hidden`
+            record = dataclasses.replace(record, routing_agreement=agreement)
         # The loss's old log-probs honour the use_mask switch; the record always carries both figures.
         old = record.logprobs if self.hook.use_mask else record.logprobs_unmasked
         return self._gather(old, token_index, batch), record
 
-    def loss_inputs(self, batch: PackedBatch, logprobs: Tensor, old: Tensor, ref: Tensor | None) -> LossInputs:
-        seq_index = torch.repeat_interleave(batch.sample_index, batch.response_lengths)
-        return LossInputs(
-            logprobs=logprobs, old_logprobs=old, advantages=batch.advantages, loss_mask=batch.loss_mask,
-            seq_index=seq_index, num_loss_tokens_global=float(batch.num_loss_tokens_global),
-            num_sequences_global=int(batch.num_sequences_global), ref_logprobs=ref,
-            rollout_logprobs=batch.rollout_log_probs,
-        )
-
     def reference_pass(self, micro: list[PackedBatch]) -> list[torch.Tensor | None]:
-        """Reference log-probs [R] per micro-batch (None without a reference model): the frozen copy, or a
-        `FrozenBase` policy's own base weights."""
+        """Reference log-probs [R] per micro-batch (None without a reference model): the frozen copy, or the
+        policy's own frozen base (`has_frozen_base`)."""
         if self.reference is not None:
             model, weights = self.reference, contextlib.nullcontext()
-        elif self.loss_fn.needs_ref_logprobs and isinstance(self.policy, FrozenBase):
+        elif self.loss_fn.needs_ref_logprobs and self.policy.has_frozen_base:
             model, weights = self.policy, self.policy.base_weights()
         else:
             return [None] * len(micro)
         # KL without the candidate mask scores the reference over the full vocabulary.
         use_mask = self.hook.use_mask and self.loss_fn.kl_use_candidate_mask
-        with torch.no_grad(), weights:
-            return [self.score(model, mb, use_mask=use_mask) for mb in micro]
+        with weights:
+            return model.forward_only(micro, functools.partial(self.score_hidden, use_mask=use_mask))
 
     def accumulate_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None], *,
                              old: list[Tensor] | None, timer: PhaseTimer) -> tuple[dict[str, SumCount], list[OnPolicyRecord]]:
-        """Backward of the loss over every micro-batch into .grad: the loss divides by the step's global counts,
-        so the accumulated gradient equals that of one batch holding all micro-batches. Returns the loss sums and
-        the on-policy records made here.
+        """Backward of the loss over every micro-batch into .grad, in the backbone's schedule
+        (`Backbone.forward_backward`): the loss divides by the step's global counts, so the accumulated gradient
+        equals that of one batch holding all micro-batches. Returns the loss sums and the on-policy records made here.
 
         `old=None` (`ppo_epochs=1`): the weights have not changed since the rollout, so each micro-batch's old
         log-probs and on-policy record come from this forward, detached (the values of a separate no-grad pass,
         one forward fewer; with the mask on, the old log-probs are the loss's own, detached, so the ratio is
         exactly 1); their time is the `old_logprob` phase's."""
-        metrics: dict[str, SumCount] = {}
-        records = []
-        for i, (mb, ref) in enumerate(zip(micro, refs, strict=True)):
-            if isinstance(self.policy, SyncsGradients):  # one reduction per step: after the last backward
-                self.policy.set_gradient_sync(i == len(micro) - 1)
-            hidden, weight = self.policy.forward_hidden(mb)
+
+        def loss_step(i: int, mb: PackedBatch, hidden: Tensor, weight: Tensor):
             scored = self.hook(mb, layout=self.layout, hidden=hidden, weight=weight)
             if old is None:
                 with timer.phase("old_logprob"):
                     masked = scored.logprobs if self.hook.use_mask else None
                     mb_old, record = self.onpolicy_from_hidden(mb, hidden, weight, masked=masked)
-                records.append(record)
             else:
-                mb_old = old[i]
+                mb_old, record = old[i], None
             logprobs = self._gather(scored.logprobs, scored.token_index, mb)
-            self.backward_loss(mb, logprobs, old=mb_old, ref=ref, metrics=metrics)
-        return metrics, records
+            loss, sums = self.loss_fn(_loss_inputs(mb, logprobs, mb_old, refs[i]))
+            # this micro-batch's MoE routing figures: averaged over micro-batches and ranks
+            moe = {f"train/{k}": (float(v), 1.0) for k, v in self.policy.moe_stats().items()}
+            return loss, (sums | moe, record)
 
-    def backward_loss(self, mb: PackedBatch, logprobs: Tensor, *, old: Tensor, ref: Tensor | None, metrics: dict[str, SumCount]) -> None:
-        """One micro-batch's loss from its log-probs [R] (with grad), backward into .grad; its sums into `metrics`."""
-        loss, loss_metrics = self.loss_fn(self.loss_inputs(mb, logprobs, old, ref))
-        (self.manual_backward if self._trainer is not None else torch.Tensor.backward)(loss)
-        add_sums(metrics, loss_metrics)
-        if isinstance(self.policy, ReportsMoE):  # this micro-batch's routing: averaged over micro-batches and ranks
-            add_sums(metrics, {f"train/{k}": (float(v), 1.0) for k, v in self.policy.moe_stats().items()})
+        backward = self.manual_backward if self._trainer is not None else torch.Tensor.backward
+        outputs = self.policy.forward_backward(micro, loss_step, backward=backward)
+        metrics: dict[str, SumCount] = {}
+        for sums, _ in outputs:
+            add_sums(metrics, sums)
+        return metrics, [record for _, record in outputs if record is not None]
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
         micro = batch.micro_batches
         timer = PhaseTimer()
-        fused = self.ppo_epochs == 1  # the gradient pass also makes the old log-probs (`accumulate_gradients`)
         old, records = None, []
         with timer.phase("old_logprob"):
-            if not fused:
-                old, records = map(list, zip(*(self.onpolicy_pass(mb) for mb in micro), strict=True))
+            if self.ppo_epochs > 1:  # one epoch: the gradient pass makes them (`accumulate_gradients`)
+                old, records = map(list, zip(*self.policy.forward_only(micro, self.onpolicy_from_hidden), strict=True))
             refs = self.reference_pass(micro)
         opt = self.optimizers()
         lr = float(opt.param_groups[0]["lr"])  # the lr this step's updates use
@@ -273,65 +246,28 @@ class PolicyModule(L.LightningModule):
                 opt.zero_grad(set_to_none=True)
                 sums, made = self.accumulate_gradients(micro, refs, old=old, timer=timer)
                 records += made
-                add_sums(metrics, sums | {"train/grad_norm": (self.checked_grad_norm(opt), 1.0)})
-                self.optimizer_step_checked(opt, step=self.global_step)
-                if (scaler := self.loss_scaler()) is not None:  # after the step: halved if it overflowed
-                    add_sums(metrics, {"train/loss_scale": (scaler.scaler.get_scale(), 1.0)})
+                add_sums(metrics, sums | self.optimizer_update(opt))
                 if self._trainer is not None:
                     self.lr_schedulers().step()
         record = OnPolicyRecord.concat(records)
-        keep = record.loss_mask > 0
-        metrics["train/entropy"] = (float(record.entropy[keep].double().sum()), float(keep.sum()))
-        if record.routing_agreement is not None:
-            metrics["train/routing_agreement"] = record.routing_agreement
         tokens = sum(int(mb.tokens.numel()) for mb in micro) * self.ppo_epochs
-        old_s, optim_s = timer.seconds["old_logprob"], timer.seconds["optim"]
-        metrics["perf/old_logprob_s"] = (old_s, 1.0)
-        metrics["perf/optim_s"] = (optim_s, 1.0)
-        metrics["perf/train_tokens_per_s"] = (tokens / max(optim_s, 1e-9), 1.0)
-        metrics["perf/peak_rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0)
+        metrics |= _record_metrics(record) | _perf_metrics(timer, tokens=tokens)
         self.log_step_metrics(metrics, lr=lr, step=self.global_step)
         return {"rollout": batch, "onpolicy": record, "metrics": metrics}
 
-    def loss_scaler(self) -> LossScaledFP16 | None:
+    def optimizer_update(self, opt) -> dict[str, SumCount]:
+        """One guarded update (`optim_step`): clip, step, check; its grad norm, and the loss scale under fp16 (read
+        after the step: halved if it overflowed)."""
         plugin = self.trainer.precision_plugin if self._trainer is not None else None
-        return plugin if isinstance(plugin, LossScaledFP16) else None
-
-    def checked_grad_norm(self, opt) -> float:
-        """`clip_and_norm` of the true (unscaled) gradient. A non-finite norm stops the run before the update is
-        applied, unless a loss scale is in use: then it is an fp16 overflow, whose update the scaler skips."""
-        scaler = self.loss_scaler()
+        scaler = plugin if isinstance(plugin, LossScaledFP16) else None
+        all_ranks = (functools.partial(self.trainer.strategy.reduce_boolean_decision, all=True)
+                     if self._trainer is not None else None)
+        grad_norm = checked_grad_norm(self.policy, opt, grad_clip=self.grad_clip, scaler=scaler, step=self.global_step)
+        checked_optimizer_step(opt, step=self.global_step, all_ranks=all_ranks)
+        update = {"train/grad_norm": (grad_norm, 1.0)}
         if scaler is not None:
-            scaler.unscale(opt.optimizer)  # clip and report the gradient itself, not ~2^16 times it
-        grad_norm = self.clip_and_norm()  # of the whole (unsharded, DP-summed) gradient: equal on every rank
-        if not math.isfinite(grad_norm) and scaler is None:
-            raise FloatingPointError(
-                f"step {self.global_step}: train/grad_norm is {grad_norm} (non-finite gradient); the update is not "
-                "applied. Common causes: a learning rate too high for the model (optimizer.lr), a NaN in the "
-                "weights or data, rewards of extreme size"
-            )
-        return grad_norm
-
-    def optimizer_step_checked(self, opt, *, step: int) -> None:
-        """`opt.step()`; an update that overflows float32 stops the run naming the step and the learning rate.
-        The foreach AdamW raises on its overflowing scalar; the fused one leaves inf / NaN weights, found here by
-        one min / max reduction per tensor (all ranks decide together, so none is left in a collective)."""
-        lr = opt.param_groups[0]["lr"]
-        try:
-            opt.step()
-        except RuntimeError as err:
-            if "overflow" not in str(err):
-                raise
-            raise _overflow(step, lr, str(err)) from err
-        params = [local_tensor(p.detach()) for group in opt.param_groups for p in group["params"]]
-        params = [p for p in params if p.numel()]  # an FSDP rank may hold an empty shard of a small tensor
-        # min and max are finite iff every entry is (they propagate NaN); `aminmax` reads each tensor once at the
-        # speed of a sum, where the inf-norm (abs, then max) ran 5x slower on CPU (measured: 0.45 s at SmolLM2)
-        finite = not params or bool(torch.isfinite(torch.stack([torch.stack(torch.aminmax(p)) for p in params])).all())
-        if self._trainer is not None:
-            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if not finite:
-            raise _overflow(step, lr, "the weights hold inf or NaN after it")
+            update["train/loss_scale"] = (scaler.scaler.get_scale(), 1.0)
+        return update
 
     def log_step_metrics(self, sums: dict[str, SumCount], *, lr: float, step: int) -> dict[str, float]:
         """Reduce the step's (sum, count) pairs across ranks once, stop on a non-finite loss or entropy (the
@@ -348,11 +284,6 @@ class PolicyModule(L.LightningModule):
         StepMetrics.of(self.trainer).add(self.trainer, values)
         return values
 
-    def clip_and_norm(self) -> float:
-        """Total gradient 2-norm of the unsharded model before clipping (clipped in place when `grad_clip`)."""
-        max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
-        return float(self.policy.clip_grad_norm_(max_norm))
-
     def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs of the policy for `WeightSync` (a TP collective for a sharded backbone)."""
         return self.policy.hf_named_tensors()
@@ -361,8 +292,30 @@ class PolicyModule(L.LightningModule):
 __all__ = ["Backbone", "HFBackbone", "PolicyModule"]
 
 
-def _overflow(step: int, lr: float, what: str) -> FloatingPointError:
-    return FloatingPointError(
-        f"step {step}: the optimizer update overflowed float32 ({what}); optimizer.lr={lr:g} is far too large "
-        "for this model: lower it (e.g. 1e-3 for the tiny model, 1e-6 for SmolLM2)"
+def _loss_inputs(batch: PackedBatch, logprobs: Tensor, old: Tensor, ref: Tensor | None) -> LossInputs:
+    seq_index = torch.repeat_interleave(batch.sample_index, batch.response_lengths)
+    return LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=batch.advantages, loss_mask=batch.loss_mask,
+        seq_index=seq_index, num_loss_tokens_global=float(batch.num_loss_tokens_global),
+        num_sequences_global=int(batch.num_sequences_global), ref_logprobs=ref,
+        rollout_logprobs=batch.rollout_log_probs,
     )
+
+
+def _record_metrics(record: OnPolicyRecord) -> dict[str, SumCount]:
+    """The step's entropy over trainable tokens, and its MoE routing agreement where routes were recorded."""
+    keep = record.loss_mask > 0
+    metrics = {"train/entropy": (float(record.entropy[keep].double().sum()), float(keep.sum()))}
+    if record.routing_agreement is not None:
+        metrics["train/routing_agreement"] = record.routing_agreement
+    return metrics
+
+
+def _perf_metrics(timer: PhaseTimer, *, tokens: int) -> dict[str, SumCount]:
+    old_s, optim_s = timer.seconds["old_logprob"], timer.seconds["optim"]
+    return {
+        "perf/old_logprob_s": (old_s, 1.0),
+        "perf/optim_s": (optim_s, 1.0),
+        "perf/train_tokens_per_s": (tokens / max(optim_s, 1e-9), 1.0),
+        "perf/peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0),
+    }

@@ -3,7 +3,7 @@
 Why not Lightning's own `precision="16-mixed"`: on CPU Lightning 2.6 silently runs bf16 instead, and its AMP
 `optimizer_step` unscales the gradients only after the training step returns, while `PolicyModule` clips them
 and logs their norm inside the step (manual optimisation), so it would clip and report the scaled gradient
-(~2^16 too large). Here the module unscales first (`PolicyModule.checked_grad_norm` calls `unscale`), and this
+(~2^16 too large). Here the module unscales first (`optim_step.checked_grad_norm` calls `unscale`), and this
 plugin's step only steps and updates the scale: `GradScaler.step` skips an update whose gradient holds inf / NaN
 (an fp16 overflow), and `update` halves the scale then; otherwise the scale grows every `growth_interval` steps.
 """
