@@ -323,9 +323,10 @@ def test_sglang_limits_are_nested_groups_checked_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"^config rollout.engine.timeouts: timeouts \{'per_token_s': -1\} out of "
                                          r"range: bases must be > 0"):
         validate_config(_compose(["rollout=sglang", "rollout.engine.timeouts.per_token_s=-1"], tmp_path))
-    # The flat keys of before are refused, naming the engine's parameters.
-    with pytest.raises(ValueError, match=r"^config rollout.engine.first_byte_timeout_s=5: must be a parameter of "
-                                         r"topp_rl.engines.sglang.SGLangEngine.for_policy \(.*timeouts, retries"):
+    # The flat keys of before are refused, naming their new nested place.
+    with pytest.raises(ValueError, match=r"^config rollout.engine.first_byte_timeout_s=5: must be absent: it moved to "
+                                         r"rollout.engine.timeouts.first_byte_s; set rollout.engine.timeouts."
+                                         r"first_byte_s instead$"):
         validate_config(_compose(["rollout=sglang", "+rollout.engine.first_byte_timeout_s=5"], tmp_path))
 
 
