@@ -29,6 +29,7 @@ from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.rollout.step import RolloutStep, Stats
 from topp_rl.rollout.trajectory import (
+    END_ABORTED,
     END_MAX_TOKENS,
     END_MAX_TURNS,
     FAIL_ERROR,
@@ -81,9 +82,10 @@ class AgentLoopStep(RolloutStep):
                 if model_turn is not None:
                     jobs.append(self._guard(t, self._respond(t, model_turn, tokenizer, engine.vocab_size)))
             await asyncio.gather(*jobs)
-        await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs if not t.failed and t.episode))
+        await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs
+                               if t.episode is not None and not t.failed and t.end != END_ABORTED))
         self._check_failures(trajs)
-        return [t.finish() for t in trajs]
+        return [t.finish(trajectory=i) for i, t in enumerate(trajs)]
 
     async def _start(self, t: Trajectory) -> None:
         t.episode = await call_env(self.environment.start, t.record, timeout_s=self.env_timeout_s)
@@ -92,9 +94,6 @@ class AgentLoopStep(RolloutStep):
         output = await call_env(t.episode.respond, turn, timeout_s=self.env_timeout_s)
         t.add_env_output(output, max_turns=self.max_turns, max_tokens=self.max_tokens, tokenizer=tokenizer,
                          vocab_size=vocab_size)
-        if t.live and t.sample.response_length >= self.max_tokens:
-            t.end = END_MAX_TOKENS
-            t.sample.status = SampleStatus.TRUNCATED
 
     async def _reward(self, t: Trajectory) -> None:
         t.reward, t.reward_info = reward_value(await call_env(t.episode.reward, timeout_s=self.env_timeout_s))
@@ -134,14 +133,18 @@ class AgentLoopStep(RolloutStep):
 
     def stats(self, samples: list[Sample]) -> Stats:
         ends = [s.metadata["end"] for s in samples]
-        count = lambda kind: (float(ends.count(kind)), 1.0)  # noqa: E731  per step (mean over DP ranks)
+
+        def count(kind: str) -> tuple[float, float]:  # per step of a rank (averaged over DP ranks)
+            return float(ends.count(kind)), 1.0
+
         failed = sum(e in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX) for e in ends)
+        trajectories = len({s.metadata["trajectory"] for s in samples})
         return {
             "rollout/turns_mean": (float(sum(s.metadata["turns"] for s in samples)), float(len(samples))),
             "rollout/env_tokens_frac": (float(sum(s.metadata["env_tokens"] for s in samples)),
                                         float(sum(s.response_length for s in samples))),
             # one sample per trajectory until prefix breaks start new samples
-            "rollout/samples_per_trajectory_mean": (float(len(samples)), float(len(samples))),
+            "rollout/samples_per_trajectory_mean": (float(len(samples)), float(trajectories)),
             "rollout/prefix_breaks": count(FAIL_PREFIX),
             "rollout/env_errors": count(FAIL_ERROR),
             "rollout/env_timeouts": count(FAIL_TIMEOUT),

@@ -15,8 +15,9 @@ from topp_rl.data import PromptRecord
 from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.tasks.environment import EnvOutput, Episode, ModelTurn
 
-# Why a trajectory ended: the episode ended it, a budget, or a failure (the last three count as failed).
-END_ENV, END_MAX_TURNS, END_MAX_TOKENS = "env", "max_turns", "max_tokens"
+# Why a trajectory ended: the episode ended it, a budget, or the engine aborted it (never trained on) ...
+END_ENV, END_MAX_TURNS, END_MAX_TOKENS, END_ABORTED = "env", "max_turns", "max_tokens", "aborted"
+# ... or it failed (reward 0, counted in rollout/trajectories_failed).
 FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX = "env_error", "env_timeout", "prefix_break"
 
 
@@ -50,7 +51,7 @@ class Trajectory:
             self.fail(FAIL_PREFIX, f"the engine answered {len(out.prompt_ids)} prompt ids, not the {len(sent)} sent")
             return None
         if out.status == SampleStatus.ABORTED:
-            self.sample.status, self.end = SampleStatus.ABORTED, END_ENV
+            self.sample.status, self.end = SampleStatus.ABORTED, END_ABORTED
             self.sample.metadata["finish_reason"] = out.metadata.get("finish_reason")
             return None
         keep = min(out.response_length, max_tokens - self.sample.response_length)  # budget cuts are exact
@@ -82,10 +83,12 @@ class Trajectory:
         self.end = reason
         self.sample.status = SampleStatus.TRUNCATED
 
-    def finish(self) -> Sample:
-        """The trajectory's sample, its figures in `metadata` (read by `AgentLoopStep.score` and `stats`)."""
+    def finish(self, *, trajectory: int) -> Sample:
+        """The trajectory's sample (`trajectory`: its number in the step), its figures in `metadata` (read by
+        `AgentLoopStep.score` and `stats`)."""
         meta = self.sample.metadata
-        meta |= {"turns": self.turns, "env_tokens": self.env_tokens, "end": self.end, "env_reward": self.reward}
+        meta |= {"trajectory": trajectory, "turns": self.turns, "env_tokens": self.env_tokens, "end": self.end,
+                 "env_reward": self.reward}
         if self.error is not None:
             meta["env_error"] = self.error
         if self.reward_info:
