@@ -8,7 +8,8 @@ asked key, plus 1 - `call_credit` for repeating the value the environment answer
 answering another digit; 0 by default: in the default run it helped a seed stuck on letters less than it held
 back the others, measured over seeds 0-2).
 The value cannot be guessed from the key (drawn per example), so the model must call and then read. Both turns
-copy the token just before them (the key, the value); how well the default run learns them: docs/agents.md.
+repeat the token just before them (the key, the value): the random tiny model's greedy decode already does
+(tied embeddings), training moves the sampled policy there; docs/agents.md has the curves and a harder variant.
 """
 
 from __future__ import annotations
