@@ -12,7 +12,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from topp_rl.config import validate_config
 
 CONF = ROOT / "conf"
-GROUPS = ("algo", "rollout", "model", "task", "trainer", "logger", "callbacks", "parallel", "experiment")
+GROUPS = ("algo", "rollout", "rollout/step", "model", "task", "trainer", "logger", "callbacks", "parallel",
+          "experiment")
 
 
 def _compose(overrides: list[str], tmp_path: Path) -> DictConfig:
@@ -45,7 +46,9 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     assert len(targets) >= 6  # model, engine, task, advantage, loss, optimizer, trainer, ...
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
-    if group not in ("parallel", "experiment"):  # those may need several ranks / other venvs
+    # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment (refused
+    # at start, test_invalid_values_fail_at_start_naming_the_key)
+    if group not in ("parallel", "experiment") and key != "rollout/step=agent":
         validate_config(cfg)
 
 
@@ -155,6 +158,13 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         # The serving limits moved into nested groups (issue 36): the old flat key names its new place.
         ("rollout=sglang +rollout.engine.first_byte_timeout_s=900", "rollout.engine.first_byte_timeout_s"),
         ("rollout=sglang rollout.max_candidates=-3", "rollout.max_candidates"),
+        # Several turns need the agent loop; its budgets are positive.
+        ("rollout.max_turns=3", "rollout.max_turns"),
+        ("rollout/step=agent", "rollout.step.environment"),
+        ("task=lookup trainer.devices=2", "trainer.devices"),
+        ("task=lookup rollout=sglang", "rollout.engine._target_"),
+        ("task=lookup rollout.max_turns=0", "rollout.max_turns"),
+        ("task=lookup rollout.max_trajectory_tokens=0", "rollout.max_trajectory_tokens"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -377,7 +387,7 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
         validate_config(_compose(["+rollout.topp=0.9"], tmp_path))
     assert str(info.value) == (
         "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_new_tokens, "
-        "min_p, n_samples, overlap, prompts_per_step, record_routes, routing_replay, sampling, step, stop_token_ids, "
+        "max_trajectory_tokens, max_turns, min_p, n_samples, overlap, prompts_per_step, record_routes, routing_replay, sampling, step, stop_token_ids, "
         "temperature, top_k, top_p); "
         "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
         "this one)"

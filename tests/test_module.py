@@ -174,7 +174,7 @@ def test_gradient_checkpointing_is_refused_with_the_megatron_backbone():
     from topp_rl.config import validate_parallel
 
     cfg = OmegaConf.create({
-        "parallel": {"tp_size": 2, "cp_size": 1, "ep_size": 1, "cp_mode": "zigzag", "strategy": {"_target_": "topp_rl.megatron.strategy.MegatronStrategy"}},
+        "parallel": {"tp_size": 2, "cp_size": 1, "ep_size": 1, "pp_size": 1, "cp_mode": "zigzag", "strategy": {"_target_": "topp_rl.megatron.strategy.MegatronStrategy"}},
         "module": {"gradient_checkpointing": True, "moe_aux_loss_coeff": 0.0}, "rollout": {"prompts_per_step": 2},
         "trainer": {"devices": 2, "num_nodes": 1},
     })

@@ -22,6 +22,7 @@ from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
+from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -425,9 +426,43 @@ def validate_overlap(cfg: DictConfig) -> None:
               "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
 
 
+def validate_turns(cfg: DictConfig) -> None:
+    """rollout.max_turns > 1 needs a multi-turn step (the agent loop): the single-turn step answers once; the
+    agent loop needs an environment."""
+    turns = _positive_int(cfg, "rollout.max_turns", "use 1 for single-turn tasks")
+    _positive_int(cfg, "rollout.max_trajectory_tokens", "set the response tokens a trajectory may hold")
+    agent = issubclass(target_class(cfg.rollout.step), AgentLoopStep)
+    if agent and OmegaConf.is_missing(cfg.rollout.step, "environment"):
+        _fail("rollout.step.environment", "???", "an environment (rollout.step.environment._target_: a class with "
+              "start(record) -> Episode, topp_rl/tasks/environment.py)", "use a task that brings its environment "
+              "(task=lookup), or set rollout.step.environment._target_=<your Environment class>")
+    if turns > 1 and not agent:
+        _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
+              "prompt once)", "select the agent loop (rollout/step=agent, with an environment), or set "
+              "rollout.max_turns=1")
+    if not agent:
+        return
+    # Built so far (issue 37): one rank, the embedded engine. A step whose trajectories fail raises on its own
+    # rank, which other ranks would wait for; SGLang's exactness through the loop is not measured yet.
+    if world_size(cfg) > 1:
+        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with the agent loop (world size "
+              f"{world_size(cfg)}): it runs on one rank so far", "train the agent loop on one device")
+    engine = str(cfg.rollout.engine._target_)
+    if not engine.startswith("topp_rl.engines.embedded."):
+        _fail("rollout.engine._target_", engine, "the embedded engine with the agent loop (its exactness through "
+              "the loop is what is tested so far)", "use rollout=embedded")
+
+
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
-    a model with MoE layers (checked once the model is built, before any engine starts)."""
+    a model with MoE layers; the agent loop records none yet (checked once the model is built, before any engine
+    starts)."""
+    step = cfg.rollout.get("step")
+    if (isinstance(step, DictConfig) and issubclass(target_class(step), AgentLoopStep)
+            and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):
+        _fail("rollout.record_routes", True, f"false for an MoE model ({type(model).__name__}) with the agent loop "
+              "(it does not merge routes across turns yet)", "set rollout.record_routes=false "
+              "rollout.routing_replay=false")
     if not cfg.rollout.get("routing_replay", False):
         return
     if not cfg.rollout.get("record_routes", False):
@@ -450,6 +485,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
     validate_overlap(cfg)
+    validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
         check_reward_config(cfg.task)
     advantage = target_class(cfg.algo.advantage)

@@ -26,6 +26,8 @@ def _yaml_keys(path: Path) -> set[str]:
     for entry in data.get("defaults", []):
         if isinstance(entry, str) and entry.endswith("@_here_"):
             keys |= _yaml_keys(path.parent / f"{entry.removesuffix('@_here_')}.yaml")
+        elif isinstance(entry, dict):  # a nested group (rollout/step): its node is a key of this option
+            keys |= {k for k in entry if not k.startswith("override ")}
     return keys
 
 

@@ -22,6 +22,7 @@ _LAZY = {
     "RolloutTicket": "topp_rl.rollout.datamodule",
     "RolloutStep": "topp_rl.rollout.step",
     "SingleTurnStep": "topp_rl.rollout.step",
+    "AgentLoopStep": "topp_rl.rollout.agent_step",
     "Task": "topp_rl.tasks",
     "ArithmeticTask": "topp_rl.tasks",
     "CopyDigitTask": "topp_rl.tasks",

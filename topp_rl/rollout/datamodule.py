@@ -215,7 +215,8 @@ class RolloutDataModule(L.LightningDataModule):
                                        tokenizer=self.tokenizer, first_group=ticket.first_group)
 
     def _sample(self, ticket: RolloutTicket) -> list[Sample]:
-        return self.rollout_step.generate(self.ensure_engine(), ticket.records, self.params, seed=ticket.seed)
+        return self.rollout_step.generate(self.ensure_engine(), ticket.records, self.params, seed=ticket.seed,
+                                          tokenizer=self.tokenizer)
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
         start = time.perf_counter()
@@ -229,7 +230,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = ticket.step + 1
         # With overlap: the generation's own time (it ran beside the previous step), not the wait for it.
         stats = step_stats(samples, micro, generate_s=self.last_generate_s if overlapped else gen_seconds,
-                           dropped=dropped, groups=groups)
+                           dropped=dropped, groups=groups) | self.rollout_step.stats(samples)
         if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
             stats |= overlap_stats(own, self.engine, wait_s=gen_seconds)
         if self.peers.size > 1:

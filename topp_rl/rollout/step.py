@@ -6,8 +6,10 @@ A step has two phases, because with `rollout.overlap=true` the first runs ahead 
   per prompt, prompt-major, unscored;
 - `score`: on the trainer's thread (rewards may use signals or a reward model on the trainer's device): number
   the samples step-globally and set the reward of every sample the engine did not abort.
-`run` does both, timing the first. Config: `rollout.step` (`_target_`, default `SingleTurnStep`), handed to
-the datamodule as `data.step`; a multi-turn agent loop is a second implementation of the same protocol.
+`run` does both, timing the first; `stats` gives the step's own rollout figures (sums and counts). Config:
+`rollout.step` (the `rollout/step` group: `single_turn`, the default, or `agent`:
+`topp_rl.rollout.agent_step.AgentLoopStep`, the multi-turn agent loop), handed to the datamodule as
+`data.rollout_step`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from topp_rl.data.sample import Sample, SampleStatus, number_samples
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.tasks import Task
 
+Stats = dict[str, tuple[float, float]]
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -31,8 +35,9 @@ class StepResult:
 @runtime_checkable
 class RolloutStep(Protocol):
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
-                 seed: int | None) -> list[Sample]:
-        """`params.n` samples per record, prompt-major, unscored; may run on the prefetch thread."""
+                 seed: int | None, tokenizer: Any) -> list[Sample]:
+        """`params.n` samples per record, prompt-major, unscored; may run on the prefetch thread (`tokenizer`:
+        the policy's, for steps that turn text into ids between turns)."""
         ...
 
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
@@ -45,17 +50,22 @@ class RolloutStep(Protocol):
             tokenizer: Any, seed: int | None, first_group: int = 0) -> StepResult:
         """`generate` then `score` (a default for explicit subclasses)."""
         start = time.perf_counter()
-        samples = self.generate(engine, records, params, seed=seed)
+        samples = self.generate(engine, records, params, seed=seed, tokenizer=tokenizer)
         seconds = time.perf_counter() - start
         self.score(samples, records, params, task=task, tokenizer=tokenizer, first_group=first_group)
         return StepResult(samples=samples, generate_s=seconds)
+
+    def stats(self, samples: list[Sample]) -> Stats:
+        """The step's own rollout figures as (sum, count) pairs, the same keys on every rank and every step
+        (`samples`: the scored ones of this rank, aborted ones included)."""
+        ...
 
 
 class SingleTurnStep(RolloutStep):
     """One engine call per step: each prompt answered once, n times."""
 
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
-                 seed: int | None) -> list[Sample]:
+                 seed: int | None, tokenizer: Any = None) -> list[Sample]:
         return engine.generate([r.prompt_ids for r in records], params, seed=seed)
 
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
@@ -64,3 +74,6 @@ class SingleTurnStep(RolloutStep):
         by_group = {first_group + j: r for j, r in enumerate(records)}
         task.score([s for s in samples if s.status != SampleStatus.ABORTED], by_group, tokenizer)
         return samples
+
+    def stats(self, samples: list[Sample]) -> Stats:
+        return {}

@@ -1,0 +1,49 @@
+"""`task=lookup` trains end to end through the agent loop with the embedded engine, and stays exact: on the
+on-policy pass, over trained tokens, |log pi_train - log pi_rollout| is float32 noise with the candidate mask at
+rollout.top_p=0.9 (the unmasked figure shows the bias), and every rank logs the agent loop's figures."""
+
+import math
+
+import pytest
+from helpers import column, compose_cfg, read_metrics
+
+from topp_rl.config import validate_routing
+from topp_rl.models import build_tiny_model
+from topp_rl.train import train
+
+AGENT_KEYS = ("rollout/turns_mean", "rollout/env_tokens_frac", "rollout/samples_per_trajectory_mean",
+              "rollout/prefix_breaks", "rollout/env_errors", "rollout/env_timeouts", "rollout/trajectories_failed",
+              "rollout/max_turns_ended", "rollout/max_tokens_ended")
+
+
+def test_lookup_trains_exactly_through_the_agent_loop(tmp_path):
+    # Three characters per turn: the call and the answer are each turn's first one, the rest trains too.
+    cfg = compose_cfg(tmp_path, "task=lookup", "logger=csv", "rollout.top_p=0.9", "rollout.max_new_tokens=3",
+                      "rollout.prompts_per_step=4", "rollout.n_samples=4", "trainer.max_steps=3")
+    summary = train(cfg)
+    assert summary["steps"] == 3
+    rows = read_metrics(tmp_path)
+    masked, worst = column(rows, "train/rollout_logprob_abs_diff"), column(rows, "train/rollout_logprob_abs_diff_max")
+    unmasked = column(rows, "train/rollout_logprob_abs_diff_unmasked")
+    assert len(masked) == len(worst) == len(unmasked) == 3
+    assert max(masked) <= 1e-5 and max(worst) <= 1e-4
+    assert min(unmasked) > 1e-2  # the bias the mask removes, far above
+    for key in AGENT_KEYS:
+        values = column(rows, key)
+        assert len(values) == 3 and all(math.isfinite(v) for v in values), key
+    assert all(1.0 <= t <= 2.0 for t in column(rows, "rollout/turns_mean"))
+    assert max(column(rows, "rollout/env_tokens_frac")) > 0  # environment tokens were in the packed batches
+    assert column(rows, "rollout/samples_per_trajectory_mean") == [1.0] * 3
+    assert column(rows, "rollout/trajectories_failed") == [0.0] * 3
+    assert column(rows, "rollout/prefix_breaks") == [0.0] * 3
+    assert all(0 <= r <= 1 for r in column(rows, "rollout/reward_mean"))
+
+
+def test_moe_routes_are_refused_at_start_with_the_agent_loop(tmp_path):
+    cfg = compose_cfg(tmp_path, "task=lookup")
+    with pytest.raises(ValueError, match=r"config rollout.record_routes=True: must be false for an MoE model "
+                                         r"\(Qwen3MoeForCausalLM\) with the agent loop .*set rollout.record_routes="
+                                         r"false rollout.routing_replay=false"):
+        validate_routing(cfg, build_tiny_model("qwen3_moe"))
+    validate_routing(compose_cfg(tmp_path, "task=lookup", "rollout.record_routes=false"), build_tiny_model("qwen3_moe"))
+    validate_routing(cfg, build_tiny_model("qwen2"))  # dense: nothing to record

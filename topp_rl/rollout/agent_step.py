@@ -1,0 +1,161 @@
+"""`AgentLoopStep`: the multi-turn agent rollout step (config `rollout/step=agent`), a `RolloutStep`.
+
+Each record starts `params.n` trajectories, each with an `Episode` of the configured `Environment`
+(`topp_rl.tasks.environment`). Rounds run every live trajectory's next turn at once: ONE `engine.generate` call
+(n=1 per prompt) over the running ids of all waiting trajectories (prompt + every earlier turn's exact ids:
+never re-tokenised), then every episode's answer concurrently (async episodes on one event loop, sync ones on
+threads), each call bounded by `env_timeout_s`. A trajectory is one `Sample` (`topp_rl.rollout.trajectory`):
+model tokens train, environment tokens have loss mask 0. Budgets: `max_turns` model turns and
+`max_trajectory_tokens` response tokens (model + environment); a trajectory that reaches one ends (status
+truncated, counted). An environment call that raises or times out ends only its trajectory (reward 0, counted);
+more than `max_failed_frac` of a step's trajectories failing raises. Rewards come from the episodes.
+
+Departures from slime's multi-turn rollouts: no re-tokenisation of the transcript (slime re-applies the chat
+template each turn), and environment tokens never get a log-prob or a candidate set.
+Not yet: prefix breaks (a turn whose ids do not extend the previous ones) end the trajectory as failed instead
+of starting a new sample; MoE route recording (refused: routes would have to be merged turn by turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from topp_rl.data import PromptRecord, SamplingParams
+from topp_rl.data.sample import Sample, SampleStatus, number_samples
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.rollout.step import RolloutStep, Stats
+from topp_rl.rollout.trajectory import (
+    END_ABORTED,
+    END_MAX_TOKENS,
+    END_MAX_TURNS,
+    FAIL_ERROR,
+    FAIL_PREFIX,
+    FAIL_TIMEOUT,
+    Trajectory,
+)
+from topp_rl.tasks import Task
+from topp_rl.tasks.environment import Environment, EnvTimeout, call_env, reward_value
+
+
+class AgentLoopStep(RolloutStep):
+    def __init__(self, *, environment: Environment, max_turns: int, max_trajectory_tokens: int,
+                 env_timeout_s: float = 30.0, max_failed_frac: float = 0.5) -> None:
+        if not isinstance(environment, Environment):
+            raise TypeError(f"environment is a {type(environment).__name__}; pass a topp_rl.tasks.environment."
+                            "Environment (an object with start(record) -> Episode; in config: "
+                            "rollout.step.environment._target_)")
+        for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
+        if not env_timeout_s > 0:
+            raise ValueError(f"rollout.step.env_timeout_s={env_timeout_s} must be > 0 (seconds per environment call)")
+        if not 0 <= max_failed_frac <= 1:
+            raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
+                             "step's trajectories allowed to fail before the step raises)")
+        self.environment, self.max_turns, self.max_tokens = environment, max_turns, max_trajectory_tokens
+        self.env_timeout_s, self.max_failed_frac = env_timeout_s, max_failed_frac
+
+    # ----- generate: rounds of one engine call, then the episodes -----
+    def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
+                 seed: int | None, tokenizer: Any) -> list[Sample]:
+        if engine.records_routes:
+            raise ValueError("the agent loop does not merge MoE routes across turns yet; set "
+                             "rollout.record_routes=false (and rollout.routing_replay=false) for a multi-turn MoE run")
+        return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+
+    async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
+        trajs = [Trajectory(record=r, sample=Sample(prompt_ids=r.prompt_ids)) for r in records for _ in range(params.n)]
+        await asyncio.gather(*(self._guard(t, self._start(t)) for t in trajs))
+        turn = dataclasses.replace(params, n=1)
+        rounds = 0
+        while waiting := [t for t in trajs if t.live]:
+            sent = [t.sample.tokens for t in waiting]
+            outs = engine.generate(sent, turn, seed=_round_seed(seed, rounds))
+            rounds += 1
+            jobs = []
+            for t, ids, out in zip(waiting, sent, outs, strict=True):
+                model_turn = t.add_model_turn(out, ids, max_tokens=self.max_tokens, tokenizer=tokenizer)
+                if model_turn is not None:
+                    jobs.append(self._guard(t, self._respond(t, model_turn, tokenizer, engine.vocab_size)))
+            await asyncio.gather(*jobs)
+        await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs
+                               if t.episode is not None and not t.failed and t.end != END_ABORTED))
+        self._check_failures(trajs)
+        return [t.finish(trajectory=i) for i, t in enumerate(trajs)]
+
+    async def _start(self, t: Trajectory) -> None:
+        t.episode = await call_env(self.environment.start, t.record, timeout_s=self.env_timeout_s)
+
+    async def _respond(self, t: Trajectory, turn, tokenizer, vocab_size: int) -> None:
+        output = await call_env(t.episode.respond, turn, timeout_s=self.env_timeout_s)
+        t.add_env_output(output, max_turns=self.max_turns, max_tokens=self.max_tokens, tokenizer=tokenizer,
+                         vocab_size=vocab_size)
+
+    async def _reward(self, t: Trajectory) -> None:
+        t.reward, t.reward_info = reward_value(await call_env(t.episode.reward, timeout_s=self.env_timeout_s))
+
+    @staticmethod
+    async def _guard(t: Trajectory, job) -> None:
+        """Run one environment job; its timeout or exception ends only this trajectory (reward 0)."""
+        try:
+            await job
+        except EnvTimeout as e:
+            t.fail(FAIL_TIMEOUT, str(e))
+        except Exception as e:  # any error of the environment's code: counted, never fatal on its own
+            t.fail(FAIL_ERROR, f"{type(e).__name__}: {e}")
+        if t.failed:
+            t.reward = 0.0
+            if t.sample.response_length == 0:  # failed before the model wrote a token: nothing to train on
+                t.sample.status = SampleStatus.ABORTED
+
+    def _check_failures(self, trajs: list[Trajectory]) -> None:
+        failed = [t for t in trajs if t.failed]
+        if len(failed) > self.max_failed_frac * len(trajs):
+            raise RuntimeError(
+                f"{len(failed)} of {len(trajs)} trajectories failed this step (share {len(failed) / len(trajs):.2f} "
+                f"> rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {failed[0].end}: "
+                f"{failed[0].error}; fix the environment (or raise rollout.step.env_timeout_s="
+                f"{self.env_timeout_s} if its calls are just slow)")
+
+    # ----- score: the episodes' rewards -----
+    def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
+              tokenizer: Any, first_group: int = 0) -> list[Sample]:
+        number_samples(samples, prompts=len(records), n=params.n, first_group=first_group)
+        for s in samples:
+            s.metadata.setdefault("answer", records[s.group_index - first_group].answer)
+            if s.status != SampleStatus.ABORTED:
+                s.reward = float(s.metadata["env_reward"])
+        return samples
+
+    def stats(self, samples: list[Sample]) -> Stats:
+        ends = [s.metadata["end"] for s in samples]
+
+        def count(kind: str) -> tuple[float, float]:  # per step of a rank (averaged over DP ranks)
+            return float(ends.count(kind)), 1.0
+
+        failed = sum(e in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX) for e in ends)
+        trajectories = len({s.metadata["trajectory"] for s in samples})
+        return {
+            "rollout/turns_mean": (float(sum(s.metadata["turns"] for s in samples)), float(len(samples))),
+            "rollout/env_tokens_frac": (float(sum(s.metadata["env_tokens"] for s in samples)),
+                                        float(sum(s.response_length for s in samples))),
+            # one sample per trajectory until prefix breaks start new samples
+            "rollout/samples_per_trajectory_mean": (float(len(samples)), float(trajectories)),
+            "rollout/prefix_breaks": count(FAIL_PREFIX),
+            "rollout/env_errors": count(FAIL_ERROR),
+            "rollout/env_timeouts": count(FAIL_TIMEOUT),
+            "rollout/trajectories_failed": (float(failed), 1.0),
+            "rollout/max_turns_ended": count(END_MAX_TURNS),
+            "rollout/max_tokens_ended": count(END_MAX_TOKENS),
+        }
+
+
+def _round_seed(seed: int | None, round_index: int) -> int | None:
+    """A distinct, reproducible engine seed per round of the step."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, round_index]).generate_state(1)[0])
