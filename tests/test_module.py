@@ -250,7 +250,7 @@ def test_optional_capabilities_have_neutral_defaults(policy):
     assert backbone.routing_agreement() is None and backbone.moe_stats() == {}
     with backbone.gathered():
         pass
-    with pytest.raises(NotImplementedError, match="HFBackbone has no frozen base"):
+    with pytest.raises(TypeError, match="HFBackbone has no frozen base"):
         backbone.base_weights()
     with pytest.raises(TypeError, match="not a topp_rl.trainer.backbone.Backbone; wrap an HF causal LM"):
         PolicyModule(policy=policy, loss=GRPOLoss(), optimizer=torch.optim.SGD, hook=ToppLogProb())

@@ -79,9 +79,3 @@ class ParallelPlan:
         if prompts_per_step % self.dp:
             _fail("rollout.prompts_per_step", prompts_per_step, f"divisible by the data-parallel size ({self.dp})",
                   f"use a multiple of {self.dp}, so that every rank gets whole prompt groups")
-
-    def describe(self) -> str:
-        """`world=4 dp=1 tp=2 cp=2 ep=1 pp=1` (+ `fsdp`, + the CP mode when CP splits sequences)."""
-        sizes = " ".join(f"{n}={getattr(self, n)}" for n in SIZES)
-        return (f"world={self.world} dp={self.dp} {sizes}" + (" fsdp" if self.fsdp else "")
-                + (f" ({self.cp_mode})" if self.cp > 1 else ""))

@@ -12,15 +12,18 @@ from torch import Tensor, nn
 
 from topp_rl.run.checkpoint import temp_path
 from topp_rl.run.export_target import INFO_FILE, check_target, remove_stale_exports, swap_in
-from topp_rl.trainer.lora import ADAPTER, adapter_dir_for, adapter_layers, has_adapters, lora_settings_of
-
-
-def _as_is(tensor: Tensor) -> Tensor:
-    return tensor
+from topp_rl.trainer.lora import (
+    ADAPTER,
+    adapter_dir_for,
+    adapter_layers,
+    as_is,
+    has_adapters,
+    lora_settings_of,
+)
 
 
 def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Mapping[str, Any],
-                      full: Callable[[Tensor], Tensor] = _as_is, write: bool = True) -> Path:
+                      full: Callable[[Tensor], Tensor] = as_is, write: bool = True) -> Path:
     """Write `model`'s adapters (an HF model with PEFT layers injected) as a PEFT adapter directory:
     `adapter_config.json` (PEFT's `LoraConfig`) and `adapter_model.safetensors` (`base_model.model.<path>.lora_A
     .weight` / `.lora_B.weight`, PEFT's key format), plus the export manifest; `PeftModel.from_pretrained(base,

@@ -122,7 +122,8 @@ class BackboneBase(nn.Module):
     def base_weights(self) -> contextlib.AbstractContextManager[None]:
         """Forward passes inside the block use the frozen base weights (the adapters disabled); only where
         `has_frozen_base`."""
-        raise NotImplementedError(f"{type(self).__name__} has no frozen base (has_frozen_base is False)")
+        raise TypeError(f"{type(self).__name__} has no frozen base (has_frozen_base is False): ask has_frozen_base "
+                        "before entering base_weights()")
 
     def drop_base(self, state_dict: dict[str, Tensor], *, prefix: str) -> dict | None:
         """Remove the frozen base's entries from a checkpoint's state dict (the run rebuilds it from its config);

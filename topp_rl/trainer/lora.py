@@ -155,18 +155,19 @@ def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
 
 
-def _as_is(t: Tensor) -> Tensor:
+def as_is(t: Tensor) -> Tensor:
+    """The `full` of an unsharded model: each tensor is whole already."""
     return t
 
 
-def delta_weight(layer: nn.Module, full: Callable[[Tensor], Tensor] = _as_is) -> Tensor:
+def delta_weight(layer: nn.Module, full: Callable[[Tensor], Tensor] = as_is) -> Tensor:
     """B @ A * alpha / rank of one `lora.Linear` ([out, in], the base weight's shape); `full` makes a sharded
     A / B whole (FSDP: an all-gather each)."""
     a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
     return (b @ a) * layer.scaling[ADAPTER]
 
 
-def merged_named_tensors(model: nn.Module, full: Callable[[Tensor], Tensor] = _as_is) -> Iterator[tuple[str, Tensor]]:
+def merged_named_tensors(model: nn.Module, full: Callable[[Tensor], Tensor] = as_is) -> Iterator[tuple[str, Tensor]]:
     """(plain HF name, tensor) of an adapted model as if merged: `<path>.base_layer.weight` + `delta_weight` under
     `<path>.weight`, the adapters' own weights left out, every other weight as it is (detached, not copied).
     `full` makes each sharded tensor whole (`topp_rl.fsdp.backbone.full_tensor`: collectives in the order of
