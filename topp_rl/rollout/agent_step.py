@@ -66,7 +66,10 @@ class AgentLoopStep(RolloutStep):
     # ----- generate: rounds of one engine call, then the episodes -----
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
                  seed: int | None, tokenizer: Any) -> list[Sample]:
-        return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+        # The rounds' count differs between DP ranks: an engine whose generate is a collective (FSDP's shared,
+        # sharded module) gathers once for the step instead.
+        with engine.holding_weights():
+            return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
 
     async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
         trajs = [Trajectory(record=r, sample=Sample(prompt_ids=r.prompt_ids)) for r in records for _ in range(params.n)]
