@@ -3,6 +3,7 @@ embedded engine: the token rule (each turn's engine prompt is the exact ids so f
 once, untrained), budgets, failing environments (sync and async), and the lookup task's rewards."""
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -48,6 +49,9 @@ class Spy(RolloutEngine):
         self.calls.append(([list(p) for p in prompts], params))
         self.outputs.append(self.inner.generate(prompts, params, seed=seed))
         return self.outputs[-1]
+
+    def holding_weights(self):
+        return self.inner.holding_weights()
 
     def update_weights(self, named_tensors) -> None: ...
 
@@ -323,6 +327,26 @@ def test_moe_routes_cover_the_whole_trajectory_from_the_last_turns_call():
     for s in cut.generate(spy, records(1), PARAMS, seed=2, tokenizer=TOK):
         assert s.metadata["end"] == "max_tokens"
         s.check_routes(routing)
+
+
+def test_a_sharded_engine_gathers_once_per_step_not_per_turn():
+    """FSDP's shared, sharded module gathers its weights in every `generate` (a collective); the agent loop's rounds
+    differ in number between data-parallel ranks, so the step holds the weights once for all its turns."""
+    gathers = []
+
+    @contextlib.contextmanager
+    def gathered():
+        gathers.append(len(gathers))
+        yield
+
+    sharded = EmbeddedEngine(build_tiny_model(tokenizer=TOK, seed=3), share_weights=True, progress=False)
+    sharded.sample_sharded(gathered)
+    sharded.generate([[1, 2]], PARAMS, seed=0)
+    assert len(gathers) == 1  # one gather per call outside a step
+    spy = Spy(sharded)
+    step = AgentLoopStep(environment=Echo(turns=3), max_turns=3, max_trajectory_tokens=64)
+    step.generate(spy, records(1), PARAMS, seed=0, tokenizer=TOK)
+    assert len(spy.calls) == 3 and len(gathers) == 2  # three rounds, one gather
 
 
 def _grads(module, micro):
