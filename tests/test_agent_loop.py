@@ -3,6 +3,8 @@ embedded engine: the token rule (each turn's engine prompt is the exact ids so f
 once, untrained), budgets, failing environments (sync and async), and the lookup task's rewards."""
 
 import asyncio
+import contextlib
+import copy
 import dataclasses
 import threading
 
@@ -15,6 +17,7 @@ from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.losses import GRPOLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
+from topp_rl.models.moe import moe_routing
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.step import RolloutStep
@@ -38,13 +41,17 @@ class Spy(RolloutEngine):
     """The real engine, recording the prompts of every `generate` call (one call per round)."""
 
     def __init__(self, inner: EmbeddedEngine) -> None:
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.outputs = inner, [], []
         self.vocab_size, self.shares_trainer_weights, self.shared_by_ranks = inner.vocab_size, False, False
-        self.max_candidates, self.records_routes = None, False
+        self.max_candidates, self.records_routes = None, inner.records_routes
 
     def generate(self, prompts, params, *, seed=None):
         self.calls.append(([list(p) for p in prompts], params))
-        return self.inner.generate(prompts, params, seed=seed)
+        self.outputs.append(self.inner.generate(prompts, params, seed=seed))
+        return self.outputs[-1]
+
+    def holding_weights(self):
+        return self.inner.holding_weights()
 
     def update_weights(self, named_tensors) -> None: ...
 
@@ -217,10 +224,18 @@ def test_a_failing_env_call_ends_only_its_trajectory(engine, fail, asynchronous)
 def test_more_failures_than_allowed_raise(engine):
     step = AgentLoopStep(environment=Flaky(fail="raise", asynchronous=False, release=threading.Event()),
                          max_turns=4, max_trajectory_tokens=64, max_failed_frac=0.25)
+    samples = step.generate(engine, records(3), PARAMS, seed=0, tokenizer=TOK)
     with pytest.raises(RuntimeError, match=r"2 of 6 trajectories failed this step \(share 0.33 > "
                                            r"rollout.step.max_failed_frac=0.25\); first failure: env_error: "
                                            r"RuntimeError: tool crashed; fix the environment"):
-        step.generate(engine, records(3), PARAMS, seed=0, tokenizer=TOK)
+        step.check(samples)
+    # Decided on the step's counts summed over DP ranks (here: another rank with 10 clean trajectories) ...
+    step.check(samples, reduce_sum=lambda t: t + torch.tensor([0.0, 10.0], dtype=t.dtype))
+    # ... so a rank whose own trajectories are fine raises too when the step's share is over.
+    clean = [s for s in samples if s.metadata["end"] == "env"]
+    with pytest.raises(RuntimeError, match=r"5 of 9 trajectories failed this step .* first failure: on another "
+                                           r"data-parallel rank"):
+        step.check(clean, reduce_sum=lambda t: t + torch.tensor([5.0, 5.0], dtype=t.dtype))
 
 
 class FailingStart:
@@ -280,6 +295,58 @@ def test_env_token_ids_outside_the_vocabulary_fail_the_trajectory(engine):
     assert all(s.metadata["end"] == "env_error" and "outside the vocabulary" in s.metadata["env_error"]
                for s in samples)
     assert torch.tensor([s.response_length for s in samples]).min() >= 1
+
+
+def test_moe_routes_cover_the_whole_trajectory_from_the_last_turns_call():
+    """An MoE engine records routes per call; a trajectory keeps its last model turn's call's routes, which cover
+    the prompt, every earlier turn and the environment's tokens. The embedded engine recomputes the prefix in every
+    call, in other batches: each earlier call's routes equal the trajectory's on the tokens that call fed, so one
+    route set fits every turn's log-probs. Replayed, the trainer's log-probs equal the rollout's over trained
+    tokens; a budget cut cuts the routes with the sample."""
+    model = build_tiny_model("qwen3_moe", tokenizer=TOK, seed=3, initializer_range=0.3)
+    spy = Spy(EmbeddedEngine(model, progress=False))
+    assert spy.records_routes
+    step = AgentLoopStep(environment=Echo(turns=3), max_turns=3, max_trajectory_tokens=64)
+    samples = step.run(spy, records(2), PARAMS, task=LookupTask(), tokenizer=TOK, seed=4).samples
+    routing = moe_routing(model)
+    for j, s in enumerate(samples):
+        s.check_routes(routing)  # [prompt + response - 1, layers, k]
+        assert s.metadata["turns"] == 3 and s.metadata["env_tokens"] > 0
+        for outs in spy.outputs:
+            fed = outs[j].routes.shape[0]
+            assert torch.equal(s.routes[:fed], outs[j].routes)
+    assert torch.equal(samples[0].routes, spy.outputs[-1][0].routes)  # the last call fed the whole trajectory
+    (batch,) = pack_samples(samples, torch.zeros(len(samples)), max_tokens=4096)
+    module = PolicyModule(policy=HFBackbone(copy.deepcopy(model), routing_replay=True), loss=GRPOLoss(),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), hook=ToppLogProb(use_mask=True))
+    _, record = module.onpolicy_pass(batch)
+    trained = batch.loss_mask == 1
+    gap = (record.logprobs - record.rollout_logprobs).abs()[trained]
+    assert float(gap.max()) <= 1e-5 and float(record.routing_agreement[0]) == float(record.routing_agreement[1])
+    cut = AgentLoopStep(environment=Echo(), max_turns=10, max_trajectory_tokens=7)
+    for s in cut.generate(spy, records(1), PARAMS, seed=2, tokenizer=TOK):
+        assert s.metadata["end"] == "max_tokens"
+        s.check_routes(routing)
+
+
+def test_a_sharded_engine_gathers_once_per_step_not_per_turn():
+    """FSDP's shared, sharded module gathers its weights in every `generate` (a collective); the agent loop's rounds
+    differ in number between data-parallel ranks, so the step holds the weights once for all its turns."""
+    gathers = []
+
+    @contextlib.contextmanager
+    def gathered():
+        gathers.append(len(gathers))
+        yield
+
+    sharded = EmbeddedEngine(build_tiny_model(tokenizer=TOK, seed=3), share_weights=True, progress=False)
+    sharded.sample_sharded(gathered)
+    sharded.generate([[1, 2]], PARAMS, seed=0)
+    assert len(gathers) == 1  # one gather per call outside a step
+    spy = Spy(sharded)
+    step = AgentLoopStep(environment=Echo(turns=3), max_turns=3, max_trajectory_tokens=64)
+    step.generate(spy, records(1), PARAMS, seed=0, tokenizer=TOK)
+    assert len(spy.calls) == 3 and len(gathers) == 2  # three rounds, one gather
 
 
 def _grads(module, micro):

@@ -4,11 +4,8 @@ rollout.top_p=0.9 (the unmasked figure shows the bias), and every rank logs the 
 
 import math
 
-import pytest
 from helpers import column, compose_cfg, read_metrics
 
-from topp_rl.config import validate_routing
-from topp_rl.models import build_tiny_model
 from topp_rl.train import train
 
 AGENT_KEYS = ("rollout/turns_mean", "rollout/env_tokens_frac", "rollout/samples_per_trajectory_mean",
@@ -37,13 +34,3 @@ def test_lookup_trains_exactly_through_the_agent_loop(tmp_path):
     assert column(rows, "rollout/trajectories_failed") == [0.0] * 3
     assert column(rows, "rollout/prefix_breaks") == [0.0] * 3
     assert all(0 <= r <= 1 for r in column(rows, "rollout/reward_mean"))
-
-
-def test_moe_routes_are_refused_at_start_with_the_agent_loop(tmp_path):
-    cfg = compose_cfg(tmp_path, "task=lookup")
-    with pytest.raises(ValueError, match=r"config rollout.record_routes=True: must be false for an MoE model "
-                                         r"\(Qwen3MoeForCausalLM\) with the agent loop .*set rollout.record_routes="
-                                         r"false rollout.routing_replay=false"):
-        validate_routing(cfg, build_tiny_model("qwen3_moe"))
-    validate_routing(compose_cfg(tmp_path, "task=lookup", "rollout.record_routes=false"), build_tiny_model("qwen3_moe"))
-    validate_routing(cfg, build_tiny_model("qwen2"))  # dense: nothing to record
