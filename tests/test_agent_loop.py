@@ -1,7 +1,8 @@
 """The multi-turn agent loop (`topp_rl.rollout.agent_step.AgentLoopStep`) with the real tiny model and the
 embedded engine: the token rule (each turn's engine prompt is the exact ids so far; environment tokens appear
-once, untrained), budgets, failing environments (sync and async; hung in start, answers or the reward), concurrency (one engine
-call per round for every live trajectory, a round's environment calls all in flight at once), and the lookup task's rewards."""
+once, untrained), budgets, failing environments (sync and async; hung in start, an answer or the reward),
+concurrency (one engine call per round for every live trajectory; a round's environment calls all in flight at
+once), and the lookup task's rewards."""
 
 import asyncio
 import dataclasses
