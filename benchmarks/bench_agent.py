@@ -1,0 +1,189 @@
+"""The agent loop's speed (issue 37 part 8): trajectories and model tokens per second through `AgentLoopStep` on
+the lookup task, and what batching the turns of a step's trajectories into one engine call per round buys.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_agent.py [--part scale|batching|all] [--engines embedded,sglang]
+        [--reps 5] [--json out.json]
+    (with sglang: under `flock /tmp/topp_rl_sglang.lock`, it launches one CPU server)
+
+Model: the training default (conf/model/tiny.yaml: qwen2, vocab 128, hidden 64, 2 layers, seed 0, the char
+tokenizer). Workloads (the lookup environment, 2 model turns, top_p 0.9, one prompt per trajectory):
+- `lookup`: task=lookup as configured (1 token per model turn): per-call overhead only;
+- `lookup-32`: 32 tokens per model turn (no stop id: every turn has all 32), so decoding has work to batch.
+Parts:
+- scale: 1, 8 and 32 concurrent trajectories (one step of that many), per engine (the embedded engine, a real
+  SGLang server on CPU: the loop's concurrent requests); trajectories/s and model tokens/s;
+- batching: 16 trajectories as one step (each round one engine call for all of them) against the same 16 one at
+  a time (16 steps of one), on the embedded engine; the ratio of their times per rep, arms alternating first.
+Every figure: `--reps` repeats, the median (the spread is in the JSON); the load average before and after.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from topp_rl.data import SamplingParams
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.embedded import EmbeddedEngine
+from topp_rl.models import build_tiny
+from topp_rl.rollout.agent_step import AgentLoopStep
+from topp_rl.tasks.lookup import LookupEnvironment, LookupTask
+
+CONCURRENCY = (1, 8, 32)
+BATCHED = 16
+WORKLOADS = {"lookup": 1, "lookup-32": 32}  # name -> tokens per model turn
+STEP = AgentLoopStep(environment=LookupEnvironment(), max_turns=2, max_trajectory_tokens=128)
+
+
+def _records(task: LookupTask, tok, count: int, first: int = 0) -> list:
+    return [task.prompt(first + i, tok) for i in range(count)]
+
+
+class Timed(RolloutEngine):
+    """The engine, with the time spent inside its `generate` calls summed (the rest of a step is the loop's)."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+        self.vocab_size, self.records_routes = inner.vocab_size, False
+        self.shares_trainer_weights, self.shared_by_ranks, self.max_candidates = False, False, inner.max_candidates
+
+    def generate(self, prompts, params, *, seed=None):
+        start = time.perf_counter()
+        try:
+            return self.inner.generate(prompts, params, seed=seed)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def update_weights(self, named_tensors) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _timed_step(engine: Timed, records, params, tok, seed: int) -> dict:
+    """One agent-loop step over `records` (one trajectory each): seconds, engine seconds, calls, model tokens."""
+    engine.seconds, engine.calls = 0.0, 0
+    start = time.perf_counter()
+    samples = STEP.generate(engine, records, params, seed=seed, tokenizer=tok)
+    seconds = time.perf_counter() - start
+    failed = [s.metadata["env_error"] for s in samples if "env_error" in s.metadata]
+    if failed:
+        raise RuntimeError(f"{len(failed)} trajectories failed ({failed[0]}): the figures would not mean a step")
+    return {"seconds": seconds, "engine_seconds": engine.seconds, "engine_calls": engine.calls,
+            "model_tokens": sum(sum(s.loss_mask) for s in samples)}
+
+
+def _params(turn_tokens: int) -> SamplingParams:
+    return SamplingParams(top_p=0.9, max_new_tokens=turn_tokens, n=1)
+
+
+def scale(engines: dict, task, tok, *, reps: int) -> list[dict]:
+    """Per workload, number of trajectories and engine: one step of that many, `reps` times (engines alternate)."""
+    rows = []
+    for workload, turn_tokens in WORKLOADS.items():
+        for concurrency in CONCURRENCY:
+            records = _records(task, tok, concurrency)
+            runs: dict[str, list[dict]] = {name: [] for name in engines}
+            for engine in engines.values():
+                _timed_step(engine, records, _params(turn_tokens), tok, seed=0)  # warm-up
+            for rep in range(reps):
+                for name, engine in list(engines.items())[:: 1 if rep % 2 == 0 else -1]:
+                    runs[name].append(_timed_step(engine, records, _params(turn_tokens), tok, seed=1 + rep))
+            for name, measured in runs.items():
+                med = statistics.median(r["seconds"] for r in measured)
+                tokens = statistics.median(r["model_tokens"] for r in measured)
+                engine_share = statistics.median(r["engine_seconds"] / r["seconds"] for r in measured)
+                rows.append({"workload": workload, "engine": name, "trajectories": concurrency, "seconds": med,
+                             "trajectories_per_s": concurrency / med, "model_tokens_per_s": tokens / med,
+                             "model_tokens": tokens, "engine_share": engine_share,
+                             "engine_calls": measured[0]["engine_calls"],
+                             "all_seconds": [r["seconds"] for r in measured]})
+                print(f"scale {workload:<9} {name:<8} {concurrency:>2} trajectories: {med * 1e3:8.1f} ms/step, "
+                      f"{concurrency / med:7.1f} trajectories/s, {tokens / med:8.1f} model tokens/s, "
+                      f"{100 * engine_share:3.0f}% in the engine")
+    return rows
+
+
+def batching(engine: Timed, task, tok, *, reps: int) -> list[dict]:
+    """16 trajectories: one step (turns batched per round) vs 16 steps of one, paired per rep; the engine's own
+    time in each arm says how much of the ratio the engine's batching allows at all."""
+    rows = []
+    records = _records(task, tok, BATCHED)
+    for workload, turn_tokens in WORKLOADS.items():
+        params = _params(turn_tokens)
+        arms = {
+            "batched": lambda rep, p=params: [_timed_step(engine, records, p, tok, seed=rep)],
+            "one_at_a_time": lambda rep, p=params: [_timed_step(engine, [r], p, tok, seed=rep) for r in records],
+        }
+        for arm in arms.values():  # warm-up
+            arm(0)
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        engine_times: dict[str, list[float]] = {name: [] for name in arms}
+        for rep in range(reps):  # alternate which arm runs first
+            for name, arm in list(arms.items())[:: 1 if rep % 2 == 0 else -1]:
+                steps = arm(rep + 1)
+                times[name].append(sum(s["seconds"] for s in steps))
+                engine_times[name].append(sum(s["engine_seconds"] for s in steps))
+        ratios = [o / b for b, o in zip(times["batched"], times["one_at_a_time"], strict=True)]
+        engine_ratios = [o / b for b, o in zip(engine_times["batched"], engine_times["one_at_a_time"], strict=True)]
+        row = {"workload": workload, "trajectories": BATCHED, "batched_s": statistics.median(times["batched"]),
+               "one_at_a_time_s": statistics.median(times["one_at_a_time"]), "speedup": statistics.median(ratios),
+               "engine_only_speedup": statistics.median(engine_ratios), "speedups": ratios, "times": times,
+               "engine_times": engine_times}
+        rows.append(row)
+        print(f"batching {workload:<9} {BATCHED} trajectories: batched {row['batched_s'] * 1e3:.1f} ms, one at a "
+              f"time {row['one_at_a_time_s'] * 1e3:.1f} ms: {row['speedup']:.2f}x (reps {min(ratios):.2f}-"
+              f"{max(ratios):.2f}x); engine calls alone {row['engine_only_speedup']:.2f}x")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["scale", "batching", "all"], default="all")
+    ap.add_argument("--engines", default="embedded,sglang", help="for the scale part: embedded, sglang or both")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the embedded engine)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = build_tiny(family="qwen2", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, seed=0)
+    task = LookupTask(seed=0)
+    out: dict = {"load_average_before": os.getloadavg(), "torch": torch.__version__, "threads": args.threads,
+                 "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "reps": args.reps,
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    embedded = Timed(EmbeddedEngine(model, eos_token_id=[], pad_token_id=tok.pad_token_id, progress=False))  # no stop
+    engines: dict = {"embedded": embedded}
+    with tempfile.TemporaryDirectory() as tmp, _sglang(args, model, tok, Path(tmp)) as server:
+        if server is not None:
+            engines["sglang"] = Timed(server)
+        if args.part in ("scale", "all"):
+            out["scale"] = scale(engines, task, tok, reps=args.reps)
+        if args.part in ("batching", "all"):
+            out["batching"] = batching(embedded, task, tok, reps=args.reps)
+    out["load_average_after"] = os.getloadavg()
+    print(f"load average before {out['load_average_before']}, after {out['load_average_after']}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def _sglang(args, model, tok, tmp: Path):
+    """A launched SGLang server on the same weights when the scale part asks for it, else a null context."""
+    if "sglang" not in args.engines.split(",") or args.part == "batching":
+        return contextlib.nullcontext(None)
+    from topp_rl.engines.sglang import SGLangEngine
+    from topp_rl.models import save_model
+
+    path = save_model(model, tok, tmp / "tiny")
+    return SGLangEngine(model_path=path, progress=False, extra_sampling_params={"ignore_eos": True})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
