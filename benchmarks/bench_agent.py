@@ -2,7 +2,7 @@
 the lookup task, and what batching the turns of a step's trajectories into one engine call per round buys.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_agent.py [--part scale|batching|all] [--engines embedded,sglang]
-        [--reps 5] [--json out.json]
+        [--reps 5] [--baseline REV] [--json out.json]
     (with sglang: under `flock /tmp/topp_rl_sglang.lock`, it launches one CPU server)
 
 Model: the training default (conf/model/tiny.yaml: qwen2, vocab 128, hidden 64, 2 layers, seed 0, the char
@@ -13,7 +13,9 @@ Parts:
 - scale: 1, 8 and 32 concurrent trajectories (one step of that many), per engine (the embedded engine, a real
   SGLang server on CPU: the loop's concurrent requests); trajectories/s and model tokens/s;
 - batching: 16 trajectories as one step (each round one engine call for all of them) against the same 16 one at
-  a time (16 steps of one), on the embedded engine; the ratio of their times per rep, arms alternating first.
+  a time (16 steps of one), on the embedded engine; the ratio of their times per rep, the arms' order rotating;
+  the same ratio of the time spent inside the engine alone (what the engine's batching allows); `--baseline REV`
+  adds the agent loop as it was at git revision REV (its step, trajectory and environment modules), interleaved.
 Every figure: `--reps` repeats, the median (the spread is in the JSON); the load average before and after.
 """
 
@@ -23,9 +25,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -37,6 +41,7 @@ from topp_rl.models import build_tiny
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.tasks.lookup import LookupEnvironment, LookupTask
 
+ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 8, 32)
 BATCHED = 16
 WORKLOADS = {"lookup": 1, "lookup-32": 32}  # name -> tokens per model turn
@@ -68,11 +73,28 @@ class Timed(RolloutEngine):
     def close(self) -> None: ...
 
 
-def _timed_step(engine: Timed, records, params, tok, seed: int) -> dict:
+def loop_at(rev: str) -> type:
+    """`AgentLoopStep` as it was at git revision `rev`: its module, the trajectory's and the environment's loaded
+    from `git show`, each one's imports of the others redirected to the `rev` copies."""
+    modules: dict[str, types.ModuleType] = {}
+    for name in ("topp_rl.tasks.environment", "topp_rl.rollout.trajectory", "topp_rl.rollout.agent_step"):
+        path = name.replace(".", "/") + ".py"
+        source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout
+        for dep, module in modules.items():
+            source = source.replace(f"from {dep} import", f"from {module.__name__} import")
+        module = types.ModuleType(f"_at_{rev}_{name.rsplit('.', 1)[1]}")
+        sys.modules[module.__name__] = module  # dataclasses look their module up
+        exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+        modules[name] = module
+    return modules["topp_rl.rollout.agent_step"].AgentLoopStep
+
+
+def _timed_step(engine: Timed, records, params, tok, seed: int, step: AgentLoopStep = STEP) -> dict:
     """One agent-loop step over `records` (one trajectory each): seconds, engine seconds, calls, model tokens."""
     engine.seconds, engine.calls = 0.0, 0
     start = time.perf_counter()
-    samples = STEP.generate(engine, records, params, seed=seed, tokenizer=tok)
+    samples = step.generate(engine, records, params, seed=seed, tokenizer=tok)
     seconds = time.perf_counter() - start
     failed = [s.metadata["env_error"] for s in samples if "env_error" in s.metadata]
     if failed:
@@ -112,36 +134,47 @@ def scale(engines: dict, task, tok, *, reps: int) -> list[dict]:
     return rows
 
 
-def batching(engine: Timed, task, tok, *, reps: int) -> list[dict]:
+def batching(engine: Timed, task, tok, *, reps: int, baseline: str | None) -> list[dict]:
     """16 trajectories: one step (turns batched per round) vs 16 steps of one, paired per rep; the engine's own
-    time in each arm says how much of the ratio the engine's batching allows at all."""
+    time in each arm says how much of the ratio the engine's batching allows at all. With `baseline`, the loop at
+    that git revision runs the same two arms, interleaved with this tree's."""
     rows = []
     records = _records(task, tok, BATCHED)
+    loops = {"": STEP}
+    if baseline is not None:
+        loops[f"{baseline}:"] = loop_at(baseline)(environment=LookupEnvironment(), max_turns=2,
+                                                  max_trajectory_tokens=128)
     for workload, turn_tokens in WORKLOADS.items():
         params = _params(turn_tokens)
-        arms = {
-            "batched": lambda rep, p=params: [_timed_step(engine, records, p, tok, seed=rep)],
-            "one_at_a_time": lambda rep, p=params: [_timed_step(engine, [r], p, tok, seed=rep) for r in records],
-        }
+        arms = {}
+        for label, step in loops.items():
+            arms[f"{label}batched"] = lambda rep, st=step, p=params: [_timed_step(engine, records, p, tok, rep, st)]
+            arms[f"{label}one_at_a_time"] = lambda rep, st=step, p=params: [
+                _timed_step(engine, [r], p, tok, rep, st) for r in records]
         for arm in arms.values():  # warm-up
             arm(0)
         times: dict[str, list[float]] = {name: [] for name in arms}
         engine_times: dict[str, list[float]] = {name: [] for name in arms}
-        for rep in range(reps):  # alternate which arm runs first
-            for name, arm in list(arms.items())[:: 1 if rep % 2 == 0 else -1]:
-                steps = arm(rep + 1)
+        order = list(arms)
+        for rep in range(reps):  # rotate which arm runs first
+            for name in order[rep % len(order):] + order[: rep % len(order)]:
+                steps = arms[name](rep + 1)
                 times[name].append(sum(s["seconds"] for s in steps))
                 engine_times[name].append(sum(s["engine_seconds"] for s in steps))
-        ratios = [o / b for b, o in zip(times["batched"], times["one_at_a_time"], strict=True)]
-        engine_ratios = [o / b for b, o in zip(engine_times["batched"], engine_times["one_at_a_time"], strict=True)]
-        row = {"workload": workload, "trajectories": BATCHED, "batched_s": statistics.median(times["batched"]),
-               "one_at_a_time_s": statistics.median(times["one_at_a_time"]), "speedup": statistics.median(ratios),
-               "engine_only_speedup": statistics.median(engine_ratios), "speedups": ratios, "times": times,
-               "engine_times": engine_times}
-        rows.append(row)
-        print(f"batching {workload:<9} {BATCHED} trajectories: batched {row['batched_s'] * 1e3:.1f} ms, one at a "
-              f"time {row['one_at_a_time_s'] * 1e3:.1f} ms: {row['speedup']:.2f}x (reps {min(ratios):.2f}-"
-              f"{max(ratios):.2f}x); engine calls alone {row['engine_only_speedup']:.2f}x")
+        for label in loops:
+            ratios = [o / b for b, o in zip(times[f"{label}batched"], times[f"{label}one_at_a_time"], strict=True)]
+            engine_ratios = [o / b for b, o in zip(engine_times[f"{label}batched"],
+                                                   engine_times[f"{label}one_at_a_time"], strict=True)]
+            row = {"loop": label.rstrip(":") or "this tree", "workload": workload, "trajectories": BATCHED,
+                   "batched_s": statistics.median(times[f"{label}batched"]),
+                   "one_at_a_time_s": statistics.median(times[f"{label}one_at_a_time"]),
+                   "speedup": statistics.median(ratios), "engine_only_speedup": statistics.median(engine_ratios),
+                   "speedups": ratios, "times": {k: v for k, v in times.items() if k.startswith(label)}}
+            rows.append(row)
+            print(f"batching {row['loop']:<9} {workload:<9} {BATCHED} trajectories: batched "
+                  f"{row['batched_s'] * 1e3:.1f} ms, one at a time {row['one_at_a_time_s'] * 1e3:.1f} ms: "
+                  f"{row['speedup']:.2f}x (reps {min(ratios):.2f}-{max(ratios):.2f}x); engine calls alone "
+                  f"{row['engine_only_speedup']:.2f}x")
     return rows
 
 
@@ -151,12 +184,13 @@ def main() -> None:
     ap.add_argument("--engines", default="embedded,sglang", help="for the scale part: embedded, sglang or both")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the embedded engine)")
+    ap.add_argument("--baseline", help="git revision whose agent loop the batching part also times (A/B)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = build_tiny(family="qwen2", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, seed=0)
     task = LookupTask(seed=0)
-    out: dict = {"load_average_before": os.getloadavg(), "torch": torch.__version__, "threads": args.threads,
+    out: dict = {"args": vars(args) | {"json": str(args.json)}, "load_average_before": os.getloadavg(), "torch": torch.__version__, "threads": args.threads,
                  "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "reps": args.reps,
                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     embedded = Timed(EmbeddedEngine(model, eos_token_id=[], pad_token_id=tok.pad_token_id, progress=False))  # no stop
@@ -167,7 +201,7 @@ def main() -> None:
         if args.part in ("scale", "all"):
             out["scale"] = scale(engines, task, tok, reps=args.reps)
         if args.part in ("batching", "all"):
-            out["batching"] = batching(embedded, task, tok, reps=args.reps)
+            out["batching"] = batching(embedded, task, tok, reps=args.reps, baseline=args.baseline)
     out["load_average_after"] = os.getloadavg()
     print(f"load average before {out['load_average_before']}, after {out['load_average_after']}")
     if args.json:

@@ -1,15 +1,19 @@
 """Held-out evaluation of a multi-turn task through the agent loop (the datamodule's own `AgentLoopStep`): greedy
 accuracy, response length, pass@k and mean@k equal a direct computation - greedy from a hand-written turn-by-turn
 loop, one prompt at a time, scored from the decoded transcript; sampled from the step's trajectories scored from
-their transcripts - and an episode's `correct` mark and a failed environment call decide correctness."""
+their transcripts -, an episode's `correct` mark and a failed environment call decide correctness, and eval
+records the environment cannot play stop the run naming the evaluation."""
 
 import dataclasses
+
+import pytest
 
 from topp_rl.callbacks.evaluation import HELD_OUT_OFFSET, Evaluation
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.rollout import RolloutDataModule, SamplingParams
 from topp_rl.rollout.agent_step import AgentLoopStep
+from topp_rl.tasks import CopyDigitTask
 from topp_rl.tasks.lookup import LookupEnvironment, LookupEpisode, LookupTask
 
 TOK = build_char_tokenizer()
@@ -91,3 +95,12 @@ def test_episode_marks_and_failures_decide_correctness():
     assert 0 < sum(sampled)
     greedy_ok = [r.index % 2 == 0 and _greedy_transcript(engine, r)[0][:1] == r.data["key"] for r in records]
     assert sums["val/accuracy"] == (sum(greedy_ok), PROMPTS) and 0 < sum(greedy_ok) < PROMPTS
+
+
+def test_eval_records_the_environment_cannot_play_stop_naming_the_evaluation():
+    engine, task, step, dm, _, _ = _setup(LookupEnvironment(), correct_reward=1.0)
+    ev = Evaluation(every_n_steps=1, num_prompts=4, k=2, task=CopyDigitTask())  # no lookup table in its records
+    ev.resolve(dm)
+    with pytest.raises(RuntimeError, match=r"^evaluation \(greedy\) on CopyDigitTask: 4 of 4 trajectories failed "
+                                           r"this step .*first failure: env_error: KeyError: 'table'"):
+        ev._score(dm)
