@@ -7,20 +7,24 @@ the lookup task, and what batching the turns of a step's trajectories into one e
 
 Model: the training default (conf/model/tiny.yaml: qwen2, vocab 128, hidden 64, 2 layers, seed 0, the char
 tokenizer). Workloads (the lookup environment, 2 model turns, top_p 0.9, one prompt per trajectory):
-- `lookup`: task=lookup as configured (1 token per model turn): per-call overhead only;
-- `lookup-32`: 32 tokens per model turn (no stop id: every turn has all 32), so decoding has work to batch.
+- `lookup`: task=lookup as configured (1 token per model turn, sync environment methods: worker threads);
+- `lookup-32`: 32 tokens per model turn (no stop id: every turn has all 32), so decoding has work to batch;
+- `lookup-async`: `lookup` with the same episodes behind `async def` methods (no worker threads).
 Parts:
-- scale: 1, 8 and 32 concurrent trajectories (one step of that many), per engine (the embedded engine, a real
-  SGLang server on CPU: the loop's concurrent requests); trajectories/s and model tokens/s;
+- scale: 1, 8 and 32 concurrent trajectories (one step of that many), per engine (the embedded engine, then a
+  real SGLang server on CPU, up only for its rows: the loop's concurrent requests); trajectories/s, model
+  tokens/s, and the share of the step's time spent inside `engine.generate` (the rest is the loop's);
 - batching: 16 trajectories as one step (each round one engine call for all of them) against the same 16 one at
-  a time (16 steps of one), on the embedded engine; the ratio of their times per rep, the arms' order rotating;
+  a time (16 steps of one), on the embedded engine; the median ratio of their times per rep (the arms' order
+  rotating) and the ratio of each arm's best rep;
   the same ratio of the time spent inside the engine alone (what the engine's batching allows); `--baseline REV`
-  adds the agent loop as it was at git revision REV (its step, trajectory and environment modules), interleaved.
+  adds the agent loop as it was at git revision REV (its step, trajectory and environment modules), interleaved;
+- profile: lookup at 16 trajectories, the time inside the engine and inside the loop's per-turn bookkeeping
+  (`Trajectory.add_model_turn`, `Sample.append_response_tokens` and its argument checks) per model turn.
 Every figure: `--reps` repeats, the median (the spread is in the JSON); the load average before and after.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -44,8 +48,35 @@ from topp_rl.tasks.lookup import LookupEnvironment, LookupTask
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 8, 32)
 BATCHED = 16
-WORKLOADS = {"lookup": 1, "lookup-32": 32}  # name -> tokens per model turn
-STEP = AgentLoopStep(environment=LookupEnvironment(), max_turns=2, max_trajectory_tokens=128)
+
+
+class AsyncLookup:
+    """The lookup environment with `async def` methods: run on the loop's event loop, not on worker threads."""
+
+    async def start(self, record):
+        return AsyncLookupEpisode(LookupEnvironment().start(record))
+
+
+class AsyncLookupEpisode:
+    def __init__(self, episode) -> None:
+        self.episode = episode
+
+    async def respond(self, turn):
+        return self.episode.respond(turn)
+
+    async def reward(self):
+        return self.episode.reward()
+
+
+def _step(environment) -> AgentLoopStep:
+    return AgentLoopStep(environment=environment, max_turns=2, max_trajectory_tokens=128)
+
+
+STEP = _step(LookupEnvironment())
+# name -> (tokens per model turn, environment): task=lookup's (sync methods, on worker threads), with 32-token
+# turns, and the same episodes as `async def` (no threads)
+WORKLOADS = {"lookup": (1, LookupEnvironment), "lookup-32": (32, LookupEnvironment),
+             "lookup-async": (1, AsyncLookup)}
 
 
 def _records(task: LookupTask, tok, count: int, first: int = 0) -> list:
@@ -110,15 +141,17 @@ def _params(turn_tokens: int) -> SamplingParams:
 def scale(engines: dict, task, tok, *, reps: int) -> list[dict]:
     """Per workload, number of trajectories and engine: one step of that many, `reps` times (engines alternate)."""
     rows = []
-    for workload, turn_tokens in WORKLOADS.items():
+    for workload, (turn_tokens, env) in WORKLOADS.items():
+        step = _step(env())
         for concurrency in CONCURRENCY:
             records = _records(task, tok, concurrency)
             runs: dict[str, list[dict]] = {name: [] for name in engines}
             for engine in engines.values():
-                _timed_step(engine, records, _params(turn_tokens), tok, seed=0)  # warm-up
+                _timed_step(engine, records, _params(turn_tokens), tok, seed=0, step=step)  # warm-up
             for rep in range(reps):
                 for name, engine in list(engines.items())[:: 1 if rep % 2 == 0 else -1]:
-                    runs[name].append(_timed_step(engine, records, _params(turn_tokens), tok, seed=1 + rep))
+                    runs[name].append(_timed_step(engine, records, _params(turn_tokens), tok, seed=1 + rep,
+                                                  step=step))
             for name, measured in runs.items():
                 med = statistics.median(r["seconds"] for r in measured)
                 tokens = statistics.median(r["model_tokens"] for r in measured)
@@ -140,12 +173,12 @@ def batching(engine: Timed, task, tok, *, reps: int, baseline: str | None) -> li
     that git revision runs the same two arms, interleaved with this tree's."""
     rows = []
     records = _records(task, tok, BATCHED)
-    loops = {"": STEP}
-    if baseline is not None:
-        loops[f"{baseline}:"] = loop_at(baseline)(environment=LookupEnvironment(), max_turns=2,
-                                                  max_trajectory_tokens=128)
-    for workload, turn_tokens in WORKLOADS.items():
+    base = loop_at(baseline) if baseline is not None else None
+    for workload, (turn_tokens, env) in WORKLOADS.items():
         params = _params(turn_tokens)
+        loops = {"": _step(env())}
+        if base is not None:
+            loops[f"{baseline}:"] = base(environment=env(), max_turns=2, max_trajectory_tokens=128)
         arms = {}
         for label, step in loops.items():
             arms[f"{label}batched"] = lambda rep, st=step, p=params: [_timed_step(engine, records, p, tok, rep, st)]
@@ -165,53 +198,100 @@ def batching(engine: Timed, task, tok, *, reps: int, baseline: str | None) -> li
             ratios = [o / b for b, o in zip(times[f"{label}batched"], times[f"{label}one_at_a_time"], strict=True)]
             engine_ratios = [o / b for b, o in zip(engine_times[f"{label}batched"],
                                                    engine_times[f"{label}one_at_a_time"], strict=True)]
+            # On this shared machine one rep can take a scheduling hiccup of tens of ms: the ratio of the best
+            # reps of each arm is reported beside the median of paired ratios (as bench_sglang_scale.py does).
+            best = {arm: min(times[f"{label}{arm}"]) for arm in ("batched", "one_at_a_time")}
             row = {"loop": label.rstrip(":") or "this tree", "workload": workload, "trajectories": BATCHED,
                    "batched_s": statistics.median(times[f"{label}batched"]),
                    "one_at_a_time_s": statistics.median(times[f"{label}one_at_a_time"]),
-                   "speedup": statistics.median(ratios), "engine_only_speedup": statistics.median(engine_ratios),
+                   "speedup": statistics.median(ratios), "best_speedup": best["one_at_a_time"] / best["batched"],
+                   "engine_only_speedup": statistics.median(engine_ratios),
                    "speedups": ratios, "times": {k: v for k, v in times.items() if k.startswith(label)}}
             rows.append(row)
             print(f"batching {row['loop']:<9} {workload:<9} {BATCHED} trajectories: batched "
                   f"{row['batched_s'] * 1e3:.1f} ms, one at a time {row['one_at_a_time_s'] * 1e3:.1f} ms: "
-                  f"{row['speedup']:.2f}x (reps {min(ratios):.2f}-{max(ratios):.2f}x); engine calls alone "
-                  f"{row['engine_only_speedup']:.2f}x")
+                  f"{row['speedup']:.2f}x (reps {min(ratios):.2f}-{max(ratios):.2f}x, best reps "
+                  f"{row['best_speedup']:.2f}x); engine calls alone {row['engine_only_speedup']:.2f}x")
     return rows
+
+
+def where_the_time_goes(engine: Timed, task, tok, *, steps: int) -> dict:
+    """lookup, 16 trajectories: per step, the time inside `engine.generate` and inside the loop's per-turn
+    bookkeeping (timers around those methods, put back afterwards)."""
+    import topp_rl.rollout.trajectory as trajectory
+    from topp_rl.data.sample import Sample
+
+    spent: dict[str, float] = {}
+    methods = [(trajectory.Trajectory, "add_model_turn"), (trajectory.Trajectory, "add_env_output"),
+               (Sample, "append_response_tokens"), (Sample, "_check_trainable_args")]
+    originals = [(cls, name, getattr(cls, name)) for cls, name in methods]
+
+    def timer(name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    records, params = _records(task, tok, BATCHED), _params(1)
+    _timed_step(engine, records, params, tok, seed=0)  # warm-up
+    try:
+        for cls, name, fn in originals:
+            setattr(cls, name, timer(f"{cls.__name__}.{name}", fn))
+        runs = [_timed_step(engine, records, params, tok, seed=1 + i) for i in range(steps)]
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+    turns = sum(r["model_tokens"] for r in runs)  # one token per model turn
+    row = {"workload": "lookup", "trajectories": BATCHED, "steps": steps,
+           "step_ms": 1e3 * sum(r["seconds"] for r in runs) / steps,
+           "engine_ms": 1e3 * sum(r["engine_seconds"] for r in runs) / steps,
+           "model_turns_per_step": turns / steps,
+           "per_model_turn_ms": {name: 1e3 * t / turns for name, t in spent.items()}}
+    print(f"where the time goes (lookup, {BATCHED} trajectories, {steps} steps): {row['step_ms']:.1f} ms a step, "
+          f"{row['engine_ms']:.1f} ms in the engine; per model turn: "
+          + ", ".join(f"{k} {v:.3f} ms" for k, v in row["per_model_turn_ms"].items()))
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["scale", "batching", "all"], default="all")
+    ap.add_argument("--part", choices=["scale", "batching", "profile", "all"], default="all")
     ap.add_argument("--engines", default="embedded,sglang", help="for the scale part: embedded, sglang or both")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the embedded engine)")
+    ap.add_argument("--batching-reps", type=int, help="repeats of the batching part (default: --reps)")
     ap.add_argument("--baseline", help="git revision whose agent loop the batching part also times (A/B)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = build_tiny(family="qwen2", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, seed=0)
     task = LookupTask(seed=0)
-    out: dict = {"args": vars(args) | {"json": str(args.json)}, "load_average_before": os.getloadavg(), "torch": torch.__version__, "threads": args.threads,
-                 "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "reps": args.reps,
+    out: dict = {"args": vars(args) | {"json": str(args.json)}, "load_average_before": os.getloadavg(),
+                 "torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.processor(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     embedded = Timed(EmbeddedEngine(model, eos_token_id=[], pad_token_id=tok.pad_token_id, progress=False))  # no stop
-    engines: dict = {"embedded": embedded}
-    with tempfile.TemporaryDirectory() as tmp, _sglang(args, model, tok, Path(tmp)) as server:
-        if server is not None:
-            engines["sglang"] = Timed(server)
-        if args.part in ("scale", "all"):
-            out["scale"] = scale(engines, task, tok, reps=args.reps)
-        if args.part in ("batching", "all"):
-            out["batching"] = batching(embedded, task, tok, reps=args.reps, baseline=args.baseline)
+    names = args.engines.split(",")
+    if args.part in ("scale", "all"):  # one engine at a time: a running server's process would load the others
+        out["scale"] = scale({"embedded": embedded}, task, tok, reps=args.reps) if "embedded" in names else []
+        if "sglang" in names:
+            with tempfile.TemporaryDirectory() as tmp, _sglang(model, tok, Path(tmp)) as server:
+                out["scale"] += scale({"sglang": Timed(server)}, task, tok, reps=args.reps)
+    if args.part in ("profile", "all"):
+        out["profile"] = where_the_time_goes(embedded, task, tok, steps=10 * args.reps)
+    if args.part in ("batching", "all"):
+        out["batching"] = batching(embedded, task, tok, reps=args.batching_reps or args.reps,
+                                   baseline=args.baseline)
     out["load_average_after"] = os.getloadavg()
     print(f"load average before {out['load_average_before']}, after {out['load_average_after']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
 
-def _sglang(args, model, tok, tmp: Path):
-    """A launched SGLang server on the same weights when the scale part asks for it, else a null context."""
-    if "sglang" not in args.engines.split(",") or args.part == "batching":
-        return contextlib.nullcontext(None)
+def _sglang(model, tok, tmp: Path):
+    """A launched SGLang server (CPU) on the same weights, sampling past stop ids."""
     from topp_rl.engines.sglang import SGLangEngine
     from topp_rl.models import save_model
 

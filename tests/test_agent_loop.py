@@ -424,7 +424,7 @@ def test_a_hung_start_or_reward_ends_only_its_trajectory(engine, stage):
 
 def test_a_step_never_formats_its_samples(engine, monkeypatch):
     """asyncio.run on the main thread formats its task's repr, result included, when it restores the SIGINT
-    handler: the loop's task returns None, or every step would pay 0.4-0.8 ms per sample formatted (up to 6)."""
+    handler: the loop's task returns None, or every step would format up to 6 samples, every tensor of each."""
     formatted = []
     monkeypatch.setattr(Sample, "__repr__", lambda self: formatted.append(self) or "Sample(...)")
     assert threading.current_thread() is threading.main_thread()  # where asyncio.run installs the handler

@@ -156,8 +156,8 @@ class AgentLoopStep(RolloutStep):
 
 def _run(coro):
     """`asyncio.run(coro)` through a task that returns None: on the main thread asyncio.run formats its task's repr
-    (the result's too: up to 6 samples, every tensor of each, 0.4-0.8 ms a sample on this CPU) when it restores
-    the SIGINT handler (docs/agents.md "Speed")."""
+    (the result's too: up to 6 samples, every tensor of each) when it restores the SIGINT handler, a cost a step
+    of cheap turns felt (docs/agents.md "Speed")."""
     result = []
 
     async def main() -> None:

@@ -95,8 +95,8 @@ class _Workers:
     """Daemon threads for sync environment calls, reused: a call goes to an idle worker, or to a new one when none
     is idle. Not a fixed pool: a call that hangs cannot be stopped, and in a pool it would hold a worker for good
     (and the interpreter would wait for it at exit); here it holds only its own daemon thread, left behind. Not a
-    thread per call either: starting 16 threads at once cost ~0.4 ms a call on this 2-core machine
-    (docs/agents.md "Speed")."""
+    thread per call either: 16 threads starting at once were a visible share of a step of cheap turns on this
+    2-core machine (docs/agents.md "Speed")."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
