@@ -18,9 +18,10 @@ trajectories run against the training's environment, turns batched as in trainin
 by its episode's reward (correct when the episode's reward mapping says `correct`, else when its score is
 >= `correct_reward`; a trajectory whose environment failed is never correct). The response length then counts
 the environment's tokens too (the whole transcript after the prompt). `eval.task`'s records go to the training's
-environment, so they must be records it can play (a failed share above `max_failed_frac` stops the run there). With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that
-metric improves (every rank takes part: Megatron gathers its shards there). Metrics are (sum, count) pairs
-reduced once over all ranks, so DP ranks with different numbers of prompts weigh correctly. Each evaluation
+environment, so they must be records it can play (a failed share above `max_failed_frac` stops the run there).
+With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that metric improves (every rank takes
+part: Megatron gathers its shards there). Metrics are (sum, count) pairs reduced once over all ranks, so DP ranks
+with different numbers of prompts weigh correctly. Each evaluation
 prints one console line on global rank 0; `summary()` gives the last one's figures and the best checkpoint for
 the end-of-run summary (summary.json).
 """
