@@ -1,6 +1,8 @@
 """The multi-turn agent loop (`topp_rl.rollout.agent_step.AgentLoopStep`) with the real tiny model and the
 embedded engine: the token rule (each turn's engine prompt is the exact ids so far; environment tokens appear
-once, untrained), budgets, failing environments (sync and async), and the lookup task's rewards."""
+once, untrained), budgets, failing environments (sync and async; hung in start, an answer or the reward),
+concurrency (one engine call per round for every live trajectory; a round's environment calls all in flight at
+once), and the lookup task's rewards."""
 
 import asyncio
 import contextlib
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from topp_rl.data import PromptRecord, SamplingParams
-from topp_rl.data.sample import SampleStatus
+from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.losses import GRPOLoss
@@ -397,3 +399,104 @@ def test_environment_tokens_change_nothing_in_the_loss_or_gradients(engine):
     model_token = int((~env).nonzero()[0])
     changed.advantages[model_token] += 1.0
     assert _grads(module, [changed])[1]["train/loss"] != metrics["train/loss"]
+
+
+class Staggered(Echo):
+    """Record j's episodes end after j + 1 turns: the trajectories of a step finish in different rounds."""
+
+    def start(self, record):
+        return EchoEpisode(record.index + 1)
+
+
+def test_turns_of_all_live_trajectories_share_one_engine_call_per_round(engine):
+    spy = Spy(engine)
+    step = AgentLoopStep(environment=Staggered(), max_turns=8, max_trajectory_tokens=64)
+    samples = step.generate(spy, records(3), PARAMS, seed=4, tokenizer=TOK)
+    turns = [s.metadata["turns"] for s in samples]
+    assert turns == [1, 1, 2, 2, 3, 3]
+    # Rounds = the longest trajectory's turns (3 engine calls), not one call per turn (12) or per trajectory (6);
+    # each call carries every trajectory still live in that round.
+    assert len(spy.calls) == max(turns) == 3 and [len(p) for p, _ in spy.calls] == [6, 4, 2]
+
+
+class Gathered(Echo):
+    """Every episode's first answer waits until all `parties` episodes are answering at once (a barrier): it
+    can only pass when the loop runs a round's environment calls concurrently (sync ones on threads of their
+    own, async ones on the event loop); run one at a time, the first would wait out the timeout."""
+
+    def __init__(self, *, parties: int, asynchronous: bool) -> None:
+        super().__init__(turns=2)
+        self.asynchronous = asynchronous
+        self.barrier = asyncio.Barrier(parties) if asynchronous else threading.Barrier(parties)
+
+    def start(self, record):
+        episode = EchoEpisode(self.turns)
+        answer = episode.respond
+
+        def first_waits(turn):
+            if turn.index == 0:
+                self.barrier.wait(timeout=30)
+            return answer(turn)
+
+        async def first_waits_async(turn):
+            if turn.index == 0:
+                await self.barrier.wait()
+            return answer(turn)
+
+        episode.respond = first_waits_async if self.asynchronous else first_waits
+        return episode
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_environment_calls_of_a_round_run_concurrently(engine, asynchronous):
+    env = Gathered(parties=6, asynchronous=asynchronous)
+    step = AgentLoopStep(environment=env, max_turns=4, max_trajectory_tokens=64, env_timeout_s=30.0)
+    samples = step.generate(engine, records(3), PARAMS, seed=6, tokenizer=TOK)
+    assert [s.metadata["end"] for s in samples] == ["env"] * 6 and all(s.metadata["turns"] == 2 for s in samples)
+
+
+class HangsAt(Echo):
+    """Record 0's episodes hang in `start` or in `reward` (sync, released at the test's end); the others run."""
+
+    def __init__(self, *, stage: str, release: threading.Event) -> None:
+        super().__init__(turns=2)
+        self.stage, self.release = stage, release
+
+    def start(self, record):
+        if record.index == 0 and self.stage == "start":
+            self.release.wait(30)
+        episode = EchoEpisode(self.turns)
+        if record.index == 0 and self.stage == "reward":
+            episode.reward = lambda: self.release.wait(30)
+        return episode
+
+
+@pytest.mark.parametrize("stage", ["start", "reward"])
+def test_a_hung_start_or_reward_ends_only_its_trajectory(engine, stage):
+    release = threading.Event()
+    try:
+        step = AgentLoopStep(environment=HangsAt(stage=stage, release=release), max_turns=4,
+                             max_trajectory_tokens=64, env_timeout_s=0.5)
+        samples = step.run(engine, records(3), PARAMS, task=LookupTask(), tokenizer=TOK, seed=0).samples
+    finally:
+        release.set()
+    assert [s.metadata["end"] for s in samples] == ["env_timeout"] * 2 + ["env"] * 4
+    hung_status = SampleStatus.ABORTED if stage == "start" else SampleStatus.COMPLETED  # no tokens / its turns
+    assert [s.status for s in samples] == [hung_status] * 2 + [SampleStatus.COMPLETED] * 4
+    hung_reward = None if stage == "start" else 0.0  # aborted: never scored (nor trained on)
+    assert [s.reward for s in samples] == [hung_reward] * 2 + [2.0] * 4
+    assert [s.metadata["turns"] for s in samples] == [0 if stage == "start" else 2] * 2 + [2] * 4
+    assert step.stats(samples)["rollout/env_timeouts"] == (2.0, 1.0)
+
+
+def test_a_step_never_formats_its_samples(engine, monkeypatch):
+    """asyncio.run on the main thread formats its task's repr, result included, when it restores the SIGINT
+    handler: the loop's task returns None, or every step would format up to 6 samples, every tensor of each."""
+    formatted = []
+    monkeypatch.setattr(Sample, "__repr__", lambda self: formatted.append(self) or "Sample(...)")
+    assert threading.current_thread() is threading.main_thread()  # where asyncio.run installs the handler
+    samples = AgentLoopStep(environment=Echo(turns=2), max_turns=2, max_trajectory_tokens=64).generate(
+        engine, records(2), PARAMS, seed=0, tokenizer=TOK)
+    assert len(samples) == 4 and formatted == []
+    repr(samples[0])  # the spy sees a repr when there is one
+    assert formatted == [samples[0]]

@@ -69,7 +69,7 @@ class AgentLoopStep(RolloutStep):
         # The rounds' count differs between DP ranks: an engine whose generate is a collective (FSDP's shared,
         # sharded module) gathers once for the step instead.
         with engine.holding_weights():
-            return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+            return _run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
 
     async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
         trajs = [Trajectory(record=r, sample=Sample(prompt_ids=r.prompt_ids)) for r in records for _ in range(params.n)]
@@ -161,6 +161,19 @@ class AgentLoopStep(RolloutStep):
             "rollout/max_turns_ended": count(END_MAX_TURNS),
             "rollout/max_tokens_ended": count(END_MAX_TOKENS),
         }
+
+
+def _run(coro):
+    """`asyncio.run(coro)` through a task that returns None: on the main thread asyncio.run formats its task's repr
+    (the result's too: up to 6 samples, every tensor of each) when it restores the SIGINT handler, a cost a step
+    of cheap turns felt (docs/agents.md "Speed")."""
+    result = []
+
+    async def main() -> None:
+        result.append(await coro)
+
+    asyncio.run(main())
+    return result[0]
 
 
 def _round_seed(seed: int | None, round_index: int) -> int | None:
