@@ -39,7 +39,7 @@ from topp_rl.data.sample import SampleStatus
 from topp_rl.tasks import Task
 from topp_rl.tasks.base import HELD_OUT_OFFSET
 from topp_rl.tasks.splits import EvalExamples, eval_examples
-from topp_rl.trainer.metrics import add_sums, reduce_sums
+from topp_rl.trainer.metrics import add_sums, reduce_sums, reduce_tensor
 
 __all__ = ["HELD_OUT_OFFSET", "METRICS", "Evaluation"]
 METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs
@@ -91,8 +91,13 @@ class Evaluation(Callback):
             self.resolve(trainer.datamodule)
         datamodule = trainer.datamodule
         sums: dict[str, tuple[float, float]] = {}
+        samples = []
         if datamodule.peers.is_source:
-            sums = self._score(datamodule)
+            sums, samples = self._score(datamodule)
+        try:  # every rank (ranks without an engine add nothing), so all stop alike
+            datamodule.rollout_step.check(samples, reduce_sum=lambda t: reduce_tensor(trainer, t, op="sum"))
+        except RuntimeError as e:  # e.g. the agent loop's failed share: say that evaluation hit it, on what
+            raise RuntimeError(f"evaluation on {self.examples.label}: {e}") from e
         values = reduce_sums(trainer, self._complete(sums))
         step = trainer.global_step
         for logger in trainer.loggers:
@@ -138,20 +143,20 @@ class Evaluation(Callback):
         mine = range(datamodule.dp_rank, self.prompt_count, datamodule.dp_size)
         return [task.prompt(first + i, datamodule.tokenizer) for i in mine]
 
-    def _score(self, datamodule) -> dict[str, tuple[float, float]]:
+    def _score(self, datamodule) -> tuple[dict[str, tuple[float, float]], list]:
+        """This rank's metric sums, and its samples (greedy and sampled) for the step's failure check."""
         records = self._prompts(datamodule)
         if not records:
-            return {}
+            return {}, []
         step, engine, params = datamodule.rollout_step, datamodule.ensure_engine(), datamodule.params
         greedy = dataclasses.replace(params, top_k=1, n=1)
         sampled = dataclasses.replace(params, n=self.k)
         sums: dict[str, tuple[float, float]] = {}
+        every = []
         for kind, p in (("greedy", greedy), ("sampled", sampled)):
-            try:
-                samples = step.run(engine, records, p, task=self.examples.task, tokenizer=datamodule.tokenizer,
-                                   seed=0).samples
-            except RuntimeError as e:  # e.g. the agent loop's failed share: say that evaluation hit it, on what
-                raise RuntimeError(f"evaluation ({kind}) on {self.examples.label}: {e}") from e
+            samples = step.run(engine, records, p, task=self.examples.task, tokenizer=datamodule.tokenizer,
+                               seed=0).samples
+            every += samples
             correct = [s.status != SampleStatus.ABORTED and self._correct(s) for s in samples]
             if kind == "greedy":
                 add_sums(sums, {"val/accuracy": (sum(correct), len(samples)),
@@ -160,7 +165,7 @@ class Evaluation(Callback):
                 groups = [correct[i : i + self.k] for i in range(0, len(correct), self.k)]
                 add_sums(sums, {"val/pass@k": (sum(any(g) for g in groups), len(groups)),
                                 "val/mean@k": (sum(correct), len(correct))})
-        return sums
+        return sums, every
 
     def _correct(self, sample) -> bool:
         meta = sample.metadata

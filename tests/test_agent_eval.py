@@ -5,6 +5,7 @@ their transcripts -, an episode's `correct` mark and a failed environment call d
 records the environment cannot play stop the run naming the evaluation."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,7 +50,7 @@ def _greedy_transcript(engine, record) -> tuple[str, int]:
 
 def test_lookup_eval_figures_equal_a_direct_computation():
     engine, task, step, dm, ev, records = _setup(LookupEnvironment(), correct_reward=1.0)
-    sums = ev._score(dm)
+    sums, _ = ev._score(dm)
     greedy = [_greedy_transcript(engine, r) for r in records]
     greedy_ok = [task.reward(text, r) >= 1.0 for (text, _), r in zip(greedy, records, strict=True)]
     assert sums["val/accuracy"] == (sum(greedy_ok), PROMPTS)
@@ -84,7 +85,7 @@ class MarkedEpisode(LookupEpisode):
 def test_episode_marks_and_failures_decide_correctness():
     # correct_reward=0: by score alone every trajectory (reward >= 0) would be correct.
     engine, task, step, dm, ev, records = _setup(MarkedLookup(), correct_reward=0.0, max_failed_frac=1.0)
-    sums = ev._score(dm)
+    sums, _ = ev._score(dm)
     samples = step.generate(engine, records, dataclasses.replace(PARAMS, n=K), seed=0, tokenizer=TOK)
     assert sum("env_error" in s.metadata for s in samples) == PROMPTS * K // 2
     sampled = [records[i // K].index % 2 == 0 and TOK.decode(s.response_ids)[:1] == records[i // K].data["key"]
@@ -101,6 +102,7 @@ def test_eval_records_the_environment_cannot_play_stop_naming_the_evaluation():
     engine, task, step, dm, _, _ = _setup(LookupEnvironment(), correct_reward=1.0)
     ev = Evaluation(every_n_steps=1, num_prompts=4, k=2, task=CopyDigitTask())  # no lookup table in its records
     ev.resolve(dm)
-    with pytest.raises(RuntimeError, match=r"^evaluation \(greedy\) on CopyDigitTask: 4 of 4 trajectories failed "
+    trainer = SimpleNamespace(datamodule=dm, loggers=[], global_step=0, world_size=1)  # one process
+    with pytest.raises(RuntimeError, match=r"^evaluation on CopyDigitTask: 12 of 12 trajectories failed "
                                            r"this step .*first failure: env_error: KeyError: 'table'"):
-        ev._score(dm)
+        ev.evaluate(trainer, None)
