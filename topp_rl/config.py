@@ -23,6 +23,8 @@ from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
+from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -431,15 +433,18 @@ def validate_turns(cfg: DictConfig) -> None:
     agent loop needs an environment."""
     turns = _positive_int(cfg, "rollout.max_turns", "use 1 for single-turn tasks")
     _positive_int(cfg, "rollout.max_trajectory_tokens", "set the response tokens a trajectory may hold")
-    agent = issubclass(target_class(cfg.rollout.step), AgentLoopStep)
-    if agent and OmegaConf.is_missing(cfg.rollout.step, "environment"):
+    step = target_class(cfg.rollout.step)
+    agent = issubclass(step, AgentLoopStep | EndpointStep)  # the multi-turn steps
+    if issubclass(step, EndpointStep):
+        _check_agent_fn(cfg)
+    if issubclass(step, AgentLoopStep) and OmegaConf.is_missing(cfg.rollout.step, "environment"):
         _fail("rollout.step.environment", "???", "an environment (rollout.step.environment._target_: a class with "
               "start(record) -> Episode, topp_rl/tasks/environment.py)", "use a task that brings its environment "
               "(task=lookup), or set rollout.step.environment._target_=<your Environment class>")
     if turns > 1 and not agent:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
-              "prompt once)", "select the agent loop (rollout/step=agent, with an environment), or set "
-              "rollout.max_turns=1")
+              "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
+              "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
     if not agent:
         return
     # Built so far (issue 37): one rank, the embedded engine. A step whose trajectories fail raises on its own
@@ -453,12 +458,21 @@ def validate_turns(cfg: DictConfig) -> None:
               "the loop is what is tested so far)", "use rollout=embedded")
 
 
+def _check_agent_fn(cfg: DictConfig) -> None:
+    """rollout/step=endpoint: its agent function must import and be `async def`, refused now naming it."""
+    if OmegaConf.is_missing(cfg.rollout.step, "agent"):
+        _fail("rollout.step.agent", "???", "an agent function, pkg.mod:fn or path/to/file.py:fn (async def "
+              "fn(client, record) -> float | dict)", "use task=agent task.agent=<your function> (e.g. "
+              "task.agent=topp_rl.tasks.agents.lookup:lookup_agent)")
+    resolve_agent(str(cfg.rollout.step.agent), key="task.agent" if cfg.task.get("agent") else "rollout.step.agent")
+
+
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
     a model with MoE layers; the agent loop records none yet (checked once the model is built, before any engine
     starts)."""
     step = cfg.rollout.get("step")
-    if (isinstance(step, DictConfig) and issubclass(target_class(step), AgentLoopStep)
+    if (isinstance(step, DictConfig) and issubclass(target_class(step), AgentLoopStep | EndpointStep)
             and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):
         _fail("rollout.record_routes", True, f"false for an MoE model ({type(model).__name__}) with the agent loop "
               "(it does not merge routes across turns yet)", "set rollout.record_routes=false "

@@ -111,14 +111,14 @@ class Trajectory:
             return
         ids = _env_ids(output, tokenizer, vocab_size)
         if self.turns >= max_turns:
-            self._end_on_budget(END_MAX_TURNS)
+            self.end_on_budget(END_MAX_TURNS)
         elif self.response_tokens + len(ids) >= max_tokens:  # no room left for a model token after it
-            self._end_on_budget(END_MAX_TOKENS)
+            self.end_on_budget(END_MAX_TOKENS)
         else:
             self.sample.append_response_tokens(ids, trainable=False)
             self.env_tokens += len(ids)
 
-    def _end_on_budget(self, reason: str) -> None:
+    def end_on_budget(self, reason: str) -> None:
         self.end = reason
         self.status = SampleStatus.TRUNCATED
 
