@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ssl
 import threading
 from typing import Any
 
@@ -110,24 +111,25 @@ class EndpointStep(RolloutStep):
                                  "async agent function stalls every agent of the step)", batcher)
 
     async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle) -> None:
-        # One connection pool for all the step's clients, unbounded: a pool smaller than the trajectories would
-        # hold requests back, and a round waits for every live trajectory's request.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(limits=limits, timeout=self.agent_timeout_s) as http:
-            await asyncio.gather(*(self._agent(i, t.record, server.base_url(i), http, settle)
-                                   for i, t in enumerate(trajs)))
+        # A connection pool per trajectory: httpcore matches each request against every connection of its pool, so
+        # one pool shared by hundreds of trajectories costs more than the engine (measured: 5 s a round at 128);
+        # one shared TLS context makes a client cheap (0.2 ms instead of 44 ms for a fresh one, though no TLS is
+        # used on 127.0.0.1).
+        tls = ssl.create_default_context()
+        await asyncio.gather(*(self._agent(i, t.record, server.base_url(i), tls, settle) for i, t in enumerate(trajs)))
 
-    async def _agent(self, i: int, record: PromptRecord, base_url: str, http: httpx.AsyncClient, settle) -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
-        try:
-            value = await asyncio.wait_for(self.agent_fn(client, record), self.agent_timeout_s)
-        except TimeoutError:
-            settle(i, FAIL_TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
-                   f"{self.agent_timeout_s} s")
-        except Exception as e:  # the agent's own error: counted, never fatal on its own
-            settle(i, FAIL_ERROR, f"the agent {self.agent} raised {type(e).__name__}: {e}")
-        else:
-            settle(i, "ok", value)
+    async def _agent(self, i: int, record: PromptRecord, base_url: str, tls: ssl.SSLContext, settle) -> None:
+        async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s) as http:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
+            try:
+                value = await asyncio.wait_for(self.agent_fn(client, record), self.agent_timeout_s)
+            except TimeoutError:
+                settle(i, FAIL_TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
+                       f"{self.agent_timeout_s} s")
+            except Exception as e:  # the agent's own error: counted, never fatal on its own
+                settle(i, FAIL_ERROR, f"the agent {self.agent} raised {type(e).__name__}: {e}")
+            else:
+                settle(i, "ok", value)
 
     def _settle(self, t: Trajectory, i: int, kind: str, value: Any, batcher: TurnBatcher) -> None:
         """Record trajectory i's outcome (on the server's loop, where every state change happens)."""

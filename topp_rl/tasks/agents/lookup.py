@@ -13,17 +13,17 @@ from topp_rl.tasks.lookup import lookup_score
 
 
 async def lookup_agent(client: Any, record: Any) -> dict[str, float]:
-    """`client`: an `openai.AsyncOpenAI`; `record`: the row's `PromptRecord` (`data`: key, table)."""
+    """`client`: an `openai.AsyncOpenAI`; `record`: the row's `PromptRecord` (`data`: key, table). Always two turns:
+    a call that names no key is told "=?". The reply's text is sent back as the history, so a reply holding an id
+    its text drops (a special id) re-renders to other ids: the second turn then starts a second sample."""
     messages = [{"role": "user", "content": record.text}]
     first = await client.chat.completions.create(model="policy", messages=messages)
-    call = (first.choices[0].message.content or "")[:1]
+    reply = first.choices[0].message.content or ""
+    call = reply[:1]
     shown = record.data["table"].get(call) if call else None
-    if shown is None:  # no such key: the trajectory ends after one turn
-        return {"score": lookup_score(asked=record.data["key"], call=call, shown=None, answer=None,
-                                      call_credit=0.5, digit_credit=0.0), "turns": 1.0}
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": f"={shown}"}]
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"={shown or '?'}"}]
     second = await client.chat.completions.create(model="policy", messages=messages)
     answer = (second.choices[0].message.content or "")[:1]
-    return {"score": lookup_score(asked=record.data["key"], call=call, shown=shown, answer=answer, call_credit=0.5,
-                                  digit_credit=0.0), "turns": 2.0}
+    score = lookup_score(asked=record.data["key"], call=call, shown=shown, answer=answer, call_credit=0.5,
+                         digit_credit=0.0)
+    return {"score": score, "called": float(call == record.data["key"])}
