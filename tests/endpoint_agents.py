@@ -81,7 +81,7 @@ async def hangs(client, record):
 
 
 async def blocks_its_loop(client, record):
-    time.sleep(3)  # a sync sleep inside async code: the agents' whole event loop stalls
+    time.sleep(1)  # a sync sleep inside async code: the agents' whole event loop stalls
     return 1.0
 
 

@@ -188,7 +188,8 @@ def test_bad_agents_fail_their_trajectories_counted(engine, name, kind, message)
     assert stats["rollout/env_timeouts" if kind == "env_timeout" else "rollout/env_errors"] == (4.0, 1.0)
     trained = [s for s in samples if s.status != SampleStatus.ABORTED]
     assert all(s.reward == 0.0 for s in trained)
-    assert (len(trained) == 0) == (name == "no_request")  # model tokens of a failed trajectory still train
+    if name != "hangs":  # (whether a hanging agent's request was answered before its timeout depends on the load)
+        assert (len(trained) == 0) == (name == "no_request")  # model tokens of a failed trajectory still train
 
 
 def test_a_blocked_agent_loop_is_abandoned(engine, monkeypatch):

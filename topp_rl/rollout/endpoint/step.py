@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import ssl
 import threading
 from typing import Any
@@ -63,6 +64,7 @@ class EndpointStep(RolloutStep):
                              "step's trajectories allowed to fail before the step raises)")
         self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
         self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
+        importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
 
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
                  seed: int | None, tokenizer: Any) -> list[Sample]:
