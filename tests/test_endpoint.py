@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compose_cfg
 
+from topp_rl.config import validate_config
 from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import SampleStatus
 from topp_rl.engines.embedded import EmbeddedEngine
@@ -245,3 +247,13 @@ def test_the_minimal_chat_template_uses_only_the_char_tokenizers_characters():
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert TOK.unk_token_id not in ids
     assert TOK.decode(ids) == "<bos>u:?c<eos>a:c<eos>a:"
+
+
+def test_config_refuses_a_missing_or_bad_agent_at_start(tmp_path):
+    with pytest.raises(ValueError, match=r"config task.agent='\?\?\?': must be an agent function"):
+        validate_config(compose_cfg(tmp_path, "task=agent"))
+    with pytest.raises(ValueError, match=r"task.agent 'no_such_pkg.mod:f' cannot be imported"):
+        validate_config(compose_cfg(tmp_path, "task=agent", "task.agent=no_such_pkg.mod:f"))
+    with pytest.raises(ValueError, match=r"config task.agent=.*not_async'?: must be an `async def` function"):
+        validate_config(compose_cfg(tmp_path, "task=agent", f"task.agent={agent('not_async')}"))
+    validate_config(compose_cfg(tmp_path, "task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent"))

@@ -13,6 +13,7 @@ from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
@@ -460,11 +461,15 @@ def validate_turns(cfg: DictConfig) -> None:
 
 def _check_agent_fn(cfg: DictConfig) -> None:
     """rollout/step=endpoint: its agent function must import and be `async def`, refused now naming it."""
-    if OmegaConf.is_missing(cfg.rollout.step, "agent"):
-        _fail("rollout.step.agent", "???", "an agent function, pkg.mod:fn or path/to/file.py:fn (async def "
-              "fn(client, record) -> float | dict)", "use task=agent task.agent=<your function> (e.g. "
-              "task.agent=topp_rl.tasks.agents.lookup:lookup_agent)")
-    resolve_agent(str(cfg.rollout.step.agent), key="task.agent" if cfg.task.get("agent") else "rollout.step.agent")
+    try:
+        spec = cfg.rollout.step.agent  # task=agent sets it to ${task.agent}
+    except (MissingMandatoryValue, InterpolationToMissingValueError):
+        spec = "???"
+    if spec == "???":
+        _fail("task.agent", "???", "an agent function, pkg.mod:fn or path/to/file.py:fn (async def "
+              "fn(client, record) -> float | dict)", "set task.agent=<your function> (e.g. "
+              "task.agent=topp_rl.tasks.agents.lookup:lookup_agent); without task=agent: rollout.step.agent=...")
+    resolve_agent(str(spec), key="task.agent" if "agent" in cfg.task else "rollout.step.agent")
 
 
 def validate_routing(cfg: DictConfig, model) -> None:
