@@ -13,14 +13,17 @@ from helpers import compose_cfg
 from topp_rl.config import validate_config
 from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import SampleStatus
+from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.rollout.advantages import GroupAdvantage, RLOOAdvantage, trajectory_advantages
+from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint import step as endpoint_step
 from topp_rl.rollout.endpoint.step import EndpointStep
 from topp_rl.rollout.endpoint.wire import MINIMAL_CHAT_TEMPLATE, chat_response, parse_tool_calls
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.tasks.agent_task import AgentTask, resolve_agent
+from topp_rl.tasks.lookup import LookupTask
 from topp_rl.tasks.rewards import RewardError
 
 TOK = build_char_tokenizer()
@@ -257,3 +260,61 @@ def test_config_refuses_a_missing_or_bad_agent_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"config task.agent=.*not_async'?: must be an `async def` function"):
         validate_config(compose_cfg(tmp_path, "task=agent", f"task.agent={agent('not_async')}"))
     validate_config(compose_cfg(tmp_path, "task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent"))
+
+
+class DropsLastId(RolloutEngine):
+    """The real engine, answering a prompt longer than `keep` ids on the prompt less its last id (as a server that
+    re-tokenises might): its output is conditioned on other ids than those sent."""
+
+    def __init__(self, inner: EmbeddedEngine, keep: int) -> None:
+        self.inner, self.keep = inner, keep
+        self.vocab_size, self.shares_trainer_weights, self.shared_by_ranks = inner.vocab_size, False, False
+        self.max_candidates, self.records_routes = None, False
+
+    def generate(self, prompts, params, *, seed=None):
+        return self.inner.generate([p[:-1] if len(p) > self.keep else p for p in prompts], params, seed=seed)
+
+    def update_weights(self, named_tensors) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TwoTurns:
+    """Answers the first model turn with "=1", ends after the second; reward: the record's index."""
+
+    def start(self, record):
+        return TwoTurnsEpisode(record)
+
+
+class TwoTurnsEpisode:
+    def __init__(self, record) -> None:
+        self.record, self.turns = record, 0
+
+    def respond(self, turn):
+        self.turns += 1
+        return "=1" if self.turns == 1 else None
+
+    def reward(self):
+        return float(self.record.index)
+
+
+def test_the_agent_loop_starts_a_new_sample_where_the_engine_answered_other_ids(engine):
+    task = LookupTask(seed=0)
+    recs = [task.prompt(i, TOK) for i in range(3)]
+    params = SamplingParams(top_p=0.9, max_new_tokens=1, n=2)
+    step = AgentLoopStep(environment=TwoTurns(), max_turns=2, max_trajectory_tokens=16)
+    samples = step.generate(DropsLastId(engine, keep=len(recs[0].prompt_ids)), recs, params, seed=5, tokenizer=TOK)
+    step.score(samples, recs, params, task=task, tokenizer=TOK)
+    by_traj = {}
+    for s in samples:
+        by_traj.setdefault(s.metadata["trajectory"], []).append(s)
+    assert len(by_traj) == 6
+    for first, second in by_traj.values():  # turn 2 was answered on its ids less the last: a second sample
+        assert first.metadata["turns"] == 2 and len(first.response_ids) == 3  # the model's id, then "=1"
+        assert second.prompt_ids == first.tokens[:-1]  # what the engine conditioned on: the sample it trains in
+        assert first.loss_mask == [1, 0, 0] and second.loss_mask == [1] and first.metadata["prefix_breaks"] == 1
+        assert first.reward == second.reward == first.group_index and first.metadata["end"] == "env"
+    stats = step.stats(samples)
+    assert stats["rollout/prefix_breaks"] == (6.0, 1.0)
+    assert stats["rollout/samples_per_trajectory_mean"] == (12.0, 6.0)
+    assert stats["rollout/trajectories_failed"] == (0.0, 1.0)
