@@ -20,7 +20,14 @@ from topp_rl.rollout.advantages import GroupAdvantage, RLOOAdvantage, trajectory
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint import step as endpoint_step
 from topp_rl.rollout.endpoint.step import EndpointStep
-from topp_rl.rollout.endpoint.wire import MINIMAL_CHAT_TEMPLATE, chat_response, parse_tool_calls
+from topp_rl.rollout.endpoint.wire import (
+    CHAT_KEYS,
+    MINIMAL_CHAT_TEMPLATE,
+    Refused,
+    chat_response,
+    check_request,
+    parse_tool_calls,
+)
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.tasks.agent_task import AgentTask, resolve_agent
 from topp_rl.tasks.lookup import LookupTask
@@ -318,3 +325,20 @@ def test_the_agent_loop_starts_a_new_sample_where_the_engine_answered_other_ids(
     assert stats["rollout/prefix_breaks"] == (6.0, 1.0)
     assert stats["rollout/samples_per_trajectory_mean"] == (12.0, 6.0)
     assert stats["rollout/trajectories_failed"] == (0.0, 1.0)
+
+
+def test_check_request_serves_the_run_settings_only():
+    run = SamplingParams(top_p=0.9, max_new_tokens=8)
+    ok = {"model": "m", "messages": [], "temperature": 1, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
+          "frequency_penalty": 0.0, "n": 1, "stream": False, "tool_choice": "auto"}
+    assert check_request(ok, run, allowed=CHAT_KEYS) == 8
+    assert check_request({"max_tokens": 3, "max_completion_tokens": 5}, run, allowed=CHAT_KEYS) == 3
+    assert check_request({"max_tokens": 30}, run, allowed=CHAT_KEYS) == 8  # capped at the run's max_new_tokens
+    for key, value in (("temperature", 0.7), ("top_p", 1.0), ("top_k", 5), ("min_p", 0.1), ("top_p", "0.9"),
+                       ("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("n", 2), ("stream", True),
+                       ("logprobs", True), ("seed", 3), ("stop", ["\n"]), ("tool_choice", "none"),
+                       ("parallel_tool_calls", False), ("max_tokens", 0), ("best_of", 2)):
+        with pytest.raises(Refused) as info:
+            check_request({key: value}, run, allowed=CHAT_KEYS)
+        assert info.value.param == key and "temperature=1.0 top_p=0.9 top_k=0 min_p=0.0" in str(info.value) or (
+            key == "max_tokens" and "must be an integer >= 1" in str(info.value)), (key, str(info.value))

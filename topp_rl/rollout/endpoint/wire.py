@@ -70,10 +70,12 @@ def check_request(body: Any, params: SamplingParams, *, allowed: set[str]) -> in
             raise Refused(f"{key}={body[key]!r} changes the distribution sampled from; this run samples at "
                           f"{run_settings(params)} (leave {key} out)", key)
     for key, ok in (("n", (None, 1)), ("stream", (None, False)), ("logprobs", (None, False)), ("echo", (None, False)),
-                    ("seed", (None,)), ("stop", (None, [], ""))):
+                    ("seed", (None,)), ("stop", (None, [], "")), ("tool_choice", (None, "auto")),
+                    ("parallel_tool_calls", (None, True))):
         if body.get(key) not in ok:
             raise Refused(f"{key}={body[key]!r} is not served (the run's settings: {run_settings(params)}; the run's "
-                          "seed draws every turn, generation stops at the run's stop ids; leave it out)", key)
+                          "seed draws every turn, generation stops at the run's stop ids, the model may call any "
+                          "tool or none; leave it out)", key)
     limit = params.max_new_tokens
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
