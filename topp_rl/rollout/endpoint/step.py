@@ -94,13 +94,13 @@ class EndpointStep(RolloutStep):
         done = loop.create_future()
 
         def settle(i: int, kind: str, value: Any) -> None:  # called from the agents' thread
-            loop.call_soon_threadsafe(self._settle, trajs[i], i, kind, value, batcher)
+            _post(loop, self._settle, trajs[i], i, kind, value, batcher)
 
         def work() -> None:
             try:
                 asyncio.run(self._agents(trajs, server, settle))
             finally:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                _post(loop, lambda: done.done() or done.set_result(None))
 
         threading.Thread(target=work, name="topp-rl-agents", daemon=True).start()
         try:
@@ -170,3 +170,12 @@ class EndpointStep(RolloutStep):
 
     def stats(self, samples: list[Sample]) -> Stats:
         return trajectory_stats(samples)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args: Any) -> None:
+    """`fn(*args)` on the step's loop, from the agents' thread; dropped when the step is over (a blocked agents'
+    loop that woke up after the step stopped waiting for it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop has closed
+        pass
