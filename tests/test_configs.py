@@ -46,9 +46,10 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     assert len(targets) >= 6  # model, engine, task, advantage, loss, optimizer, trainer, ...
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
-    # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment (refused
-    # at start, test_invalid_values_fail_at_start_naming_the_key)
-    if group not in ("parallel", "experiment") and key != "rollout/step=agent":
+    # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment, the
+    # endpoint no agent function (refused at start, test_invalid_values_fail_at_start_naming_the_key)
+    if group not in ("parallel", "experiment") and key not in ("rollout/step=agent", "rollout/step=endpoint",
+                                                               "task=agent"):
         validate_config(cfg)
 
 
@@ -163,6 +164,9 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout/step=agent", "rollout.step.environment"),
         ("task=lookup rollout.max_turns=0", "rollout.max_turns"),
         ("task=lookup rollout.max_trajectory_tokens=0", "rollout.max_trajectory_tokens"),
+        ("task=agent", "task.agent"),
+        ("rollout/step=endpoint", "task.agent"),
+        ("task=agent task.agent=topp_rl.tasks.agents.lookup:lookup_agent rollout=sglang", "rollout.engine._target_"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),

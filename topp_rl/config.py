@@ -13,6 +13,7 @@ from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
@@ -23,6 +24,8 @@ from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
+from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -433,21 +436,56 @@ def validate_turns(cfg: DictConfig) -> None:
     engine's exactness through the loop is measured (tests/test_agent_dist.py, docs/agents.md)."""
     turns = _positive_int(cfg, "rollout.max_turns", "use 1 for single-turn tasks")
     _positive_int(cfg, "rollout.max_trajectory_tokens", "set the response tokens a trajectory may hold")
-    agent = issubclass(target_class(cfg.rollout.step), AgentLoopStep)
-    if agent and OmegaConf.is_missing(cfg.rollout.step, "environment"):
+    step = target_class(cfg.rollout.step)
+    agent = issubclass(step, AgentLoopStep | EndpointStep)  # the multi-turn steps
+    if issubclass(step, EndpointStep):
+        _check_agent_fn(cfg)
+    if issubclass(step, AgentLoopStep) and OmegaConf.is_missing(cfg.rollout.step, "environment"):
         _fail("rollout.step.environment", "???", "an environment (rollout.step.environment._target_: a class with "
               "start(record) -> Episode, topp_rl/tasks/environment.py)", "use a task that brings its environment "
               "(task=lookup), or set rollout.step.environment._target_=<your Environment class>")
     if turns > 1 and not agent:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
-              "prompt once)", "select the agent loop (rollout/step=agent, with an environment), or set "
-              "rollout.max_turns=1")
+              "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
+              "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
+    if not issubclass(step, EndpointStep):
+        return
+    # The endpoint's exactness is measured on one rank with the embedded engine (tests/test_endpoint_train.py);
+    # the agent loop's other layouts and SGLang are measured (tests/test_agent_dist.py), the endpoint's are not.
+    if world_size(cfg) > 1:
+        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with rollout/step=endpoint "
+              f"(world size {world_size(cfg)}): the endpoint runs on one rank so far", "train an agent function "
+              "on one device, or write the agent as an Environment (rollout/step=agent runs at any layout)")
+    engine = str(cfg.rollout.engine._target_)
+    if not engine.startswith("topp_rl.engines.embedded."):
+        _fail("rollout.engine._target_", engine, "the embedded engine with rollout/step=endpoint (its exactness "
+              "through the endpoint is what is measured so far)", "use rollout=embedded")
+
+
+def _check_agent_fn(cfg: DictConfig) -> None:
+    """rollout/step=endpoint: its agent function must import and be `async def`, refused now naming it."""
+    try:
+        spec = cfg.rollout.step.agent  # task=agent sets it to ${task.agent}
+    except (MissingMandatoryValue, InterpolationToMissingValueError):
+        spec = "???"
+    if spec == "???":
+        _fail("task.agent", "???", "an agent function, pkg.mod:fn or path/to/file.py:fn (async def "
+              "fn(client, record) -> float | dict)", "set task.agent=<your function> (e.g. "
+              "task.agent=topp_rl.tasks.agents.lookup:lookup_agent); without task=agent: rollout.step.agent=...")
+    resolve_agent(str(spec), key="task.agent" if "agent" in cfg.task else "rollout.step.agent")
 
 
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
     a model with MoE layers (checked once the model is built, before any engine starts). The agent loop's
-    trajectories take their routes from the last model turn's call, which covers the whole transcript."""
+    trajectories take their routes from the last model turn's call, which covers the whole transcript; the
+    endpoint records none yet."""
+    step = cfg.rollout.get("step")
+    if (isinstance(step, DictConfig) and issubclass(target_class(step), EndpointStep)
+            and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):
+        _fail("rollout.record_routes", True, f"false for an MoE model ({type(model).__name__}) with "
+              "rollout/step=endpoint (it does not merge routes across requests yet)", "set "
+              "rollout.record_routes=false rollout.routing_replay=false, or use the agent loop (rollout/step=agent)")
     if not cfg.rollout.get("routing_replay", False):
         return
     if not cfg.rollout.get("record_routes", False):
