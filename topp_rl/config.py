@@ -299,10 +299,10 @@ def validate_parallel(cfg: DictConfig) -> None:
     for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
         if key in p:  # pp_size may be absent from a config written before it existed: 1
             _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
-    for key in ("tp_size", "cp_size", "ep_size"):
-        if p[key] > 1 and not p.get("strategy"):
+    for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
+        if p.get(key, 1) > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", p[key], "1 without a parallel strategy (parallel=none runs the HF model whole)",
-                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
+                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2, tp2_ep2, pp2, tp2_pp2 or pp2_cp2")
     fsdp = _is_fsdp(cfg)
     parallel_plan(cfg)  # the sizes together: FSDP alone, divisors of the world, pp = 1
     if fsdp:
