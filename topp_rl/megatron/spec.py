@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from topp_rl.megatron import cpu_shims, moe
-from topp_rl.megatron.pipeline import pipeline_config_fields
 from topp_rl.megatron.hf_config import attention_window, head_dim, model_type, moe_layers, qk_norm, qkv_bias
+from topp_rl.megatron.pipeline import pipeline_config_fields
 
 
 def use_transformer_engine(dtype: torch.dtype) -> bool:
