@@ -184,3 +184,89 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
 def test_tp2_pp2_and_pp2_cp2_equal_pp1():
     results = run_distributed(_worker, 4, 4, timeout=600, preload=PRELOAD)
     print(_check(results, 4))
+
+
+# ----- train.py at parallel=pp2: strategy, rollouts shared over the stages, weight sync, metrics, checkpoints -----
+TRAIN = ("model.layers=4", "rollout.max_new_tokens=12")  # on top of test_megatron_train's TINY (3 steps)
+TRAIN_KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rollout_logprob_abs_diff_max",
+              "train/rollout_logprob_abs_diff_unmasked", "train/entropy")
+
+
+def _fit(output_dir, parallel: str, *extra: str, ckpt_path=None) -> dict:
+    """One train.py run; its CSV metrics (global rank 0), the exported weights, and whether the engine holds them."""
+    import csv
+
+    from helpers import compose_config
+    from test_megatron_train import TINY
+
+    from topp_rl.train import build_run
+
+    cfg = compose_config(output_dir, *TINY, *TRAIN, f"parallel={parallel}", *extra)
+    run = build_run(cfg)
+    try:
+        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=ckpt_path)
+        exported = dict(run.module.hf_named_tensors())  # every stage's weights, on every rank
+        engine = run.datamodule.engine
+        synced = None if engine is None else all(torch.equal(engine.model.state_dict()[n], t)
+                                                 for n, t in exported.items())
+    finally:
+        run.datamodule.close_engine()
+    metrics = {}
+    if run.trainer.is_global_zero:
+        (path,) = output_dir.glob("csv/*/metrics.csv")
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        metrics = {k: [float(r[k]) for r in rows if r.get(k)] for k in TRAIN_KEYS}
+    return {"metrics": metrics, "weights": exported, "synced": synced, "has_engine": engine is not None}
+
+
+def _train_worker(rank: int, tmp: str) -> dict:
+    import os
+    from pathlib import Path
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
+    out = {"pp2": _fit(Path(tmp) / "pp2", "pp2")}
+    _fit(Path(tmp) / "part", "pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+    out["resumed"] = _fit(Path(tmp) / "resumed", "pp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
+    return out
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_py_at_pp2_follows_the_single_process_run(tmp_path):
+    """`python train.py parallel=pp2` (2 gloo ranks, the first stage's rank runs the embedded engine) against the
+    single-process HF-backbone run of the same config: every step's loss, grad norm, reward and entropy within 1e-5
+relative,
+    every step's masked rollout mismatch <= 1e-5 (unmasked far above: the mask matters), the engine holds the
+    weights gathered from both stages, the final weights within 1e-4 (see there), and a run checkpointed after step 2 and
+    resumed at pp2 gives the uninterrupted run's step 3."""
+    results = run_distributed(_train_worker, 2, str(tmp_path), timeout=500, preload=PRELOAD + ("topp_rl.train",
+                                                                                                   "hydra"))
+    ref = _fit(tmp_path / "none", "none")
+    got = results[0]["pp2"]
+    assert [r["pp2"]["has_engine"] for r in results] == [True, False]  # the source rank alone generates
+    assert got["synced"], "the engine's weights != the weights exported from both stages"
+    m, r = got["metrics"], ref["metrics"]
+    assert len(m["train/loss"]) == 3
+    assert max(r["train/grad_norm"]) > 0  # a step that trains (here the 3rd: the first two draw no reward)
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+        assert m[key] == pytest.approx(r[key], rel=TOL, abs=1e-9), (key, m[key], r[key])
+    assert max(m["train/rollout_logprob_abs_diff_max"]) <= TOL
+    assert min(m["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    # Against the HF backbone, not Megatron at pp 1 (that comparison, 1e-5, is the spawns' above): AdamW turns the
+    # round-off of tiny gradients into lr-sized steps, and parallel=tp2 (pp 1) differs from this reference by 2.0e-5
+    # on the same tensor (layer 2's v_proj) after these 3 steps, pp2 by 1.6e-5.
+    worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
+    assert got["weights"].keys() == ref["weights"].keys() and weights <= 1e-4, worst
+    resumed = results[0]["resumed"]["metrics"]
+    assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert resumed[key] == pytest.approx(m[key][-1:], rel=1e-5, abs=1e-7), key
+    trains = r["train/grad_norm"].index(max(r["train/grad_norm"]))
+    print({"loss_rel": _rel(m["train/loss"][trains], r["train/loss"][trains]),
+           "grad_norm_rel": _rel(m["train/grad_norm"][trains], r["train/grad_norm"][trains]),
+           "mismatch_max": max(m["train/rollout_logprob_abs_diff_max"]),
+           "unmasked_min": min(m["train/rollout_logprob_abs_diff_unmasked"]), "weights_abs": weights})
