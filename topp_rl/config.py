@@ -323,6 +323,7 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     _validate_distributed_optimizer(cfg)
+    _validate_pipeline(cfg)
     parallel_plan(cfg).check_prompts(cfg.rollout.prompts_per_step)
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
@@ -330,6 +331,29 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
               "use parallel=fsdp (the HF model sharded over the ranks), a Megatron layout (parallel=tp2, ...), "
               "or trainer.devices=1")
+
+
+def _validate_pipeline(cfg: DictConfig) -> None:
+    """pp > 1 (the Megatron backbone's pipeline stages): what the 1F1B schedule does not carry yet is refused here,
+    and the layer split is checked when the model config names its layer count."""
+    pp = cfg.parallel.get("pp_size", 1)
+    if pp == 1:
+        return
+    if cfg.parallel.get("distributed_optimizer", False):
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
+              "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
+    plugins = cfg.trainer.get("plugins") or []
+    if any("LossScaledFP16" in str(getattr(p, "get", lambda _k: p)("_target_")) for p in plugins):
+        _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
+              "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
+              "cpu_bf16, gpu, gpu_fp32)")
+    family = cfg.model.get("family")
+    if family is not None and "moe" in str(family):
+        _fail("parallel.pp_size", pp, f"1 with an MoE model (model.family={family}: the pipeline stages run dense "
+              "models only)", "use parallel.pp_size=1 with ep / tp / cp for this model")
+    layers = cfg.model.get("layers")
+    if isinstance(layers, int):
+        parallel_plan(cfg).check_layers(layers)
 
 
 def _validate_distributed_optimizer(cfg: DictConfig) -> None:
