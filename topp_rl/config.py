@@ -342,8 +342,8 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     if cfg.parallel.get("distributed_optimizer", False):
         _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
               "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
-    plugins = cfg.trainer.get("plugins") or []
-    if any("LossScaledFP16" in str(getattr(p, "get", lambda _k: p)("_target_")) for p in plugins):
+    targets = [str(p.get("_target_")) if isinstance(p, DictConfig) else str(p) for p in cfg.trainer.get("plugins") or []]
+    if any("LossScaledFP16" in t for t in targets):
         _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
               "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
               "cpu_bf16, gpu, gpu_fp32)")
