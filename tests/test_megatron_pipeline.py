@@ -75,7 +75,10 @@ def _train(hf, layout, micro) -> dict:
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                           hook=ToppLogProb(use_mask=True, temperature=TEMP))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    out = {"loss": [], "grad_norm": [], "records": []}
+    params = dict(policy.model.named_parameters())
+    out = {"loss": [], "grad_norm": [], "records": [], "stage": (
+        len(policy.model.decoder.layers), "embedding.word_embeddings.weight" in params,
+        "decoder.final_layernorm.weight" in params, "output_layer.weight" in params)}
     refs = module.reference_pass(micro)
     # CP ranks hold partial gradients: summed over the CP group as the strategy's GradSync does (the spare ranks
     # are data-parallel replicas of the same batch, so no data-parallel sum)
@@ -123,6 +126,12 @@ def _worker(rank: int, world: int) -> dict:
         for sizes in sorted({(tp, cp, p) for tp, cp, _ in LAYOUTS[world] for p in (1, 2)}):
             layout = _layout(*sizes, hf.config.vocab_size)
             results[(family, sizes)] = _train(hf, layout, micro)
+            first, last = layout.pp_rank == 0, layout.is_last_stage
+            tied = hf.config.tie_word_embeddings
+            # each stage builds its own layers only: the embedding on the first, the head on the last (a tied
+            # embedding: its own copy there at pp 2, none at pp 1)
+            assert results[(family, sizes)]["stage"] == (4 // sizes[2], first, last,
+                                                         last and (not tied or sizes[2] > 1)), (family, sizes)
             if sizes[2] > 1:
                 results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=4)
     return results
