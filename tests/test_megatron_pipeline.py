@@ -236,7 +236,7 @@ def _train_worker(rank: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group is up: Lightning only reads ranks
     out = {"pp2": _fit(Path(tmp) / "pp2", "pp2")}
-    _fit(Path(tmp) / "part", "pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+    out["part"] = _fit(Path(tmp) / "part", "pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
     out["resumed"] = _fit(Path(tmp) / "resumed", "pp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
     return out
 
@@ -249,7 +249,8 @@ def test_train_py_at_pp2_follows_the_single_process_run(tmp_path):
     single-process HF-backbone run of the same config: every step's loss, grad norm, reward and entropy within 1e-5
 relative,
     every step's masked rollout mismatch <= 1e-5 (unmasked far above: the mask matters), the engine holds the
-    weights gathered from both stages, the final weights within 1e-4 (see there), and a run checkpointed after step 2 and
+    weights gathered from both stages, the final weights within 1e-4 (see there), the HF export of a pp2 checkpoint
+holds the stages' weights bit for bit, and a run checkpointed after step 2 and
     resumed at pp2 gives the uninterrupted run's step 3."""
     results = run_distributed(_train_worker, 2, str(tmp_path), timeout=500, preload=PRELOAD + ("topp_rl.train",
                                                                                                    "hydra"))
@@ -270,6 +271,15 @@ relative,
     # on the same tensor (layer 2's v_proj) after these 3 steps, pp2 by 1.6e-5.
     worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
     assert got["weights"].keys() == ref["weights"].keys() and weights <= 1e-4, worst
+    # The HF export of the pp2 checkpoint (python -m topp_rl.export) is the whole model the stages held, bit for bit.
+    from safetensors.torch import load_file
+
+    from topp_rl.run.export import export_checkpoint
+
+    out_dir = export_checkpoint(tmp_path / "part" / "checkpoints" / "last.ckpt", tmp_path / "export_pp2")
+    exported = load_file(str(out_dir / "model.safetensors"))
+    held = results[0]["part"]["weights"]
+    assert exported.keys() == held.keys() and all(torch.equal(exported[k], v) for k, v in held.items())
     resumed = results[0]["resumed"]["metrics"]
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
