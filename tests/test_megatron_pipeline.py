@@ -289,3 +289,36 @@ holds the stages' weights bit for bit, and a run checkpointed after step 2 and
            "grad_norm_rel": _rel(m["train/grad_norm"][trains], r["train/grad_norm"][trains]),
            "mismatch_max": max(m["train/rollout_logprob_abs_diff_max"]),
            "unmasked_min": min(m["train/rollout_logprob_abs_diff_unmasked"]), "weights_abs": weights})
+
+
+def _train_worker4(rank: int, tmp: str) -> dict:
+    import os
+    from pathlib import Path
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="4",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    return {p: _fit(Path(tmp) / p, p) for p in ("tp2_pp2", "pp2_cp2")}
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path):
+    """`parallel=tp2_pp2` and `parallel=pp2_cp2` (4 gloo ranks, one data-parallel replica: the rollout is shared over
+    its TP x CP x PP ranks): every step's loss, grad norm, reward and entropy within 1e-5 relative of the
+    single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights."""
+    results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=600, preload=PRELOAD + ("topp_rl.train",
+                                                                                                    "hydra"))
+    ref = _fit(tmp_path / "none", "none")["metrics"]
+    for parallel in ("tp2_pp2", "pp2_cp2"):
+        assert [r[parallel]["has_engine"] for r in results] == [True, False, False, False], parallel
+        got = results[0][parallel]
+        assert got["synced"], parallel
+        m = got["metrics"]
+        assert max(ref["train/grad_norm"]) > 0 and len(m["train/loss"]) == 3, parallel
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+            assert m[key] == pytest.approx(ref[key], rel=TOL, abs=1e-9), (parallel, key, m[key], ref[key])
+        assert max(m["train/rollout_logprob_abs_diff_max"]) <= TOL, parallel
+        assert min(m["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel
+        print(parallel, {k: max(_rel(a, b) for a, b in zip(m[k], ref[k], strict=True) if b) for k in
+                         ("train/loss", "train/grad_norm")}, max(m["train/rollout_logprob_abs_diff_max"]))
