@@ -8,7 +8,10 @@ candidate sets recorded): the part of an RL step the pipeline changes. Both layo
 processes, one intra-op thread each, alternating pp = 1 and pp = 2 `--repeats` times: at pp = 1 each process holds
 the whole model and runs every micro-batch (2 data-parallel replicas, both cores busy), at pp = 2 each holds half
 the layers. Prints the median ms per step of each layout per repeat and the ratio pp2 / pp1, and the load average.
-The schedule's ideal bubble at p = 2 stages and m micro-batches is (p - 1) / (m + p - 1).
+The schedule's ideal bubble at p = 2 stages and m micro-batches is (p - 1) / (m + p - 1); the measured idle
+fraction per stage is the share of the step spent inside megatron's p2p calls (`P2PCommunicator._communicate`:
+waiting for the other stage, plus the transfer itself). Also printed: parameter and AdamW-state bytes per rank
+at pp1 and pp2 (after one optimizer step).
 """
 
 from __future__ import annotations
@@ -53,7 +56,36 @@ def _micro(args, vocab: int):
     return out
 
 
-def _rank(rank: int, args) -> list[tuple[float, float]]:
+class _P2PClock:
+    """Seconds spent inside megatron's p2p exchanges (idle + transfer), by wrapping the class method for the run."""
+
+    def __init__(self):
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        self.seconds, original = 0.0, P2PCommunicator._communicate
+
+        def timed(comm, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(comm, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        P2PCommunicator._communicate = timed
+
+
+def _state_bytes(model) -> tuple[int, int]:
+    """(parameter bytes, AdamW state bytes after one step) of this rank's stage."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=0.0)
+    opt.step()
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    return sum(p.numel() * p.element_size() for p in params), state
+
+
+def _rank(rank: int, args) -> dict:
     from megatron.core import parallel_state as ps
 
     from topp_rl.megatron import MegatronBackbone
@@ -73,6 +105,9 @@ def _rank(rank: int, args) -> list[tuple[float, float]]:
         layout = ParallelLayout.from_megatron(args.vocab)
         return MegatronBackbone.from_hf(hf, layout=layout), layout
 
+    clock = _P2PClock()
+    idle: dict[int, list[float]] = {1: [], 2: []}
+
     def time_layout(pp: int) -> float:
         model, layout = backbone(pp)
 
@@ -89,12 +124,16 @@ def _rank(rank: int, args) -> list[tuple[float, float]]:
             step()
         times = []
         for _ in range(args.iters):
+            clock.seconds = 0.0
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+            idle[pp].append(clock.seconds / times[-1])
         return statistics.median(times) * 1e3
 
-    return [(time_layout(1), time_layout(2)) for _ in range(args.repeats)]
+    rows = [(time_layout(1), time_layout(2)) for _ in range(args.repeats)]
+    return {"rows": rows, "idle": statistics.median(idle[2]),
+            "bytes": {pp: _state_bytes(backbone(pp)[0]) for pp in (1, 2)}}
 
 
 def main() -> None:
@@ -106,8 +145,9 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    (rows, _) = run_distributed(_rank, 2, args, timeout=1800,
-                                preload=("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron"))
+    ranks = run_distributed(_rank, 2, args, timeout=1800,
+                            preload=("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron"))
+    rows = ranks[0]["rows"]
     print(f"model: llama layers={args.layers} hidden={args.hidden} vocab={args.vocab}; {args.micro} micro-batches of "
           f"4 sequences ({args.seq_len} and {args.seq_len // 4} tokens alternating); {args.threads} thread(s) per "
           f"process; load average before: {load_before:.2f}")
@@ -118,6 +158,13 @@ def main() -> None:
     bubble = 1 / (args.micro + 1)
     print(f"{'median':<8}{pp1:>10.1f}{pp2:>10.1f}{pp2 / pp1:>10.2f}   (1F1B ideal bubble at p=2, m={args.micro}: "
           f"{bubble:.2f}); load average after: {os.getloadavg()[0]:.2f}")
+    for stage, r in enumerate(ranks):
+        print(f"pp2 stage {stage}: idle (inside p2p) {r['idle']:.2f} of the step (median over steps)")
+    print(f"{'bytes per rank':<16}{'params':>14}{'AdamW state':>14}")
+    for pp in (1, 2):
+        for rank, r in enumerate(ranks):
+            params, state = r["bytes"][pp]
+            print(f"{f'pp{pp} rank {rank}':<16}{params:>14,}{state:>14,}")
 
 
 if __name__ == "__main__":
