@@ -1,8 +1,8 @@
 """Pipeline parallelism on the Megatron backbone (megatron-core's 1F1B schedule through `Backbone.forward_backward`)
 equals the same backbone at pp = 1, on gloo CPU ranks.
 
-One spawn per world size checks every case: fp32 tiny Qwen2 (tied embeddings: two copies at pp 2, kept equal) and
-Llama (untied), 4 layers, three packed micro-batches of very different lengths (5 to 61 tokens: the activations
+One spawn per world size checks every case: fp32 tiny Qwen2 (tied embeddings: two copies at pp 2, kept equal),
+Llama (untied) and Qwen3 (QK-norm, its gradient summed over TP), 4 layers, three packed micro-batches of very different lengths (5 to 61 tokens: the activations
 between stages change shape every micro-batch; the spawn's timeout turns a hang into a failure), GRPO with a KL
 reference (its own pipelined backbone) and 4 AdamW steps. Against pp = 1 at the same TP x CP, run in the same
 processes (the spare ranks as data-parallel replicas): each step's loss and gradient norm (relative 1e-5), the on-policy records' masked and
@@ -24,7 +24,7 @@ PRELOAD = ("megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_
 TEMP = 0.8
 STEPS = 4
 TOL = 1e-5
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3")
 # (tp, cp, pp) per world size; pp1 is the reference
 LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}
 
