@@ -60,8 +60,9 @@ def _micro(samples):
     return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
 
 
-def _train(hf, layout, micro) -> dict:
-    """4 AdamW steps of GRPO + KL through the backbone's schedule; per-step figures and the final HF weights."""
+def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> dict:
+    """AdamW steps of GRPO + KL through the backbone's schedule; per-step figures and the final HF weights.
+    `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights."""
     from topp_rl.losses import GRPOLoss
     from topp_rl.megatron import MegatronBackbone
     from topp_rl.megatron.grads import GradSync
@@ -83,10 +84,11 @@ def _train(hf, layout, micro) -> dict:
     # CP ranks hold partial gradients: summed over the CP group as the strategy's GradSync does (the spare ranks
     # are data-parallel replicas of the same batch, so no data-parallel sum)
     cp_sum = GradSync(list(policy.parameters()), layout.cp_group)
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         cp_sum.before()
-        sums, records = module.accumulate_gradients(micro, refs, old=None, timer=PhaseTimer())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            sums, records = module.accumulate_gradients(micro, refs, old=None, timer=PhaseTimer())
         cp_sum.after()
         if step == 0:
             out["grads"] = dict(policy_grads(policy))
@@ -134,6 +136,8 @@ def _worker(rank: int, world: int) -> dict:
                                                          last and (not tied or sizes[2] > 1)), (family, sizes)
             if sizes[2] > 1:
                 results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=4)
+            if family == "llama" and world == 2:
+                results[(family, sizes, "bf16")] = _train(hf, layout, micro, steps=1, autocast=True)
     return results
 
 
@@ -184,7 +188,12 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
     figures = _check(results, 2)
     assert results[0][("qwen2", (1, 1, 2), "describe")] == (
         "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]")
+    # bf16 autocast: the stage outputs cross in the model's dtype (a 16-bit activation in a float32 receive
+    # buffer gave a grad norm of 6478 against 1.5)
+    bf16 = {pp: results[0][("llama", (1, 1, pp), "bf16")] for pp in (1, 2)}
+    figures["bf16"] = {k: _rel(bf16[2][k][0], bf16[1][k][0]) for k in ("loss", "grad_norm")}
     print(figures)
+    assert figures["bf16"]["loss"] <= 1e-4 and figures["bf16"]["grad_norm"] <= 1e-4, figures["bf16"]  # 3.4e-6 here
 
 
 @NO_MEGATRON

@@ -57,6 +57,10 @@ def run_schedule(backbone, micro_batches: Sequence[PackedBatch], fn: LastStageFn
     def forward_step(data_iterator, model):
         i, batch = next(data_iterator)
         output = backbone.stage_output(batch)  # [T_local, 1, H]
+        if not layout.is_last_stage:
+            # The next stage receives into a buffer of the config's pipeline_dtype (the model's); under autocast
+            # (bf16-mixed) a layer's output may be 16-bit, and gloo would fill the wider buffer with its bytes.
+            output = output.to(backbone.model.config.pipeline_dtype)
 
         def loss_func(hidden: Tensor):
             loss, out = fn(i, batch, hidden.squeeze(1), backbone.output_weight())
