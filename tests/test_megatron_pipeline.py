@@ -318,7 +318,11 @@ def _train_worker4(rank: int, tmp: str) -> dict:
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="4",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    return {p: _fit(Path(tmp) / p, p) for p in ("tp2_pp2", "pp2_cp2")}
+    out = {p: _fit(Path(tmp) / p, p) for p in ("tp2_pp2", "pp2_cp2")}
+    # two data-parallel replicas of two stages, against tp2 x dp2 (the same split of the prompts over 2 replicas)
+    for p in ("pp2", "tp2"):
+        out[f"{p}_dp2"] = _fit(Path(tmp) / f"{p}_dp2", p, "trainer.devices=4")
+    return out
 
 
 @NO_MEGATRON
@@ -327,7 +331,9 @@ def _train_worker4(rank: int, tmp: str) -> dict:
 def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path):
     """`parallel=tp2_pp2` and `parallel=pp2_cp2` (4 gloo ranks, one data-parallel replica: the rollout is shared over
     its TP x CP x PP ranks): every step's loss, grad norm, reward and entropy within 1e-5 relative of the
-    single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights."""
+    single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights. And
+    `parallel=pp2 trainer.devices=4` (2 data-parallel replicas of 2 stages: the gradient sums over data-parallel
+    ranks run around the schedule) follows `parallel=tp2 trainer.devices=4` (the same 2 replicas) within 1e-5."""
     results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=600, preload=PRELOAD + ("topp_rl.train",
                                                                                                     "hydra"))
     ref = _fit(tmp_path / "none", "none")["metrics"]
@@ -343,6 +349,13 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
         assert min(m["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3, parallel
         print(parallel, {k: max(_rel(a, b) for a, b in zip(m[k], ref[k], strict=True) if b) for k in
                          ("train/loss", "train/grad_norm")}, max(m["train/rollout_logprob_abs_diff_max"]))
+    pp_dp, tp_dp = results[0]["pp2_dp2"]["metrics"], results[0]["tp2_dp2"]["metrics"]
+    # one engine per replica, on its first stage (megatron orders ranks with PP outermost: 0, 1 hold stage 0)
+    assert [r["pp2_dp2"]["has_engine"] for r in results] == [True, True, False, False]
+    assert max(tp_dp["train/grad_norm"]) > 0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+        assert pp_dp[key] == pytest.approx(tp_dp[key], rel=TOL, abs=1e-9), ("pp2_dp2", key, pp_dp[key], tp_dp[key])
+    assert max(pp_dp["train/rollout_logprob_abs_diff_max"]) <= TOL
 
 
 def _sglang_worker(rank: int, tmp: str, url: str) -> dict:
