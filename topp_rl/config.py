@@ -302,10 +302,10 @@ def validate_parallel(cfg: DictConfig) -> None:
     for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
         if key in p:  # pp_size may be absent from a config written before it existed: 1
             _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
-    for key in ("tp_size", "cp_size", "ep_size"):
-        if p[key] > 1 and not p.get("strategy"):
+    for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
+        if p.get(key, 1) > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", p[key], "1 without a parallel strategy (parallel=none runs the HF model whole)",
-                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
+                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2, tp2_ep2, pp2, tp2_pp2 or pp2_cp2")
     fsdp = _is_fsdp(cfg)
     parallel_plan(cfg)  # the sizes together: FSDP alone, divisors of the world, pp = 1
     if fsdp:
@@ -326,6 +326,7 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     _validate_distributed_optimizer(cfg)
+    _validate_pipeline(cfg)
     parallel_plan(cfg).check_prompts(cfg.rollout.prompts_per_step)
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
@@ -333,6 +334,29 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
               "use parallel=fsdp (the HF model sharded over the ranks), a Megatron layout (parallel=tp2, ...), "
               "or trainer.devices=1")
+
+
+def _validate_pipeline(cfg: DictConfig) -> None:
+    """pp > 1 (the Megatron backbone's pipeline stages): what the 1F1B schedule does not carry yet is refused here,
+    and the layer split is checked when the model config names its layer count."""
+    pp = cfg.parallel.get("pp_size", 1)
+    if pp == 1:
+        return
+    if cfg.parallel.get("distributed_optimizer", False):
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
+              "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
+    targets = [str(p.get("_target_")) if isinstance(p, DictConfig) else str(p) for p in cfg.trainer.get("plugins") or []]
+    if any("LossScaledFP16" in t for t in targets):
+        _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
+              "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
+              "cpu_bf16, gpu, gpu_fp32)")
+    family = cfg.model.get("family")
+    if family is not None and "moe" in str(family):
+        _fail("parallel.pp_size", pp, f"1 with an MoE model (model.family={family}: the pipeline stages run dense "
+              "models only)", "use parallel.pp_size=1 with ep / tp / cp for this model")
+    layers = cfg.model.get("layers")
+    if isinstance(layers, int):
+        parallel_plan(cfg).check_layers(layers)
 
 
 def _validate_distributed_optimizer(cfg: DictConfig) -> None:
