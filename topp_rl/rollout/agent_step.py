@@ -129,6 +129,9 @@ class AgentLoopStep(RolloutStep):
             s.metadata.setdefault("answer", records[s.group_index - first_group].answer)
             if s.status != SampleStatus.ABORTED:
                 s.reward = float(s.metadata["env_reward"])
+                # The episode's other reward entries, logged as rollout/reward/<key>_mean (RolloutStats).
+                info = s.metadata.get("env_reward_info", {})
+                s.metadata["rewards"] = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
         return samples
 
     def stats(self, samples: list[Sample]) -> Stats:

@@ -11,6 +11,7 @@
 
 import ast
 import functools
+import logging
 import operator
 import re
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ def math_answer(response: str, record: "PromptRecord", *, signal_timeout: bool =
     if record.answer is None:
         raise ValueError("the record has no reference answer; set the task's answer_key to the answer column")
     seconds = 5 if signal_timeout else None  # math-verify's defaults
+    if not signal_timeout:
+        _quiet_known_no_timeout()
     return float(verify(_gold(record.answer, seconds), _parse(_final_part(response), seconds),
                         timeout_seconds=seconds))
 
@@ -42,6 +45,13 @@ def leading_number(response: str, record: "PromptRecord") -> float:
     """1.0 when the response starts with a number ("14", "14 apples", "-3.5"), else 0.0: a format reward that
     gives a small model asked for a bare number a signal before its answers are right."""
     return float(_LEADING_NUMBER.match(response) is not None)
+
+
+@functools.cache
+def _quiet_known_no_timeout() -> None:
+    """math-verify warns that it runs without a timeout (once per thread race, so often); the caller chose it."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -115,17 +115,19 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
     err = asyncio.ensure_future(_read_capped(proc.stderr, limits.output_bytes, on_overflow=None))
     timed_out = False
     try:
-        await asyncio.wait_for(proc.wait(), limits.wall_s)
+        await asyncio.wait_for(_exited(proc), limits.wall_s)
     except TimeoutError:
         timed_out = True
     finally:
         group.kill()  # also once it exited: whatever it forked goes with it
-        await proc.wait()
     # The group is dead, so the pipes reach EOF, unless a process escaped it (setsid) and holds them: bounded.
     grace = max(limits.wall_s - (time.monotonic() - start), 1.0)
     done, pending = await asyncio.wait({out, err}, timeout=grace)
     for task in pending:
         task.cancel()
+    if pending:  # asyncio's wait() returns only once the pipes closed too: close them
+        proc._transport.close()
+    await proc.wait()
     stdout, overflow = out.result() if out in done else (b"", False)
     stderr, _ = err.result() if err in done else (b"", False)
     outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=overflow)
@@ -133,6 +135,25 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
                          stderr=_text(stderr, limits.output_bytes),
                          exit_code=None if outcome in (Outcome.TIMEOUT, Outcome.OUTPUT_LIMIT) else proc.returncode,
                          wall_s=time.monotonic() - start, network=network)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Returns when the child process exits. Not `proc.wait()`: asyncio's also waits for its pipes to close, which
+    processes it left behind may hold open. A pidfd becomes readable at the exit (Linux >= 5.3)."""
+    if proc.returncode is not None:
+        return
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:  # exited and reaped already
+        return
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 class _Group:
