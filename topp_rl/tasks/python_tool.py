@@ -61,10 +61,10 @@ class PythonToolTask(ArithmeticTask):
     reward_name = "python_tool final answer"
 
     def __init__(self, *, example_shot: bool = True, system_prompt: str | None = SYSTEM, **kwargs: Any) -> None:
-        super().__init__(system_prompt=system_prompt, **kwargs)
-        if not self.chat_template:
+        if not kwargs.get("chat_template"):
             raise ValueError("task.chat_template=false: task=python_tool is a chat (system message, tool messages); "
                              "set task.chat_template=true with a chat model (e.g. model=smollm2)")
+        super().__init__(system_prompt=system_prompt, **kwargs)
         self.example_shot = example_shot
         self._chat: dict[int, dict[str, str]] = {}  # per tokenizer (its id): the template's tool-turn strings
 

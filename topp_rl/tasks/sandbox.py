@@ -10,7 +10,8 @@ interpreter running this process, hands it the code on stdin, and returns a `San
   user namespaces are allowed) when this machine allows it, else an audit hook refusing socket calls
   (`network_isolation()` says which this machine gives);
 - writes confined to a scratch dir made for the call (its cwd; removed afterwards) by an audit hook;
-- stdout and stderr each cut at `output_bytes` (the group is killed when stdout passes it), the cut marked.
+- stdout cut at `output_bytes` (the group is killed when it passes it), stderr cut to its last `output_bytes` (the
+  end of a traceback), each cut marked.
 
 It is not a security boundary for hostile code (docs/agents.md: what it does not protect against, and where a
 container or a remote sandbox plugs in).
@@ -67,7 +68,7 @@ class SandboxLimits:
 class SandboxResult:
     outcome: Outcome
     stdout: str  # cut at output_bytes (then ends with a marker)
-    stderr: str  # likewise: the traceback of an exception
+    stderr: str  # its last output_bytes (then starts with a marker): the end of a traceback
     exit_code: int | None  # None when the sandbox killed it (timeout, output limit)
     wall_s: float
     network: str  # "netns" or "audit_hook"
@@ -112,7 +113,7 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
     except (BrokenPipeError, ConnectionResetError):  # it exited before reading all of the code
         pass
     out = asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes, on_overflow=group.kill))
-    err = asyncio.ensure_future(_read_capped(proc.stderr, limits.output_bytes, on_overflow=None))
+    err = asyncio.ensure_future(_read_tail(proc.stderr, limits.output_bytes))
     timed_out = False
     try:
         await asyncio.wait_for(_exited(proc), limits.wall_s)
@@ -129,10 +130,11 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
         proc._transport.close()
     await proc.wait()
     stdout, overflow = out.result() if out in done else (b"", False)
-    stderr, _ = err.result() if err in done else (b"", False)
+    stderr, dropped = err.result() if err in done else (b"", 0)
     outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=overflow)
     return SandboxResult(outcome=outcome, stdout=_text(stdout, limits.output_bytes),
-                         stderr=_text(stderr, limits.output_bytes),
+                         stderr=(f"[output cut: its first {dropped} bytes dropped]\n" if dropped else "")
+                         + stderr.decode("utf-8", errors="replace"),
                          exit_code=None if outcome in (Outcome.TIMEOUT, Outcome.OUTPUT_LIMIT) else proc.returncode,
                          wall_s=time.monotonic() - start, network=network)
 
@@ -179,6 +181,17 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, *, on_overflow) -
             on_overflow()
             return bytes(data), True
     return bytes(data), len(data) > cap
+
+
+async def _read_tail(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int]:
+    """(the last `cap` bytes of `stream`, how many bytes before them were dropped): a traceback's end matters."""
+    data, dropped = bytearray(), 0
+    while chunk := await stream.read(_CHUNK):
+        data += chunk
+        if len(data) > cap:
+            dropped += len(data) - cap
+            del data[: len(data) - cap]
+    return bytes(data), dropped
 
 
 def _outcome(code: int | None, *, timed_out: bool, overflow: bool) -> Outcome:
