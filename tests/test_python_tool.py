@@ -4,6 +4,7 @@ by the template's convention, every kind of bad call answered with an error and 
 import asyncio
 import json
 import math
+import threading
 
 import pytest
 from helpers import column, compose_config, read_metrics
@@ -11,7 +12,14 @@ from helpers import column, compose_config, read_metrics
 from topp_rl.data.prompt import PromptRecord
 from topp_rl.models import load_smollm2
 from topp_rl.tasks.environment import ModelTurn
-from topp_rl.tasks.python_tool import COUNTS, PythonToolEnvironment, PythonToolTask, chat_strings, parse_calls
+from topp_rl.tasks.python_tool import (
+    COUNTS,
+    PythonToolEnvironment,
+    PythonToolTask,
+    chat_strings,
+    final_answer_correct,
+    parse_calls,
+)
 from topp_rl.train import train
 
 CHAT = {"close": "<|im_end|>\n", "after_eos": "\n", "tool_open": "<|im_start|>tool\n",
@@ -130,6 +138,16 @@ def test_each_bad_call_comes_back_as_an_error_and_is_counted():
 def test_a_trajectory_ended_by_a_budget_has_no_answer():
     _, reward = play(PythonToolEnvironment(), [call("print(37 + 48)")])
     assert (reward["score"], reward["correct"], reward["answered"], reward["tool/ok"]) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_the_final_answer_is_checked_off_the_main_thread():
+    """Episodes run on threads (sync) or an event loop: math-verify's signal timeouts are not used there."""
+    results = []
+    texts = ["The answer is 85.", "85.0", "86", "no number", "37 + 48 = 85"]
+    worker = threading.Thread(target=lambda: results.extend(final_answer_correct(t, record()) for t in texts))
+    worker.start()
+    worker.join()
+    assert results == [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def test_parse_calls_reads_each_block_and_openai_style_arguments():
