@@ -57,6 +57,21 @@ def test_processes_left_behind_are_killed_when_the_code_exits():
     _wait_gone(pids)
 
 
+def test_a_process_that_leaves_the_group_does_not_hang_the_call():
+    """A documented hole: setsid takes a process out of the group, so the kill misses it; it holds the pipes open,
+    and the call still returns (after wall_s), with the output read so far."""
+    code = ("import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+            "    os.write(w, b'x')\n    time.sleep(120)\nos.read(r, 1)")  # the parent exits once the child left
+    start = time.monotonic()
+    result = run(code, SandboxLimits(cpu_s=5, wall_s=2.0))
+    try:
+        assert result.outcome == Outcome.OK and time.monotonic() - start < 15
+        assert _running(int(result.stdout))  # it escaped the kill (docs/agents.md says so)
+    finally:
+        if result.stdout.strip():
+            os.kill(int(result.stdout), 9)
+
+
 def test_a_cpu_loop_is_stopped_by_its_cpu_limit():
     result = run("while True:\n    pass", SandboxLimits(cpu_s=1, wall_s=30.0))
     assert result.outcome == Outcome.CPU_LIMIT and result.wall_s < 30

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -112,8 +112,9 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
         proc.stdin.close()
     except (BrokenPipeError, ConnectionResetError):  # it exited before reading all of the code
         pass
-    out = asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes, on_overflow=group.kill))
-    err = asyncio.ensure_future(_read_tail(proc.stderr, limits.output_bytes))
+    stdout, stderr = _Stream(), _Stream()
+    readers = {asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes, stdout, on_overflow=group.kill)),
+               asyncio.ensure_future(_read_tail(proc.stderr, limits.output_bytes, stderr))}
     timed_out = False
     try:
         await asyncio.wait_for(_exited(proc), limits.wall_s)
@@ -123,18 +124,16 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
         group.kill()  # also once it exited: whatever it forked goes with it
     # The group is dead, so the pipes reach EOF, unless a process escaped it (setsid) and holds them: bounded.
     grace = max(limits.wall_s - (time.monotonic() - start), 1.0)
-    done, pending = await asyncio.wait({out, err}, timeout=grace)
+    _, pending = await asyncio.wait(readers, timeout=grace)
     for task in pending:
         task.cancel()
     if pending:  # asyncio's wait() returns only once the pipes closed too: close them
         proc._transport.close()
     await proc.wait()
-    stdout, overflow = out.result() if out in done else (b"", False)
-    stderr, dropped = err.result() if err in done else (b"", 0)
-    outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=overflow)
-    return SandboxResult(outcome=outcome, stdout=_text(stdout, limits.output_bytes),
-                         stderr=(f"[output cut: its first {dropped} bytes dropped]\n" if dropped else "")
-                         + stderr.decode("utf-8", errors="replace"),
+    outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=stdout.overflow)
+    return SandboxResult(outcome=outcome, stdout=_text(bytes(stdout.data), limits.output_bytes),
+                         stderr=(f"[output cut: its first {stderr.dropped} bytes dropped]\n" if stderr.dropped else "")
+                         + stderr.data.decode("utf-8", errors="replace"),
                          exit_code=None if outcome in (Outcome.TIMEOUT, Outcome.OUTPUT_LIMIT) else proc.returncode,
                          wall_s=time.monotonic() - start, network=network)
 
@@ -171,27 +170,32 @@ class _Group:
             pass
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int, *, on_overflow) -> tuple[bytes, bool]:
-    """(up to `cap` + 1 bytes of `stream`, whether it had more than `cap`); `on_overflow` is called once then."""
-    data = bytearray()
+@dataclass
+class _Stream:
+    """What was read of one pipe so far (kept when the reading is cancelled)."""
+
+    data: bytearray = field(default_factory=bytearray)
+    overflow: bool = False  # more than the cap came (stdout)
+    dropped: int = 0  # bytes dropped from the front (stderr)
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int, into: _Stream, *, on_overflow) -> None:
+    """The first `cap` + 1 bytes of `stream`; `on_overflow` is called as soon as more than `cap` came."""
     while chunk := await stream.read(_CHUNK):
-        if len(data) <= cap:
-            data += chunk[: cap + 1 - len(data)]
-        if len(data) > cap and on_overflow is not None:
+        into.data += chunk[: cap + 1 - len(into.data)]
+        if len(into.data) > cap:
+            into.overflow = True
             on_overflow()
-            return bytes(data), True
-    return bytes(data), len(data) > cap
+            return
 
 
-async def _read_tail(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int]:
-    """(the last `cap` bytes of `stream`, how many bytes before them were dropped): a traceback's end matters."""
-    data, dropped = bytearray(), 0
+async def _read_tail(stream: asyncio.StreamReader, cap: int, into: _Stream) -> None:
+    """The last `cap` bytes of `stream` (a traceback's end matters), counting those dropped before them."""
     while chunk := await stream.read(_CHUNK):
-        data += chunk
-        if len(data) > cap:
-            dropped += len(data) - cap
-            del data[: len(data) - cap]
-    return bytes(data), dropped
+        into.data += chunk
+        if len(into.data) > cap:
+            into.dropped += len(into.data) - cap
+            del into.data[: len(into.data) - cap]
 
 
 def _outcome(code: int | None, *, timed_out: bool, overflow: bool) -> Outcome:
