@@ -12,9 +12,16 @@ generate, number, score):
 Held-out prompts (`topp_rl.tasks.splits.eval_examples`, resolved at fit start): `task` when given; else the
 training task on `split` (`eval.split=test`: a dataset task's test split, a generated task's examples far beyond
 any training index; a split that shares rows with the training split is refused); with neither, a generated
-training task's `test` examples. With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that
-metric improves (every rank takes part: Megatron gathers its shards there). Metrics are (sum, count) pairs
-reduced once over all ranks, so DP ranks with different numbers of prompts weigh correctly. Each evaluation
+training task's `test` examples.
+Multi-turn tasks (the agent loop, `rollout/step=agent`) go through that same step: each held-out prompt's
+trajectories run against the training's environment, turns batched as in training, and a trajectory is scored
+by its episode's reward (correct when the episode's reward mapping says `correct`, else when its score is
+>= `correct_reward`; a trajectory whose environment failed is never correct). The response length then counts
+the environment's tokens too (the whole transcript after the prompt). `eval.task`'s records go to the training's
+environment, so they must be records it can play (a failed share above `max_failed_frac` stops the run there).
+With `best_metric` set, `checkpoints/best.ckpt` is rewritten whenever that metric improves (every rank takes
+part: Megatron gathers its shards there). Metrics are (sum, count) pairs reduced once over all ranks, so DP ranks
+with different numbers of prompts weigh correctly. Each evaluation
 prints one console line on global rank 0; `summary()` gives the last one's figures and the best checkpoint for
 the end-of-run summary (summary.json).
 """
@@ -32,7 +39,7 @@ from topp_rl.data.sample import SampleStatus
 from topp_rl.tasks import Task
 from topp_rl.tasks.base import HELD_OUT_OFFSET
 from topp_rl.tasks.splits import EvalExamples, eval_examples
-from topp_rl.trainer.metrics import add_sums, reduce_sums
+from topp_rl.trainer.metrics import add_sums, reduce_sums, reduce_tensor
 
 __all__ = ["HELD_OUT_OFFSET", "METRICS", "Evaluation"]
 METRICS = ("val/accuracy", "val/response_length_mean", "val/pass@k", "val/mean@k")  # what `evaluate` logs
@@ -84,8 +91,13 @@ class Evaluation(Callback):
             self.resolve(trainer.datamodule)
         datamodule = trainer.datamodule
         sums: dict[str, tuple[float, float]] = {}
+        samples = []
         if datamodule.peers.is_source:
-            sums = self._score(datamodule)
+            sums, samples = self._score(datamodule)
+        try:  # every rank (ranks without an engine add nothing), so all stop alike
+            datamodule.rollout_step.check(samples, reduce_sum=lambda t: reduce_tensor(trainer, t, op="sum"))
+        except RuntimeError as e:  # e.g. the agent loop's failed share: say that evaluation hit it, on what
+            raise RuntimeError(f"evaluation on {self.examples.label}: {e}") from e
         values = reduce_sums(trainer, self._complete(sums))
         step = trainer.global_step
         for logger in trainer.loggers:
@@ -131,17 +143,20 @@ class Evaluation(Callback):
         mine = range(datamodule.dp_rank, self.prompt_count, datamodule.dp_size)
         return [task.prompt(first + i, datamodule.tokenizer) for i in mine]
 
-    def _score(self, datamodule) -> dict[str, tuple[float, float]]:
+    def _score(self, datamodule) -> tuple[dict[str, tuple[float, float]], list]:
+        """This rank's metric sums, and its samples (greedy and sampled) for the step's failure check."""
         records = self._prompts(datamodule)
         if not records:
-            return {}
+            return {}, []
         step, engine, params = datamodule.rollout_step, datamodule.ensure_engine(), datamodule.params
         greedy = dataclasses.replace(params, top_k=1, n=1)
         sampled = dataclasses.replace(params, n=self.k)
         sums: dict[str, tuple[float, float]] = {}
+        every = []
         for kind, p in (("greedy", greedy), ("sampled", sampled)):
             samples = step.run(engine, records, p, task=self.examples.task, tokenizer=datamodule.tokenizer,
                                seed=0).samples
+            every += samples
             correct = [s.status != SampleStatus.ABORTED and self._correct(s) for s in samples]
             if kind == "greedy":
                 add_sums(sums, {"val/accuracy": (sum(correct), len(samples)),
@@ -150,10 +165,14 @@ class Evaluation(Callback):
                 groups = [correct[i : i + self.k] for i in range(0, len(correct), self.k)]
                 add_sums(sums, {"val/pass@k": (sum(any(g) for g in groups), len(groups)),
                                 "val/mean@k": (sum(correct), len(correct))})
-        return sums
+        return sums, every
 
     def _correct(self, sample) -> bool:
-        return bool(sample.metadata.get("correct", sample.reward >= self.correct_reward))
+        meta = sample.metadata
+        if "env_error" in meta:  # an agent trajectory whose environment failed (its reward 0 is no verdict)
+            return False
+        marked = meta.get("correct", meta.get("env_reward_info", {}).get("correct"))  # the task's or the episode's
+        return bool(sample.reward >= self.correct_reward if marked is None else marked)
 
     @staticmethod
     def _complete(sums: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:

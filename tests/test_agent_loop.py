@@ -1,8 +1,12 @@
 """The multi-turn agent loop (`topp_rl.rollout.agent_step.AgentLoopStep`) with the real tiny model and the
 embedded engine: the token rule (each turn's engine prompt is the exact ids so far; environment tokens appear
-once, untrained), budgets, failing environments (sync and async), and the lookup task's rewards."""
+once, untrained), budgets, failing environments (sync and async; hung in start, an answer or the reward),
+concurrency (one engine call per round for every live trajectory; a round's environment calls all in flight at
+once), and the lookup task's rewards."""
 
 import asyncio
+import contextlib
+import copy
 import dataclasses
 import threading
 
@@ -10,11 +14,12 @@ import pytest
 import torch
 
 from topp_rl.data import PromptRecord, SamplingParams
-from topp_rl.data.sample import SampleStatus
+from topp_rl.data.sample import Sample, SampleStatus
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.losses import GRPOLoss
 from topp_rl.models import build_char_tokenizer, build_tiny_model
+from topp_rl.models.moe import moe_routing
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.step import RolloutStep
@@ -38,13 +43,17 @@ class Spy(RolloutEngine):
     """The real engine, recording the prompts of every `generate` call (one call per round)."""
 
     def __init__(self, inner: EmbeddedEngine) -> None:
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.outputs = inner, [], []
         self.vocab_size, self.shares_trainer_weights, self.shared_by_ranks = inner.vocab_size, False, False
-        self.max_candidates, self.records_routes = None, False
+        self.max_candidates, self.records_routes = None, inner.records_routes
 
     def generate(self, prompts, params, *, seed=None):
         self.calls.append(([list(p) for p in prompts], params))
-        return self.inner.generate(prompts, params, seed=seed)
+        self.outputs.append(self.inner.generate(prompts, params, seed=seed))
+        return self.outputs[-1]
+
+    def holding_weights(self):
+        return self.inner.holding_weights()
 
     def update_weights(self, named_tensors) -> None: ...
 
@@ -217,10 +226,18 @@ def test_a_failing_env_call_ends_only_its_trajectory(engine, fail, asynchronous)
 def test_more_failures_than_allowed_raise(engine):
     step = AgentLoopStep(environment=Flaky(fail="raise", asynchronous=False, release=threading.Event()),
                          max_turns=4, max_trajectory_tokens=64, max_failed_frac=0.25)
+    samples = step.generate(engine, records(3), PARAMS, seed=0, tokenizer=TOK)
     with pytest.raises(RuntimeError, match=r"2 of 6 trajectories failed this step \(share 0.33 > "
                                            r"rollout.step.max_failed_frac=0.25\); first failure: env_error: "
                                            r"RuntimeError: tool crashed; fix the environment"):
-        step.generate(engine, records(3), PARAMS, seed=0, tokenizer=TOK)
+        step.check(samples)
+    # Decided on the step's counts summed over DP ranks (here: another rank with 10 clean trajectories) ...
+    step.check(samples, reduce_sum=lambda t: t + torch.tensor([0.0, 10.0], dtype=t.dtype))
+    # ... so a rank whose own trajectories are fine raises too when the step's share is over.
+    clean = [s for s in samples if s.metadata["end"] == "env"]
+    with pytest.raises(RuntimeError, match=r"5 of 9 trajectories failed this step .* first failure: on another "
+                                           r"data-parallel rank"):
+        step.check(clean, reduce_sum=lambda t: t + torch.tensor([5.0, 5.0], dtype=t.dtype))
 
 
 class FailingStart:
@@ -282,6 +299,58 @@ def test_env_token_ids_outside_the_vocabulary_fail_the_trajectory(engine):
     assert torch.tensor([s.response_length for s in samples]).min() >= 1
 
 
+def test_moe_routes_cover_the_whole_trajectory_from_the_last_turns_call():
+    """An MoE engine records routes per call; a trajectory keeps its last model turn's call's routes, which cover
+    the prompt, every earlier turn and the environment's tokens. The embedded engine recomputes the prefix in every
+    call, in other batches: each earlier call's routes equal the trajectory's on the tokens that call fed, so one
+    route set fits every turn's log-probs. Replayed, the trainer's log-probs equal the rollout's over trained
+    tokens; a budget cut cuts the routes with the sample."""
+    model = build_tiny_model("qwen3_moe", tokenizer=TOK, seed=3, initializer_range=0.3)
+    spy = Spy(EmbeddedEngine(model, progress=False))
+    assert spy.records_routes
+    step = AgentLoopStep(environment=Echo(turns=3), max_turns=3, max_trajectory_tokens=64)
+    samples = step.run(spy, records(2), PARAMS, task=LookupTask(), tokenizer=TOK, seed=4).samples
+    routing = moe_routing(model)
+    for j, s in enumerate(samples):
+        s.check_routes(routing)  # [prompt + response - 1, layers, k]
+        assert s.metadata["turns"] == 3 and s.metadata["env_tokens"] > 0
+        for outs in spy.outputs:
+            fed = outs[j].routes.shape[0]
+            assert torch.equal(s.routes[:fed], outs[j].routes)
+    assert torch.equal(samples[0].routes, spy.outputs[-1][0].routes)  # the last call fed the whole trajectory
+    (batch,) = pack_samples(samples, torch.zeros(len(samples)), max_tokens=4096)
+    module = PolicyModule(policy=HFBackbone(copy.deepcopy(model), routing_replay=True), loss=GRPOLoss(),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), hook=ToppLogProb(use_mask=True))
+    _, record = module.onpolicy_pass(batch)
+    trained = batch.loss_mask == 1
+    gap = (record.logprobs - record.rollout_logprobs).abs()[trained]
+    assert float(gap.max()) <= 1e-5 and float(record.routing_agreement[0]) == float(record.routing_agreement[1])
+    cut = AgentLoopStep(environment=Echo(), max_turns=10, max_trajectory_tokens=7)
+    for s in cut.generate(spy, records(1), PARAMS, seed=2, tokenizer=TOK):
+        assert s.metadata["end"] == "max_tokens"
+        s.check_routes(routing)
+
+
+def test_a_sharded_engine_gathers_once_per_step_not_per_turn():
+    """FSDP's shared, sharded module gathers its weights in every `generate` (a collective); the agent loop's rounds
+    differ in number between data-parallel ranks, so the step holds the weights once for all its turns."""
+    gathers = []
+
+    @contextlib.contextmanager
+    def gathered():
+        gathers.append(len(gathers))
+        yield
+
+    sharded = EmbeddedEngine(build_tiny_model(tokenizer=TOK, seed=3), share_weights=True, progress=False)
+    sharded.sample_sharded(gathered)
+    sharded.generate([[1, 2]], PARAMS, seed=0)
+    assert len(gathers) == 1  # one gather per call outside a step
+    spy = Spy(sharded)
+    step = AgentLoopStep(environment=Echo(turns=3), max_turns=3, max_trajectory_tokens=64)
+    step.generate(spy, records(1), PARAMS, seed=0, tokenizer=TOK)
+    assert len(spy.calls) == 3 and len(gathers) == 2  # three rounds, one gather
+
+
 def _grads(module, micro):
     module.policy.zero_grad(set_to_none=True)
     old = [module.onpolicy_pass(mb)[0] for mb in micro]
@@ -330,3 +399,104 @@ def test_environment_tokens_change_nothing_in_the_loss_or_gradients(engine):
     model_token = int((~env).nonzero()[0])
     changed.advantages[model_token] += 1.0
     assert _grads(module, [changed])[1]["train/loss"] != metrics["train/loss"]
+
+
+class Staggered(Echo):
+    """Record j's episodes end after j + 1 turns: the trajectories of a step finish in different rounds."""
+
+    def start(self, record):
+        return EchoEpisode(record.index + 1)
+
+
+def test_turns_of_all_live_trajectories_share_one_engine_call_per_round(engine):
+    spy = Spy(engine)
+    step = AgentLoopStep(environment=Staggered(), max_turns=8, max_trajectory_tokens=64)
+    samples = step.generate(spy, records(3), PARAMS, seed=4, tokenizer=TOK)
+    turns = [s.metadata["turns"] for s in samples]
+    assert turns == [1, 1, 2, 2, 3, 3]
+    # Rounds = the longest trajectory's turns (3 engine calls), not one call per turn (12) or per trajectory (6);
+    # each call carries every trajectory still live in that round.
+    assert len(spy.calls) == max(turns) == 3 and [len(p) for p, _ in spy.calls] == [6, 4, 2]
+
+
+class Gathered(Echo):
+    """Every episode's first answer waits until all `parties` episodes are answering at once (a barrier): it
+    can only pass when the loop runs a round's environment calls concurrently (sync ones on threads of their
+    own, async ones on the event loop); run one at a time, the first would wait out the timeout."""
+
+    def __init__(self, *, parties: int, asynchronous: bool) -> None:
+        super().__init__(turns=2)
+        self.asynchronous = asynchronous
+        self.barrier = asyncio.Barrier(parties) if asynchronous else threading.Barrier(parties)
+
+    def start(self, record):
+        episode = EchoEpisode(self.turns)
+        answer = episode.respond
+
+        def first_waits(turn):
+            if turn.index == 0:
+                self.barrier.wait(timeout=30)
+            return answer(turn)
+
+        async def first_waits_async(turn):
+            if turn.index == 0:
+                await self.barrier.wait()
+            return answer(turn)
+
+        episode.respond = first_waits_async if self.asynchronous else first_waits
+        return episode
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_environment_calls_of_a_round_run_concurrently(engine, asynchronous):
+    env = Gathered(parties=6, asynchronous=asynchronous)
+    step = AgentLoopStep(environment=env, max_turns=4, max_trajectory_tokens=64, env_timeout_s=30.0)
+    samples = step.generate(engine, records(3), PARAMS, seed=6, tokenizer=TOK)
+    assert [s.metadata["end"] for s in samples] == ["env"] * 6 and all(s.metadata["turns"] == 2 for s in samples)
+
+
+class HangsAt(Echo):
+    """Record 0's episodes hang in `start` or in `reward` (sync, released at the test's end); the others run."""
+
+    def __init__(self, *, stage: str, release: threading.Event) -> None:
+        super().__init__(turns=2)
+        self.stage, self.release = stage, release
+
+    def start(self, record):
+        if record.index == 0 and self.stage == "start":
+            self.release.wait(30)
+        episode = EchoEpisode(self.turns)
+        if record.index == 0 and self.stage == "reward":
+            episode.reward = lambda: self.release.wait(30)
+        return episode
+
+
+@pytest.mark.parametrize("stage", ["start", "reward"])
+def test_a_hung_start_or_reward_ends_only_its_trajectory(engine, stage):
+    release = threading.Event()
+    try:
+        step = AgentLoopStep(environment=HangsAt(stage=stage, release=release), max_turns=4,
+                             max_trajectory_tokens=64, env_timeout_s=0.5)
+        samples = step.run(engine, records(3), PARAMS, task=LookupTask(), tokenizer=TOK, seed=0).samples
+    finally:
+        release.set()
+    assert [s.metadata["end"] for s in samples] == ["env_timeout"] * 2 + ["env"] * 4
+    hung_status = SampleStatus.ABORTED if stage == "start" else SampleStatus.COMPLETED  # no tokens / its turns
+    assert [s.status for s in samples] == [hung_status] * 2 + [SampleStatus.COMPLETED] * 4
+    hung_reward = None if stage == "start" else 0.0  # aborted: never scored (nor trained on)
+    assert [s.reward for s in samples] == [hung_reward] * 2 + [2.0] * 4
+    assert [s.metadata["turns"] for s in samples] == [0 if stage == "start" else 2] * 2 + [2] * 4
+    assert step.stats(samples)["rollout/env_timeouts"] == (2.0, 1.0)
+
+
+def test_a_step_never_formats_its_samples(engine, monkeypatch):
+    """asyncio.run on the main thread formats its task's repr, result included, when it restores the SIGINT
+    handler: the loop's task returns None, or every step would format up to 6 samples, every tensor of each."""
+    formatted = []
+    monkeypatch.setattr(Sample, "__repr__", lambda self: formatted.append(self) or "Sample(...)")
+    assert threading.current_thread() is threading.main_thread()  # where asyncio.run installs the handler
+    samples = AgentLoopStep(environment=Echo(turns=2), max_turns=2, max_trajectory_tokens=64).generate(
+        engine, records(2), PARAMS, seed=0, tokenizer=TOK)
+    assert len(samples) == 4 and formatted == []
+    repr(samples[0])  # the spy sees a repr when there is one
+    assert formatted == [samples[0]]

@@ -22,7 +22,7 @@ def test_figures_equal_a_direct_computation():
     dm = RolloutDataModule(engine=engine, task=task, tokenizer=tok, params=params, prompts_per_step=2)
     ev = Evaluation(every_n_steps=1, num_prompts=16, k=4, correct_reward=0.2)  # any digit: a random model hits
     ev.resolve(dm)
-    sums = ev._score(dm)
+    sums, _ = ev._score(dm)
     records = [task.prompt(HELD_OUT_OFFSET + i, tok) for i in range(16)]
     prompts = [r.prompt_ids for r in records]
 

@@ -214,3 +214,20 @@ def test_a_task_recorded_under_its_old_module_path_is_the_same_task():
     old_cb = {"callbacks": {"weight_sync": {"_target_": "callbacks.WeightSync"}}}
     new_cb = {"callbacks": {"weight_sync": {"_target_": "topp_rl.callbacks.WeightSync"}}}
     assert config_changes(old_cb, new_cb, ["callbacks"]) == []
+
+
+def test_guarded_keys_added_later_read_the_behaviour_an_older_checkpoint_had():
+    """A checkpoint written before rollout.step / max_turns / max_trajectory_tokens existed resumes as the
+    single-turn run it was; a resume that moves away from that behaviour is still refused."""
+    from topp_rl.run.rundir import config_changes
+
+    keys = ["rollout.step", "rollout.max_turns", "rollout.max_trajectory_tokens"]
+    old = {"rollout": {"top_p": 0.9}}
+    single = {"rollout": {"step": {"_target_": "topp_rl.rollout.step.SingleTurnStep"}, "max_turns": 1,
+                          "max_trajectory_tokens": 256}}
+    assert config_changes(old, single, keys) == []
+    agent = {"rollout": {"step": {"_target_": "topp_rl.rollout.agent_step.AgentLoopStep"}, "max_turns": 2,
+                         "max_trajectory_tokens": 16}}
+    assert config_changes(old, agent, keys) == [
+        "rollout.max_turns: 1 -> 2",
+        "rollout.step._target_: 'topp_rl.rollout.step.SingleTurnStep' -> 'topp_rl.rollout.agent_step.AgentLoopStep'"]

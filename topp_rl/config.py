@@ -428,7 +428,9 @@ def validate_overlap(cfg: DictConfig) -> None:
 
 def validate_turns(cfg: DictConfig) -> None:
     """rollout.max_turns > 1 needs a multi-turn step (the agent loop): the single-turn step answers once; the
-    agent loop needs an environment."""
+    agent loop needs an environment. It runs at any world size and with either engine: the failure share is summed
+    over DP ranks (`AgentLoopStep.check`), TP / CP peers get the source's trajectories, and each layout's and
+    engine's exactness through the loop is measured (tests/test_agent_dist.py, docs/agents.md)."""
     turns = _positive_int(cfg, "rollout.max_turns", "use 1 for single-turn tasks")
     _positive_int(cfg, "rollout.max_trajectory_tokens", "set the response tokens a trajectory may hold")
     agent = issubclass(target_class(cfg.rollout.step), AgentLoopStep)
@@ -440,29 +442,12 @@ def validate_turns(cfg: DictConfig) -> None:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
               "prompt once)", "select the agent loop (rollout/step=agent, with an environment), or set "
               "rollout.max_turns=1")
-    if not agent:
-        return
-    # Built so far (issue 37): one rank, the embedded engine. A step whose trajectories fail raises on its own
-    # rank, which other ranks would wait for; SGLang's exactness through the loop is not measured yet.
-    if world_size(cfg) > 1:
-        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with the agent loop (world size "
-              f"{world_size(cfg)}): it runs on one rank so far", "train the agent loop on one device")
-    engine = str(cfg.rollout.engine._target_)
-    if not engine.startswith("topp_rl.engines.embedded."):
-        _fail("rollout.engine._target_", engine, "the embedded engine with the agent loop (its exactness through "
-              "the loop is what is tested so far)", "use rollout=embedded")
 
 
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
-    a model with MoE layers; the agent loop records none yet (checked once the model is built, before any engine
-    starts)."""
-    step = cfg.rollout.get("step")
-    if (isinstance(step, DictConfig) and issubclass(target_class(step), AgentLoopStep)
-            and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):
-        _fail("rollout.record_routes", True, f"false for an MoE model ({type(model).__name__}) with the agent loop "
-              "(it does not merge routes across turns yet)", "set rollout.record_routes=false "
-              "rollout.routing_replay=false")
+    a model with MoE layers (checked once the model is built, before any engine starts). The agent loop's
+    trajectories take their routes from the last model turn's call, which covers the whole transcript."""
     if not cfg.rollout.get("routing_replay", False):
         return
     if not cfg.rollout.get("record_routes", False):

@@ -9,6 +9,7 @@ What an engine can do is asked of its capabilities below, never of its class: wr
 `SharedWorkersEngine`) answer for the engine they wrap.
 """
 
+import contextlib
 from collections.abc import Iterable
 from typing import Protocol, Self, runtime_checkable
 
@@ -43,6 +44,13 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None: ...
 
+    def holding_weights(self) -> contextlib.AbstractContextManager:
+        """A block of several `generate` calls (the agent loop's turns of one step), entered by every data-parallel
+        rank together: an engine whose `generate` is a collective (the FSDP-sharded shared module, gathered per
+        call) gathers once for the whole block, so the ranks' calls inside it need not match in number. Default
+        (explicit subclasses): nothing to hold."""
+        return contextlib.nullcontext()
+
     # Default context-manager behaviour for engines that subclass the protocol explicitly.
     def __enter__(self) -> Self:
         return self
@@ -71,6 +79,9 @@ class EngineWrapper(RolloutEngine):
     @property
     def records_routes(self) -> bool:
         return self.inner.records_routes
+
+    def holding_weights(self) -> contextlib.AbstractContextManager:
+        return self.inner.holding_weights()
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -73,6 +73,7 @@ class EmbeddedEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.progress = progress
         self._gathered: Callable[[], contextlib.AbstractContextManager] | None = None  # `sample_sharded`
+        self._holding = False  # inside `holding_weights`: the weights are gathered already
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
@@ -119,7 +120,8 @@ class EmbeddedEngine(RolloutEngine):
         expanded = [(g, p) for g, p in enumerate(prompts) for _ in range(params.n)]
         self.decode_path, self.decode_reason = self._resolve_decode()
         samples: list[Sample] = []
-        with self._gathered() if self._gathered is not None else contextlib.nullcontext(), _sampling_mode(self.model):
+        gather = self._gathered is not None and not self._holding
+        with self._gathered() if gather else contextlib.nullcontext(), _sampling_mode(self.model):
             for start in range(0, len(expanded), self.max_batch_size):
                 chunk = expanded[start : start + self.max_batch_size]
                 samples += self._generate_batch([p for _, p in chunk], params, generator)
@@ -230,6 +232,19 @@ class EmbeddedEngine(RolloutEngine):
         if self.record_raw_log_probs:
             raw = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, chosen, raw, cands if record else None, finite
+
+    @contextlib.contextmanager
+    def holding_weights(self) -> Iterator[None]:
+        """The sharded module's weights gathered once for the block (every rank together), not per `generate`."""
+        if self._gathered is None or self._holding:
+            yield
+            return
+        with self._gathered():
+            self._holding = True
+            try:
+                yield
+            finally:
+                self._holding = False
 
     def sample_sharded(self, gathered: Callable[[], contextlib.AbstractContextManager]) -> None:
         """The shared module was sharded by the trainer (FSDP2): every `generate` runs inside `gathered()`, which

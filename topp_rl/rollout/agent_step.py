@@ -12,8 +12,11 @@ more than `max_failed_frac` of a step's trajectories failing raises. Rewards com
 
 Departures from slime's multi-turn rollouts: no re-tokenisation of the transcript (slime re-applies the chat
 template each turn), and environment tokens never get a log-prob or a candidate set.
+MoE routes: the last model turn's call covers the whole transcript (`topp_rl.rollout.trajectory`).
+Distributed: the failure share is checked by `check` after the samples reached every rank (`RolloutStep.check`,
+summed over DP ranks), so every rank raises alike; trajectory numbers are step-global (`score`).
 Not yet: prefix breaks (a turn whose ids do not extend the previous ones) end the trajectory as failed instead
-of starting a new sample; MoE route recording (refused: routes would have to be merged turn by turn).
+of starting a new sample.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
 from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus, number_samples
@@ -62,10 +66,10 @@ class AgentLoopStep(RolloutStep):
     # ----- generate: rounds of one engine call, then the episodes -----
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
                  seed: int | None, tokenizer: Any) -> list[Sample]:
-        if engine.records_routes:
-            raise ValueError("the agent loop does not merge MoE routes across turns yet; set "
-                             "rollout.record_routes=false (and rollout.routing_replay=false) for a multi-turn MoE run")
-        return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+        # The rounds' count differs between DP ranks: an engine whose generate is a collective (FSDP's shared,
+        # sharded module) gathers once for the step instead.
+        with engine.holding_weights():
+            return _run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
 
     async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
         trajs = [Trajectory(record=r, sample=Sample(prompt_ids=r.prompt_ids)) for r in records for _ in range(params.n)]
@@ -84,7 +88,6 @@ class AgentLoopStep(RolloutStep):
             await asyncio.gather(*jobs)
         await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs
                                if t.episode is not None and not t.failed and t.end != END_ABORTED))
-        self._check_failures(trajs)
         return [t.finish(trajectory=i) for i, t in enumerate(trajs)]
 
     async def _start(self, t: Trajectory) -> None:
@@ -112,20 +115,26 @@ class AgentLoopStep(RolloutStep):
             if t.sample.response_length == 0:  # failed before the model wrote a token: nothing to train on
                 t.sample.status = SampleStatus.ABORTED
 
-    def _check_failures(self, trajs: list[Trajectory]) -> None:
-        failed = [t for t in trajs if t.failed]
-        if len(failed) > self.max_failed_frac * len(trajs):
+    def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
+        """Raise when more than `max_failed_frac` of the step's trajectories failed (`reduce_sum`: sums a tensor
+        over the DP ranks, so every rank decides alike on the step's counts; None: this rank's own)."""
+        failed = [s for s in samples if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX)]
+        counts = torch.tensor([float(len(failed)), float(len(samples))], dtype=torch.float64)
+        n_failed, total = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
+        if n_failed > self.max_failed_frac * total:
+            first = (f"{failed[0].metadata['end']}: {failed[0].metadata.get('env_error')}" if failed
+                     else "on another data-parallel rank")
             raise RuntimeError(
-                f"{len(failed)} of {len(trajs)} trajectories failed this step (share {len(failed) / len(trajs):.2f} "
-                f"> rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {failed[0].end}: "
-                f"{failed[0].error}; fix the environment (or raise rollout.step.env_timeout_s="
-                f"{self.env_timeout_s} if its calls are just slow)")
+                f"{int(n_failed)} of {int(total)} trajectories failed this step (share {n_failed / total:.2f} > "
+                f"rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {first}; fix the environment "
+                f"(or raise rollout.step.env_timeout_s={self.env_timeout_s} if its calls are just slow)")
 
     # ----- score: the episodes' rewards -----
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
               tokenizer: Any, first_group: int = 0) -> list[Sample]:
         number_samples(samples, prompts=len(records), n=params.n, first_group=first_group)
         for s in samples:
+            s.metadata["trajectory"] += first_group * params.n  # step-global, like the sample's index
             s.metadata.setdefault("answer", records[s.group_index - first_group].answer)
             if s.status != SampleStatus.ABORTED:
                 s.reward = float(s.metadata["env_reward"])
@@ -155,6 +164,19 @@ class AgentLoopStep(RolloutStep):
             "rollout/max_turns_ended": count(END_MAX_TURNS),
             "rollout/max_tokens_ended": count(END_MAX_TOKENS),
         }
+
+
+def _run(coro):
+    """`asyncio.run(coro)` through a task that returns None: on the main thread asyncio.run formats its task's repr
+    (the result's too: up to 6 samples, every tensor of each) when it restores the SIGINT handler, a cost a step
+    of cheap turns felt (docs/agents.md "Speed")."""
+    result = []
+
+    async def main() -> None:
+        result.append(await coro)
+
+    asyncio.run(main())
+    return result[0]
 
 
 def _round_seed(seed: int | None, round_index: int) -> int | None:

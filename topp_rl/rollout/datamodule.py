@@ -225,6 +225,7 @@ class RolloutDataModule(L.LightningDataModule):
         generated = time.perf_counter()
         samples, shared_bytes = share_samples(own, self.peers)
         share_seconds = time.perf_counter() - generated
+        self.rollout_step.check(samples, reduce_sum=self.collectives.sum)  # every rank: all raise alike
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
         micro, dropped, groups = self._pack(ticket.step, samples)
         self.step = ticket.step + 1

@@ -6,7 +6,7 @@ A step has two phases, because with `rollout.overlap=true` the first runs ahead 
   per prompt, prompt-major, unscored;
 - `score`: on the trainer's thread (rewards may use signals or a reward model on the trainer's device): number
   the samples step-globally and set the reward of every sample the engine did not abort.
-`run` does both, timing the first; `stats` gives the step's own rollout figures (sums and counts). Config:
+`run` does both, timing the first; `check` (every rank, after the samples were shared) may stop the run; `stats` gives the step's own rollout figures (sums and counts). Config:
 `rollout.step` (the `rollout/step` group: `single_turn`, the default, or `agent`:
 `topp_rl.rollout.agent_step.AgentLoopStep`, the multi-turn agent loop), handed to the datamodule as
 `data.rollout_step`.
@@ -54,6 +54,10 @@ class RolloutStep(Protocol):
         seconds = time.perf_counter() - start
         self.score(samples, records, params, task=task, tokenizer=tokenizer, first_group=first_group)
         return StepResult(samples=samples, generate_s=seconds)
+
+    def check(self, samples: list[Sample], *, reduce_sum: Any = None) -> None:
+        """Raise if the step must stop (a default for explicit subclasses: never). Called on every rank once the
+        samples reached it, with `reduce_sum` summing a tensor over the DP ranks, so all ranks raise alike."""
 
     def stats(self, samples: list[Sample]) -> Stats:
         """The step's own rollout figures as (sum, count) pairs, the same keys on every rank and every step

@@ -4,12 +4,22 @@ output between them (loss mask 0, log-prob 0, empty = unrestricted candidate row
 
 The token rule: the running ids (`sample.tokens`: the prompt, then every earlier turn's exact ids) are what the
 engine is given for the next turn, so nothing is ever re-tokenised; environment text is tokenised once, here.
+
+MoE routes: an engine records routes per `generate` call, for every token that call fed through the model (its
+prompt, i.e. the whole transcript so far, and its response but the last token). The last model turn's call
+therefore covers every earlier turn, the environment's tokens included; the trajectory keeps that call's routes,
+cut to the sample (`trajectory_routes`). The embedded engine recomputes the prefix each call; SGLang 0.5.23
+reads a cached prefix's routes from the KV slots' capture (`srt/state_capturer`), i.e. the forward whose KV
+later tokens attended to. A trajectory that holds environment tokens after its last model turn (it failed after
+them) goes without routes (the trainer routes it itself, as packing does for any sample without routes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from topp_rl.data import PromptRecord
 from topp_rl.data.sample import Sample, SampleStatus
@@ -32,6 +42,7 @@ class Trajectory:
     error: str | None = None  # the failure's message
     reward: float = 0.0
     reward_info: dict[str, Any] = field(default_factory=dict)
+    routes: torch.Tensor | None = None  # the latest model turn's call's routes (MoE engines that record them)
 
     @property
     def live(self) -> bool:
@@ -60,6 +71,8 @@ class Trajectory:
             ids, out.rollout_log_probs[:keep], out.candidates[:keep] if out.candidates is not None else None,
             raw_log_probs=out.rollout_raw_log_probs[:keep] if out.rollout_raw_log_probs is not None else None)
         self.turns += 1
+        if out.routes is not None:
+            self.routes = out.routes
         finished = out.status == SampleStatus.COMPLETED and keep == out.response_length
         return ModelTurn(index=self.turns - 1, ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True),
                          finished=finished)
@@ -86,6 +99,8 @@ class Trajectory:
     def finish(self, *, trajectory: int) -> Sample:
         """The trajectory's sample (`trajectory`: its number in the step), its figures in `metadata` (read by
         `AgentLoopStep.score` and `stats`)."""
+        if self.routes is not None:
+            self.sample.routes = trajectory_routes(self.routes, fed=len(self.sample.tokens) - 1)
         meta = self.sample.metadata
         meta |= {"trajectory": trajectory, "turns": self.turns, "env_tokens": self.env_tokens, "end": self.end,
                  "env_reward": self.reward}
@@ -94,6 +109,13 @@ class Trajectory:
         if self.reward_info:
             meta["env_reward_info"] = self.reward_info
         return self.sample
+
+
+def trajectory_routes(last_call: torch.Tensor, *, fed: int) -> torch.Tensor | None:
+    """The routes of a trajectory's `fed` tokens (prompt + response - 1) from its last model turn's call, cut when
+    a budget cut that turn (a token's route depends only on the tokens up to it); None when environment tokens
+    came after that call (a failed trajectory: the call never saw them)."""
+    return last_call[:fed].clone() if last_call.shape[0] >= fed else None
 
 
 def _env_ids(output: EnvOutput, tokenizer: Any, vocab_size: int) -> list[int]:

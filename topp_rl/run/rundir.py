@@ -37,6 +37,7 @@ LOCK = ".lock"
 WANDB_ID = "wandb_id"
 HYDRA_SUBDIR = ".hydra"
 _MISSING = "<absent>"
+_UNREAD = object()  # an added key whose value the recorded run never read: any value agrees with it
 
 
 def _say(message: str) -> None:
@@ -233,6 +234,15 @@ MOVED_MODULES = {
 }
 
 
+# Guarded keys added after checkpoints were written, with the behaviour a run had before them: a checkpoint that
+# records none of them resumes under that behaviour unrefused (and a change away from it is still refused).
+ADDED_KEYS = {
+    "rollout.step._target_": "topp_rl.rollout.step.SingleTurnStep",  # issue 36: one answer per prompt
+    "rollout.max_turns": 1,  # issue 37: the single-turn step's one turn
+    "rollout.max_trajectory_tokens": _UNREAD,  # read only by the agent loop, which rollout.step still guards
+}
+
+
 def current_path(value: Any) -> Any:
     """A `_target_` (or reward `fn`) string under its current module path; anything else as it is."""
     if isinstance(value, str):
@@ -249,7 +259,9 @@ def config_changes(old: dict, new: dict, keys: list[str]) -> list[str]:
         before, after = _leaves(_select(old, key), key), _leaves(_select(new, key), key)
         for leaf in sorted(set(before) | set(after)):
             a, b = before.get(leaf, _MISSING), after.get(leaf, _MISSING)
-            if current_path(a) != current_path(b):
+            if a == _MISSING:
+                a = ADDED_KEYS.get(leaf, _MISSING)
+            if a is not _UNREAD and current_path(a) != current_path(b):
                 changes.append(f"{leaf}: {a!r} -> {b!r}")
     return sorted(set(changes))
 

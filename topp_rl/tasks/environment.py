@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import queue
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,9 +56,8 @@ class EnvTimeout(Exception):
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """`fn(*args)` bounded by `timeout_s`: awaited when it is `async def`, else run on a daemon thread of its own.
-    A thread per call rather than a fixed pool: a sync call that hangs cannot be stopped, and in a pool it would
-    hold a worker for good (and the interpreter would wait for it at exit); a daemon thread is just left behind."""
+    """`fn(*args)` bounded by `timeout_s`: awaited when it is `async def`, else run on a daemon worker thread
+    (`_WORKERS`); past the timeout the awaiting coroutine gives up and the call is left behind."""
     if inspect.iscoroutinefunction(fn):
         try:
             return await asyncio.wait_for(fn(*args), timeout_s)
@@ -84,11 +84,42 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         else:
             post(future.set_result, result)
 
-    threading.Thread(target=work, name=f"env-{_name(fn)}", daemon=True).start()
+    _WORKERS.submit(work)
     try:
         return await asyncio.wait_for(future, timeout_s)
     except TimeoutError as e:
         raise EnvTimeout(f"{_name(fn)} took longer than {timeout_s} s") from e
+
+
+class _Workers:
+    """Daemon threads for sync environment calls, reused: a call goes to an idle worker, or to a new one when none
+    is idle. Not a fixed pool: a call that hangs cannot be stopped, and in a pool it would hold a worker for good
+    (and the interpreter would wait for it at exit); here it holds only its own daemon thread, left behind. Not a
+    thread per call either: 16 threads starting at once were a visible share of a step of cheap turns on this
+    2-core machine (docs/agents.md "Speed")."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:  # an idle worker is (or is about to be) waiting on the queue
+                self._idle -= 1
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._work, args=(job,), name="topp_rl-env", daemon=True).start()
+
+    def _work(self, job: Callable[[], None]) -> None:
+        while True:
+            job()  # never raises: `work` hands every outcome to its future
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+
+
+_WORKERS = _Workers()
 
 
 def reward_value(reward: EnvReward) -> tuple[float, dict[str, Any]]:
