@@ -11,11 +11,11 @@ final answer's last number equals the result (math-verify, `checkers.math_answer
 call ran cleanly; the counts of calls and of each kind of failure are the reward's extra entries
 (`rollout/reward/tool/<kind>_mean`), every failure told to the model as an error message.
 
-Why this data for SmolLM2-135M-Instruct (measured: 12 samples per prompt, top_p 0.9): without the worked
-example it never called the tool (0 of 32, with this system message or SmolLM2's own function-calling
-prompt); with it, about half of its first turns on "What is 37 + 48?" are calls (a third of them well-formed
-python calls, others name an unknown tool or hold no code), while word problems (data/word_sums.jsonl) drew no
-call at all. Alone it gets two-digit sums wrong (0 of 8), so the tool is what solves them.
+Why this data for SmolLM2-135M-Instruct (measured: top_p 0.9, 8-12 samples per prompt): without the worked example
+it never called the tool (0 of 48 samples: 24 with this system message, 24 with SmolLM2's own function-calling
+prompt); with it, about half of its first turns on "What is 37 + 48?" are calls (a third of them well-formed python
+calls, others name an unknown tool or hold no code), while a word problem of data/word_sums.jsonl drew no call (0 of
+12). Alone it gets two-digit sums wrong (0 of 8), so the tool is what solves them.
 """
 
 from __future__ import annotations
