@@ -4,6 +4,7 @@ processes (no model needed)."""
 import asyncio
 import os
 import socket
+import tempfile
 import time
 
 import pytest
@@ -40,7 +41,7 @@ def test_the_wall_timeout_kills_the_whole_group():
     start = time.monotonic()
     result = run(code, SandboxLimits(cpu_s=5, wall_s=1.5, output_bytes=512))
     assert result.outcome == Outcome.TIMEOUT and result.exit_code is None
-    assert 1.5 <= time.monotonic() - start < 10
+    assert 1.5 <= time.monotonic() - start < 30  # not the sleepers' 60 s
     pids = [int(line) for line in result.stdout.split()]
     assert len(pids) == 2
     _wait_gone(pids)
@@ -65,7 +66,7 @@ def test_a_process_that_leaves_the_group_does_not_hang_the_call():
     start = time.monotonic()
     result = run(code, SandboxLimits(cpu_s=5, wall_s=2.0))
     try:
-        assert result.outcome == Outcome.OK and time.monotonic() - start < 15
+        assert result.outcome == Outcome.OK and time.monotonic() - start < 30  # not the escapee's 120 s
         assert _running(int(result.stdout))  # it escaped the kill (docs/agents.md says so)
     finally:
         if result.stdout.strip():
@@ -174,10 +175,7 @@ def _running(pid: int) -> bool:
 
 
 def test_no_scratch_dir_is_left_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    assert run("open('x', 'w').write('y')").outcome == Outcome.OK
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the call's scratch dir
+    result = run("import os\nopen('x', 'w').write('y')\nprint(os.getcwd())")
+    assert result.outcome == Outcome.OK and result.stdout.startswith(str(tmp_path / "topp_rl_sandbox_"))
     assert list(tmp_path.iterdir()) == []
-    assert os.environ["TMPDIR"] == str(tmp_path)
