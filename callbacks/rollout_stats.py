@@ -30,7 +30,14 @@ class RolloutStats(Callback):
     def sums(self, rollout) -> dict[str, tuple[float, float]]:
         samples = rollout.samples
         live = [s for s in samples if s.status != "aborted"]
-        rewarded = [s for s in live if s.reward is not None]
+        # Reward figures per trajectory: a multi-turn trajectory split into several samples (a prefix break) is one
+        # reward, read on its first live sample.
+        rewarded, seen = [], set()
+        for s in live:
+            key = s.metadata.get("trajectory", ("sample", id(s)))
+            if s.reward is not None and key not in seen:
+                seen.add(key)
+                rewarded.append(s)
         rewards = [float(s.reward) for s in rewarded]
         correct = [bool(s.metadata.get("correct", s.reward >= self.correct_reward)) for s in rewarded]
         groups: dict[int, list[float]] = defaultdict(list)

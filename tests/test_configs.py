@@ -46,9 +46,10 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     assert len(targets) >= 6  # model, engine, task, advantage, loss, optimizer, trainer, ...
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
-    # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment (refused
-    # at start, test_invalid_values_fail_at_start_naming_the_key)
-    if group not in ("parallel", "experiment") and key != "rollout/step=agent":
+    # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment, the
+    # endpoint no agent function (refused at start, test_invalid_values_fail_at_start_naming_the_key)
+    if group not in ("parallel", "experiment") and key not in ("rollout/step=agent", "rollout/step=endpoint",
+                                                               "task=agent"):
         validate_config(cfg)
 
 
@@ -87,9 +88,15 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.devices=2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
         ("parallel=tp2 trainer.devices=3", "parallel.tp_size * parallel.cp_size * parallel.pp_size"),
-        # Pipeline parallelism is a plan field already, refused above 1 until it is built (issue 36).
-        ("parallel=tp2 parallel.pp_size=2", "parallel.pp_size"),
+        # Pipeline parallelism (issue 38): stages need a Megatron layout, the world, an even layer split, a dense
+        # model, no distributed optimizer and no fp16 loss scaling.
+        ("parallel=tp2 parallel.pp_size=2", "parallel.tp_size * parallel.cp_size * parallel.pp_size"),
         ("parallel.pp_size=0", "parallel.pp_size"),
+        ("parallel.pp_size=2 trainer.devices=2", "parallel.pp_size"),
+        ("parallel=pp2 model.layers=3", "parallel.pp_size"),
+        ("parallel=pp2 model.family=qwen3_moe", "parallel.pp_size"),
+        ("parallel=pp2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
+        ("parallel=pp2 trainer=cpu_fp16", "trainer"),
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
         ("parallel.tp_size=2", "parallel.tp_size"),
         ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),
@@ -163,6 +170,9 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout/step=agent", "rollout.step.environment"),
         ("task=lookup rollout.max_turns=0", "rollout.max_turns"),
         ("task=lookup rollout.max_trajectory_tokens=0", "rollout.max_trajectory_tokens"),
+        ("task=agent", "task.agent"),
+        ("rollout/step=endpoint", "task.agent"),
+        ("task=agent task.agent=topp_rl.tasks.agents.lookup:lookup_agent rollout=sglang", "rollout.engine._target_"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -192,12 +202,13 @@ def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer
         "config parallel.distributed_optimizer=True: must be absent with parallel=fsdp (FSDP2 already shards the "
         "AdamW state over the ranks, with the weights and gradients; megatron-core's DistributedOptimizer is the "
         "Megatron layouts' ZeRO-1); drop the key, or pick a layout that reads it "
-        "(parallel=cp2/ep2/megatron/tp2/tp2_cp2/tp2_ep2)"
+        "(parallel=cp2/ep2/megatron/pp2/pp2_cp2/tp2/tp2_cp2/tp2_ep2/tp2_pp2)"
     )
     with pytest.raises(ValueError) as info:  # and a Megatron layout has no CPU offload to switch
         validate_config(_compose(["parallel=tp2", "+parallel.cpu_offload=true"], tmp_path))
     assert str(info.value) == (
-        "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/tp2/tp2_cp2/tp2_ep2 (the "
+        "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/pp2/pp2_cp2/tp2/tp2_cp2/tp2_ep2/"
+        "tp2_pp2 (the "
         "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size); drop the key, or pick "
         "a layout that reads it (parallel=fsdp)"
     )
@@ -253,8 +264,17 @@ def test_megatron_resume_refusals_name_the_export_way_out():
     with pytest.raises(ValueError) as info:
         MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_tp1)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size)=(1, 1), this run has (2, 1); resume at the saved sizes, or "
-        f"{way_out}"
+        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 1), this run has (2, 1, 1); resume at the "
+        f"saved sizes, or {way_out}"
+    )
+    # A pipelined run's state (per pipeline stage and TP rank) restores at the saved pp only (issue 38).
+    saved_at_pp2 = {"optimizer_states": [{"megatron_tp_size": 1, "megatron_ep_size": 1, "megatron_pp_size": 2,
+                                          "per_pp_tp_rank": [{}, {}]}]}
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy().load_optimizer_state_dict(saved_at_pp2)
+    assert str(info.value) == (
+        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 2), this run has (1, 1, 1); resume at the "
+        f"saved sizes, or {way_out}"
     )
     sharded = MegatronStrategy(tp_size=2)
     sharded._layout_key = lambda: (2, 2, 1)  # (world, tp, cp) without a process group

@@ -228,7 +228,8 @@ def test_plan_derives_dp_from_the_world_and_the_model_parallel_sizes(sizes, dp):
                               r"of the world size \(3 = trainer.devices \* trainer.num_nodes\)"),
         (dict(world=2, tp=2, ep=2), r"config parallel.ep_size=2: must be a divisor of data-parallel x context-parallel "
                                     r"size \(1 x 1"),
-        (dict(world=4, pp=2), r"config parallel.pp_size=2: must be 1 \(pipeline parallelism is not built yet\)"),
+        (dict(world=2, tp=2, pp=2), r"config parallel.tp_size \* parallel.cp_size \* parallel.pp_size=4: must be a "
+                                    r"divisor of the world size \(2"),
         (dict(world=2, tp=2, fsdp=True), r"config parallel.tp_size=2: must be 1 with parallel=fsdp"),
         (dict(world=2, cp=0), r"config parallel.cp_size=0: must be an integer >= 1; use parallel.cp_size=1"),
         (dict(world=2, tp=True), r"config parallel.tp_size=True: must be an integer >= 1"),
@@ -241,6 +242,21 @@ def test_plan_refuses_sizes_that_do_not_fit_naming_the_key_and_the_fix(sizes, me
 
     with pytest.raises(ValueError, match=message):
         ParallelPlan(**sizes)
+
+
+def test_plan_splits_the_layers_evenly_over_pipeline_stages_or_names_the_fix():
+    from topp_rl.parallel.layout import pipeline_stages
+    from topp_rl.parallel.plan import ParallelPlan, stage_layers
+
+    plan = ParallelPlan(world=8, tp=2, pp=2)
+    assert (plan.dp, plan.model_parallel) == (2, 4)
+    assert [stage_layers(8, plan.pp, r) for r in (0, 1)] == [range(0, 4), range(4, 8)]
+    with pytest.raises(ValueError, match=r"config parallel.pp_size=2: must be a divisor of the model's layer count "
+                                         r"\(num_hidden_layers=5: every pipeline stage holds the same number of "
+                                         r"layers\); use parallel.pp_size in \[1, 5\]"):
+        plan.check_layers(5)
+    assert pipeline_stages(4, 2) == "stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head"
+    assert pipeline_stages(3, 3) == "stage 0: embedding + layer 0 | stage 1: layer 1 | stage 2: layer 2 + head"
 
 
 def test_plan_checks_prompts_per_data_parallel_rank():

@@ -13,6 +13,7 @@ from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
@@ -23,6 +24,8 @@ from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
+from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
@@ -299,10 +302,10 @@ def validate_parallel(cfg: DictConfig) -> None:
     for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
         if key in p:  # pp_size may be absent from a config written before it existed: 1
             _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
-    for key in ("tp_size", "cp_size", "ep_size"):
-        if p[key] > 1 and not p.get("strategy"):
+    for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
+        if p.get(key, 1) > 1 and not p.get("strategy"):
             _fail(f"parallel.{key}", p[key], "1 without a parallel strategy (parallel=none runs the HF model whole)",
-                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2 or tp2_ep2")
+                  "pick a Megatron layout instead: parallel=tp2, cp2, tp2_cp2, ep2, tp2_ep2, pp2, tp2_pp2 or pp2_cp2")
     fsdp = _is_fsdp(cfg)
     parallel_plan(cfg)  # the sizes together: FSDP alone, divisors of the world, pp = 1
     if fsdp:
@@ -323,6 +326,7 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("module.gradient_checkpointing", True, "false with the Megatron backbone (it is the HF backbone's "
               "layer recompute; the Megatron model is built without it)", "set module.gradient_checkpointing=false")
     _validate_distributed_optimizer(cfg)
+    _validate_pipeline(cfg)
     parallel_plan(cfg).check_prompts(cfg.rollout.prompts_per_step)
     if world > 1 and not p.get("strategy"):
         # PolicyModule runs several backward passes per DDP forward (one per micro-batch); plain DDP is
@@ -330,6 +334,29 @@ def validate_parallel(cfg: DictConfig) -> None:
         _fail("trainer.devices * trainer.num_nodes", world, "1 with parallel=none (plain DDP is not supported)",
               "use parallel=fsdp (the HF model sharded over the ranks), a Megatron layout (parallel=tp2, ...), "
               "or trainer.devices=1")
+
+
+def _validate_pipeline(cfg: DictConfig) -> None:
+    """pp > 1 (the Megatron backbone's pipeline stages): what the 1F1B schedule does not carry yet is refused here,
+    and the layer split is checked when the model config names its layer count."""
+    pp = cfg.parallel.get("pp_size", 1)
+    if pp == 1:
+        return
+    if cfg.parallel.get("distributed_optimizer", False):
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
+              "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
+    targets = [str(p.get("_target_")) if isinstance(p, DictConfig) else str(p) for p in cfg.trainer.get("plugins") or []]
+    if any("LossScaledFP16" in t for t in targets):
+        _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
+              "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
+              "cpu_bf16, gpu, gpu_fp32)")
+    family = cfg.model.get("family")
+    if family is not None and "moe" in str(family):
+        _fail("parallel.pp_size", pp, f"1 with an MoE model (model.family={family}: the pipeline stages run dense "
+              "models only)", "use parallel.pp_size=1 with ep / tp / cp for this model")
+    layers = cfg.model.get("layers")
+    if isinstance(layers, int):
+        parallel_plan(cfg).check_layers(layers)
 
 
 def _validate_distributed_optimizer(cfg: DictConfig) -> None:
@@ -433,21 +460,56 @@ def validate_turns(cfg: DictConfig) -> None:
     engine's exactness through the loop is measured (tests/test_agent_dist.py, docs/agents.md)."""
     turns = _positive_int(cfg, "rollout.max_turns", "use 1 for single-turn tasks")
     _positive_int(cfg, "rollout.max_trajectory_tokens", "set the response tokens a trajectory may hold")
-    agent = issubclass(target_class(cfg.rollout.step), AgentLoopStep)
-    if agent and OmegaConf.is_missing(cfg.rollout.step, "environment"):
+    step = target_class(cfg.rollout.step)
+    agent = issubclass(step, AgentLoopStep | EndpointStep)  # the multi-turn steps
+    if issubclass(step, EndpointStep):
+        _check_agent_fn(cfg)
+    if issubclass(step, AgentLoopStep) and OmegaConf.is_missing(cfg.rollout.step, "environment"):
         _fail("rollout.step.environment", "???", "an environment (rollout.step.environment._target_: a class with "
               "start(record) -> Episode, topp_rl/tasks/environment.py)", "use a task that brings its environment "
               "(task=lookup), or set rollout.step.environment._target_=<your Environment class>")
     if turns > 1 and not agent:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
-              "prompt once)", "select the agent loop (rollout/step=agent, with an environment), or set "
-              "rollout.max_turns=1")
+              "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
+              "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
+    if not issubclass(step, EndpointStep):
+        return
+    # The endpoint's exactness is measured on one rank with the embedded engine (tests/test_endpoint_train.py);
+    # the agent loop's other layouts and SGLang are measured (tests/test_agent_dist.py), the endpoint's are not.
+    if world_size(cfg) > 1:
+        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with rollout/step=endpoint "
+              f"(world size {world_size(cfg)}): the endpoint runs on one rank so far", "train an agent function "
+              "on one device, or write the agent as an Environment (rollout/step=agent runs at any layout)")
+    engine = str(cfg.rollout.engine._target_)
+    if not engine.startswith("topp_rl.engines.embedded."):
+        _fail("rollout.engine._target_", engine, "the embedded engine with rollout/step=endpoint (its exactness "
+              "through the endpoint is what is measured so far)", "use rollout=embedded")
+
+
+def _check_agent_fn(cfg: DictConfig) -> None:
+    """rollout/step=endpoint: its agent function must import and be `async def`, refused now naming it."""
+    try:
+        spec = cfg.rollout.step.agent  # task=agent sets it to ${task.agent}
+    except (MissingMandatoryValue, InterpolationToMissingValueError):
+        spec = "???"
+    if spec == "???":
+        _fail("task.agent", "???", "an agent function, pkg.mod:fn or path/to/file.py:fn (async def "
+              "fn(client, record) -> float | dict)", "set task.agent=<your function> (e.g. "
+              "task.agent=topp_rl.tasks.agents.lookup:lookup_agent); without task=agent: rollout.step.agent=...")
+    resolve_agent(str(spec), key="task.agent" if "agent" in cfg.task else "rollout.step.agent")
 
 
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
     a model with MoE layers (checked once the model is built, before any engine starts). The agent loop's
-    trajectories take their routes from the last model turn's call, which covers the whole transcript."""
+    trajectories take their routes from the last model turn's call, which covers the whole transcript; the
+    endpoint records none yet."""
+    step = cfg.rollout.get("step")
+    if (isinstance(step, DictConfig) and issubclass(target_class(step), EndpointStep)
+            and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):
+        _fail("rollout.record_routes", True, f"false for an MoE model ({type(model).__name__}) with "
+              "rollout/step=endpoint (it does not merge routes across requests yet)", "set "
+              "rollout.record_routes=false rollout.routing_replay=false, or use the agent loop (rollout/step=agent)")
     if not cfg.rollout.get("routing_replay", False):
         return
     if not cfg.rollout.get("record_routes", False):

@@ -22,6 +22,13 @@ Vocabulary: Megatron shards the vocabulary evenly over TP. Padding it (Megatron'
 `make_vocab_size_divisible_by`) would put extra logits into every unrestricted softmax and break exactness
 against HF, so the backbone requires `vocab_size % tp_size == 0` (true for Qwen2, Llama 3, SmolLM2 at TP <= 8).
 
+Pipeline parallelism (`pipeline`): at pp_size > 1 this rank builds only its stage's layers (the embedding on the
+first stage, the final norm and output layer on the last) and `forward_backward` / `forward_only` run
+megatron-core's 1F1B schedule; only the last stage scores, and its outputs reach every stage. A tied embedding
+becomes two copies at pp > 1 (the first stage's embedding, the last stage's `output_layer.weight`), loaded equal and
+kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`), as
+megatron's own `finalize_model_grads` does; the norm counts the weight once. MoE models run at pp = 1 only.
+
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
 them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The
 routes follow the tokens through the CP layout (`cp_shard`, CP padding rows without a route).
@@ -37,13 +44,15 @@ from topp_rl.data.routes import NO_ROUTE
 from topp_rl.megatron import cpu_shims
 from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.export import hf_named_tensors
-from topp_rl.megatron.grads import clip_grad_norm_
+from topp_rl.megatron.grads import GradSync, clip_grad_norm_
 from topp_rl.megatron.hf_config import hf_inv_freq, is_moe
 from topp_rl.megatron.moe import moe_stats
+from topp_rl.megatron.pipeline import run_schedule
 from topp_rl.megatron.replay import MegatronRouterReplay, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
-from topp_rl.trainer.backbone import BackboneBase, batch_routes
+from topp_rl.parallel.plan import stage_layers
+from topp_rl.trainer.backbone import BackboneBase, ForwardFn, StepFn, T, batch_routes
 
 # The context-parallel splits the Megatron backbone runs: Megatron's THD RoPE and transformer-engine's CP attention
 # assume the zigzag split (all-gather CP exists in the ops and the HF scorer only).
@@ -62,19 +71,23 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
             f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
             "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
         )
-    if layout.pp_size > 1:
+    if layout.pp_size > 1 and is_moe(hf_config):
         raise ValueError(
-            f"pp_size={layout.pp_size}: the Megatron backbone runs the whole decoder on every rank (one pipeline "
-            "stage); launch megatron with pipeline_model_parallel_size=1"
+            f"parallel.pp_size={layout.pp_size} with model_type={hf_config.model_type!r}: the Megatron backbone "
+            "pipelines dense models only (MoE routing replay and its figures are not carried across stages yet); "
+            "use parallel.pp_size=1 with ep / tp / cp for this model"
         )
+    stage_layers(hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank)  # refuses an uneven split
     if layout.cp_size > 1 and layout.cp_mode not in CP_MODES:
         raise ValueError(cp_mode_refusal(layout.cp_mode))
 
 
-def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0):
-    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with these sizes)."""
+def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
+                    seed: int = 0, dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0):
+    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with these sizes): at
+    pp_size > 1 only stage `pp_rank`'s layers, the embedding on the first stage, the head on the last."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if cpu_shims.needs_cpu_shims():
         cpu_shims.seed_rng_tracker(seed)
@@ -82,14 +95,23 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, 
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, dtype=dtype)
+    config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, pp_size=pp_size,
+                                dtype=dtype)
+    specs = layer_specs(config, dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
+    layers = stage_layers(config.num_layers, pp_size, pp_rank)
+    specs = TransformerBlockSubmodules(layer_specs=specs.layer_specs[layers.start:layers.stop],
+                                       layer_norm=specs.layer_norm)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_specs(config, dtype, moe_aux_loss_coeff=moe_aux_loss_coeff),
+        transformer_layer_spec=specs,
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        # At pp > 1 a tied embedding is two copies (see the module docstring): megatron's own tied setup
+        # all-reduces the copies at construction with a `.cuda()` call.
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and pp_size == 1,
         position_embedding_type="rope",  # inv_freq is replaced by HF's own below (exact llama3 scaling)
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
     )
     if cpu_shims.needs_cpu_shims():
         cpu_shims.keep_rotary_on_cpu(model.rotary_pos_emb, inv_freq=hf_inv_freq(hf_config))
@@ -130,8 +152,9 @@ def packed_seq_params(seq_lengths: Tensor, *, cp_size: int, cp_group=None):
 
 
 class MegatronBackbone(BackboneBase):
-    """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract. One pipeline
-    stage: it runs `BackboneBase.forward_backward`'s loop (the strategy's backward hooks reduce the gradients)."""
+    """The policy body as a megatron-core GPTModel; see the module docstring for the gradient contract. At pp = 1 it
+    runs `BackboneBase.forward_backward`'s loop (the strategy's backward hooks reduce the gradients); at pp > 1
+    megatron-core's pipeline schedule (`pipeline`)."""
 
     def __init__(self, hf_config, *, layout: ParallelLayout, seed: int = 0,
                  dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0,
@@ -146,8 +169,17 @@ class MegatronBackbone(BackboneBase):
         self.hf_config = hf_config
         self._layout = layout
         self.model = build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size,
-                                     ep_size=layout.ep_size, seed=seed, dtype=dtype,
-                                     moe_aux_loss_coeff=moe_aux_loss_coeff)
+                                     ep_size=layout.ep_size, pp_size=layout.pp_size, pp_rank=layout.pp_rank,
+                                     seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
+        self.stage_layers = stage_layers(hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank)
+        first, last = layout.pp_rank == 0, layout.is_last_stage
+        # a tied embedding split over stages: this stage's copy, summed with the other's after each schedule
+        self.tied_copy = None
+        if hf_config.tie_word_embeddings and layout.pp_size > 1:
+            self.tied_copy = self.model.embedding.word_embeddings.weight if first else self.model.output_layer.weight
+        self.stage = dict(layers=self.stage_layers, first=first, last=last,
+                          tied=bool(hf_config.tie_word_embeddings) and layout.pp_size > 1)
+        self._grad_syncs: list[GradSync] = []  # the strategy's data-parallel sums, run around the pipeline schedule
         sum_qk_norm_grads_over_tp(self.model, layout.tp_group)
         self.routing = megatron_moe_routing(hf_config)
         if routing_replay and self.routing is None:
@@ -168,7 +200,7 @@ class MegatronBackbone(BackboneBase):
         backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff,
                        routing_replay=routing_replay)
         load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=layout.tp_size,
-                     tp_rank=layout.tp_rank, ep_size=layout.ep_size, ep_rank=layout.ep_rank)
+                     tp_rank=layout.tp_rank, ep_size=layout.ep_size, ep_rank=layout.ep_rank, stage=backbone.stage)
         backbone.train(hf_model.training)
         return backbone
 
@@ -200,7 +232,51 @@ class MegatronBackbone(BackboneBase):
         if self._grad_owner is not None:
             return self._grad_owner.clip_grad_norm_(max_norm)
         return clip_grad_norm_(self.model.named_parameters(), max_norm, tp_group=self._layout.tp_group,
-                               ep_group=self._layout.ep_group)
+                               ep_group=self._layout.ep_group, pp_group=self._layout.pp_group,
+                               skip=self._norm_skips())
+
+    def _norm_skips(self) -> tuple[Tensor, ...]:
+        """The tied embedding's second copy (last stage at pp > 1): the norm counts the weight once."""
+        last_copy = self.tied_copy is not None and self._layout.is_last_stage and self._layout.pp_rank > 0
+        return (self.tied_copy,) if last_copy else ()
+
+    # ---- the pipeline schedule (pp > 1) ---------------------------------------------------------------------
+    def use_grad_syncs(self, syncs: list[GradSync]) -> None:
+        """The strategy's gradient sums over data-parallel ranks; at pp > 1 they run around the whole schedule
+        (megatron's schedule runs the backward passes itself, not through the module's `manual_backward`)."""
+        self._grad_syncs = list(syncs)
+
+    def forward_backward(self, micro_batches, step_fn: StepFn[T], *, backward=Tensor.backward) -> list[T]:
+        """pp = 1: `BackboneBase`'s loop. pp > 1: megatron-core's 1F1B schedule (`pipeline.run_schedule`),
+        `step_fn` on the last stage; then the tied embedding's copies and the data-parallel ranks sum their
+        gradients. Every stage returns the last stage's outputs."""
+        if self._layout.pp_size == 1:
+            return super().forward_backward(micro_batches, step_fn, backward=backward)
+        syncs = self._grad_syncs + self._tied_sync()
+        for sync in syncs:
+            sync.before()
+        outputs = run_schedule(self, micro_batches, step_fn, forward_only=False)
+        for sync in syncs:
+            sync.after()
+        return outputs
+
+    def forward_only(self, micro_batches, fn: ForwardFn[T]) -> list[T]:
+        if self._layout.pp_size == 1:
+            return super().forward_only(micro_batches, fn)
+
+        def last_stage(i: int, batch: PackedBatch, hidden: Tensor, weight: Tensor):
+            return hidden.new_zeros(()), fn(batch, hidden, weight)
+
+        with torch.no_grad():
+            return run_schedule(self, micro_batches, last_stage, forward_only=True)
+
+    def _tied_sync(self) -> list[GradSync]:
+        """Sums the tied embedding's two copies' gradients over megatron's embedding group (first + last stage)."""
+        if self.tied_copy is None:
+            return []
+        from megatron.core import parallel_state as ps
+
+        return [GradSync([self.tied_copy], ps.get_embedding_group())]
 
     def moe_stats(self) -> dict[str, Tensor]:
         """MoE load statistics of the last forward (`moe.moe_stats`); empty for dense models."""
@@ -214,17 +290,24 @@ class MegatronBackbone(BackboneBase):
         return self.model.output_layer.weight
 
     def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
-        """(hidden [T_local, H], weight shard [V_local, H]) for a `PackedBatch`; rows in the layout's CP order."""
+        """(hidden [T_local, H], weight shard [V_local, H]) for a `PackedBatch`; rows in the layout's CP order.
+        Whole models only (pp = 1): a pipeline stage's output is `stage_output`, run by the schedule."""
         layout = self._layout
+        if layout.pp_size > 1:
+            raise ValueError(
+                f"forward_hidden needs the whole model on this rank, and this backbone is pipeline stage "
+                f"{layout.pp_rank} of {layout.pp_size}; run micro-batches through forward_backward / forward_only, "
+                "which run the pipeline schedule"
+            )
         positions = layout.local_positions(batch.seq_lengths)
         tokens = cp_shard(batch.tokens, positions)  # padding rows hold token 0; they are never scored
         params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
         routes = batch_routes(batch, self.routing, replay=self.routing_replay, model=self.hf_config.model_type)
         self._agreement = None
         if routes is None or self.replay is None:
-            return self.hidden_states(tokens, params), self.output_weight()  # weight: exactly layout.vocab_range()
+            return self.hidden_states(tokens, params).squeeze(1), self.output_weight()  # exactly the vocab_range()
         with self.replay.using(cp_shard(routes.long(), positions, fill=NO_ROUTE)):  # rows as the routers see them
-            hidden = self.hidden_states(tokens, params)
+            hidden = self.hidden_states(tokens, params).squeeze(1)
             self._agreement = tuple(map(float, self.replay.agreement()))
         return hidden, self.output_weight()
 
@@ -234,21 +317,30 @@ class MegatronBackbone(BackboneBase):
         counts, which leaves the ratio unchanged; CP and data-parallel ranks hold disjoint tokens)."""
         return self._agreement
 
+    def stage_output(self, batch: PackedBatch) -> Tensor:
+        """This pipeline stage's output [T_local, 1, H] for a micro-batch (its input comes from the previous stage
+        through megatron's `set_input_tensor`, which the schedule calls); the last stage's is the final-norm
+        hidden states."""
+        layout = self._layout
+        positions = layout.local_positions(batch.seq_lengths)
+        params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
+        return self.hidden_states(cp_shard(batch.tokens, positions), params)
+
     def hidden_states(self, tokens: Tensor, params) -> Tensor:
-        """Final-norm hidden states [T_local, H] of local packed tokens [T_local]."""
+        """This stage's output [T_local, 1, H] of local packed tokens [T_local]: the final-norm hidden states on
+        the last stage (pp = 1: the whole model)."""
         model = self.model
         position_ids = torch.zeros_like(tokens)[None]  # unused by RoPE models; RoPE reads cu_seqlens
         decoder_input, rotary_pos_emb, *_ = model._preprocess(
             input_ids=tokens[None], position_ids=position_ids, packed_seq_params=params
         )
         pad = getattr(self.hf_config, "pad_token_id", None)
-        if pad is not None and decoder_input.requires_grad:
+        if pad is not None and decoder_input is not None and decoder_input.requires_grad:
             # HF embeds with nn.Embedding(padding_idx=pad_token_id): the pad row gets no gradient from the lookup
             # (only from a tied head). Mirror it so training matches the HF backbone step for step.
             is_pad = (tokens == pad)[:, None, None]  # [T_local, 1, 1] like decoder_input [T_local, 1, H]
             decoder_input.register_hook(lambda grad: grad.masked_fill(is_pad, 0.0))
-        hidden = model.decoder(
+        return model.decoder(  # decoder_input is None after the first stage: the decoder reads its input tensor
             hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=params,
         )
-        return hidden.squeeze(1)

@@ -184,14 +184,40 @@ def layer_to_hf(shards: list[Mapping[str, Tensor]], hf_config, *, layer: int, te
     return out
 
 
+def stage_state(state: Mapping[str, Tensor], *, layers: range, first: bool, last: bool,
+                tied: bool) -> dict[str, Tensor]:
+    """One pipeline stage's share of a whole model's Megatron state dict: its decoder layers renumbered from 0
+    (megatron names a stage's layers locally), the embedding on the first stage, the final norm and output layer
+    on the last. `tied`: the last stage holds its own copy of the tied embedding as `output_layer.weight`."""
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            if int(index) in layers:
+                out[MG_LAYER.format(i=int(index) - layers.start) + rest] = tensor
+        elif name.startswith("embedding."):
+            if first:
+                out[name] = tensor
+        elif last:
+            out[name] = tensor
+    if tied and last:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+    return out
+
+
 def load_hf_into(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config, *, tp_size: int,
-                 tp_rank: int, ep_size: int = 1, ep_rank: int = 0) -> None:
-    """Copy a full HF state dict into this rank's GPTModel parameters (strict on parameter names)."""
+                 tp_rank: int, ep_size: int = 1, ep_rank: int = 0, stage: dict | None = None) -> None:
+    """Copy a full HF state dict into this rank's GPTModel parameters (strict on parameter names); `stage`: this
+    pipeline stage's `stage_state` arguments (None: the whole model)."""
     params = dict(model.named_parameters())
     te_names = any(n.endswith("layer_norm_weight") for n in params)
-    vocab = params["embedding.word_embeddings.weight"].shape[0] * tp_size
+    vocab_rows = params.get("embedding.word_embeddings.weight", params.get("output_layer.weight"))
+    # a middle pipeline stage holds neither: its vocabulary size is never used
+    vocab = vocab_rows.shape[0] * tp_size if vocab_rows is not None else hf_config.vocab_size
     state = hf_to_megatron(hf_state, hf_config, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size,
                            ep_rank=ep_rank, padded_vocab_size=vocab, te_names=te_names)
+    if stage is not None:
+        state = stage_state(state, **stage)
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
         raise ValueError(f"HF -> Megatron name mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")

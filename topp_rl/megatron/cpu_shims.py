@@ -12,6 +12,13 @@ this. Each shim names the CUDA assumption it replaces:
 - `cuda_as_cpu`: megatron's gradient buffers and distributed optimizer allocate on `'cuda'` /
   `torch.cuda.current_device()` and check `'torch.cuda.FloatTensor'`-style type names; inside it they allocate
   on CPU and see the CUDA name of the same dtype (the same megatron code runs, on CPU tensors).
+- `pipeline_on_cpu`: megatron's pipeline schedule (`pipeline_parallel/schedules.py`,
+  `forward_backward_pipelining_without_interleaving`: `total_num_tokens = torch.zeros(..., device="cuda")`) and
+  its p2p layer (`p2p_communication.py`, `P2PCommunicator._communicate_shapes` / `_communicate`: shape and receive
+  buffers on `torch.cuda.current_device()`, then `torch.cuda.synchronize()` after `batch_isend_irecv`) assume
+  CUDA; inside it they allocate on CPU and the synchronize is a no-op (gloo's `wait()` has already completed the
+  transfer; the synchronize guards CUDA streams, which CPU tensors do not have). `batch_isend_irecv` itself runs
+  on gloo as it is.
 
 Departure from Megatron's CP: Megatron/TE run ring (p2p) attention; here each rank all-gathers K/V over the
 CP group (one collective, with a reduce-scatter of the K/V gradients in backward). Same values, simpler, and
@@ -72,6 +79,16 @@ def cuda_as_cpu() -> Iterator[None]:
         yield
         return
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), _CudaAsCpu():
+        yield
+
+
+@contextlib.contextmanager
+def pipeline_on_cpu() -> Iterator[None]:
+    """Run megatron-core's pipeline schedule and p2p communication on CPU (see module docstring)."""
+    if not needs_cpu_shims():
+        yield
+        return
+    with mock.patch.object(torch.cuda, "synchronize", lambda device=None: None), cuda_as_cpu():
         yield
 
 

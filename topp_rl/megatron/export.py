@@ -5,6 +5,10 @@ call these functions, also those that hold no engine), then `convert.megatron_to
 The result is bit-exact (pure indexing). Engines receive it as `Backbone.hf_named_tensors()`, which `WeightSync`
 hands to their `update_weights` (the embedded engine copies in memory; the SGLang engine writes safetensors for
 `/update_weights_from_disk`).
+Pipeline stages (pp > 1): each stage exports its own layers (renumbered to the model's global indices) and its
+embedding or head, and every stage receives every other stage's share over the pipeline group, one stage at a time
+(a collective over the pipeline group too), so every rank sees the whole model, as at pp = 1. A tied embedding's
+second copy on the last stage is not exported (the first stage's embedding is the weight).
 Layers are exported one at a time (`hf_named_tensors`), so peak extra memory is one layer's full weights plus
 the embeddings, not a second copy of the model.
 """
@@ -20,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from topp_rl.megatron.convert import layer_to_hf, outer_to_hf
+from topp_rl.megatron.convert import MG_LAYER, layer_to_hf, outer_to_hf
 
 
 def _gather(t: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
@@ -59,17 +63,33 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
     EP group too. Tied models yield `lm_head.weight` only when the HF config unties it (HF ties it to
     `model.embed_tokens.weight` itself).
     """
+    layout = backbone.layout
+    tp_group = tp_group if tp_group is not None else layout.tp_group
+    if layout.pp_size == 1:
+        yield from _stage_named_tensors(backbone, tp_group=tp_group, grads=grads)
+        return
+    for stage in range(layout.pp_size):
+        mine = dict(_stage_named_tensors(backbone, tp_group=tp_group, grads=grads)) if stage == layout.pp_rank else None
+        box = [mine]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(layout.pp_group, stage), group=layout.pp_group)
+        yield from box[0].items()
+
+
+def _stage_named_tensors(backbone, *, tp_group, grads: bool) -> Iterator[tuple[str, Tensor]]:
+    """`hf_named_tensors` of this pipeline stage's own weights (all of them at pp = 1)."""
     model, hf_config = backbone.model, backbone.hf_config
-    tp_group = tp_group if tp_group is not None else backbone.layout.tp_group
     ep_group = backbone.layout.ep_group
     te = _te_names(model)
+    offset = backbone.stage_layers.start
 
     def value(p: torch.nn.Parameter) -> Tensor:
         if not grads:
             return p.detach()
         return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
 
-    params = {n: value(p) for n, p in model.named_parameters()}
+    params = {_global_name(n, offset): value(p) for n, p in model.named_parameters()}
+    if backbone.layout.pp_size > 1 and hf_config.tie_word_embeddings:
+        params.pop("output_layer.weight", None)  # the tied embedding's second copy (last stage)
     by_layer: dict[int, dict[str, Tensor]] = {}
     for name, tensor in params.items():
         layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else -1
@@ -84,10 +104,36 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
             expert_shards = [[{**s, **e} for s, e in zip(shards, _gathered_shards(ep_part, tp_group), strict=True)]
                              for ep_part in by_ep]
         yield from layer_to_hf(shards, hf_config, layer=layer, te_names=te, expert_shards=expert_shards).items()
-    for name, tensor in outer_to_hf(_gathered_shards(by_layer[-1], tp_group), hf_config).items():
+    outer = _gathered_shards(by_layer.get(-1, {}), tp_group)
+    if backbone.layout.pp_size > 1:
+        yield from _outer_stage_to_hf(outer, hf_config).items()
+        return
+    for name, tensor in outer_to_hf(outer, hf_config).items():
         if name == "lm_head.weight" and hf_config.tie_word_embeddings:
             continue  # HF ties it to model.embed_tokens.weight
         yield name, tensor
+
+
+def _global_name(name: str, offset: int) -> str:
+    """A stage's `decoder.layers.{local}.*` under the model's global layer index."""
+    if not offset or not name.startswith("decoder.layers."):
+        return name
+    index, rest = name[len("decoder.layers."):].split(".", 1)
+    return MG_LAYER.format(i=int(index) + offset) + rest
+
+
+def _outer_stage_to_hf(shards: list[dict[str, Tensor]], hf_config) -> dict[str, Tensor]:
+    """The embedding (first stage), final norm and untied output layer (last stage) a stage holds, under HF names."""
+    vocab, out = hf_config.vocab_size, {}
+    if not shards:
+        return out
+    if "embedding.word_embeddings.weight" in shards[0]:
+        out["model.embed_tokens.weight"] = torch.cat([s["embedding.word_embeddings.weight"] for s in shards])[:vocab]
+    if "decoder.final_layernorm.weight" in shards[0]:
+        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+    if "output_layer.weight" in shards[0]:
+        out["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in shards])[:vocab]
+    return out
 
 
 def hf_state_dict(backbone, *, tp_group=None, grads: bool = False) -> dict[str, Tensor]:

@@ -9,6 +9,8 @@
   would compute on the HF model: TP-sharded parameters (Megatron's `tensor_model_parallel` attribute) contribute
   their shard's squares summed over the TP group; replicated ones (norms) count once; MoE experts (split over EP,
   and over TP as expert tensor parallelism = TP) are summed over TP and EP. Same clip rule as torch.
+- Pipeline stages hold disjoint layers: their squared norms add up over the pipeline group (`pp_group`); a tied
+  embedding's second copy on the last stage is left out (`skip`), so the weight counts once.
 - Experts see the tokens of every rank in their TP x EP group (the dispatcher gathers them), so their gradient
   is summed over the expert-data-parallel group instead (the strategy gives them their own `GradSync`).
 """
@@ -65,12 +67,12 @@ def _all_reduce(t: Tensor, group: dist.ProcessGroup | None) -> None:
         dist.all_reduce(t, group=group)
 
 
-def grad_norm(named_params, *, tp_group: dist.ProcessGroup | None,
-              ep_group: dist.ProcessGroup | None = None) -> Tensor:
+def grad_norm(named_params, *, tp_group: dist.ProcessGroup | None, ep_group: dist.ProcessGroup | None = None,
+              pp_group: dist.ProcessGroup | None = None, skip: tuple[Tensor, ...] = ()) -> Tensor:
     """Global 2-norm of the full model's gradient from (name, parameter) pairs (see module docstring)."""
     sharded, replicated, experts = (torch.zeros((), dtype=torch.float64) for _ in range(3))
     for name, p in named_params:
-        if p.grad is None:
+        if p.grad is None or any(p is s for s in skip):
             continue
         sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(name):
@@ -82,15 +84,18 @@ def grad_norm(named_params, *, tp_group: dist.ProcessGroup | None,
     _all_reduce(experts, ep_group)
     sharded += experts  # experts are split over TP too (expert tensor parallel size = TP)
     _all_reduce(sharded, tp_group)
-    return (sharded + replicated).sqrt()
+    total = sharded + replicated
+    _all_reduce(total, pp_group)
+    return total.sqrt()
 
 
 def clip_grad_norm_(named_params, max_norm: float, *, tp_group: dist.ProcessGroup | None,
-                    ep_group: dist.ProcessGroup | None = None) -> float:
+                    ep_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
+                    skip: tuple[Tensor, ...] = ()) -> float:
     """Clip in place like `torch.nn.utils.clip_grad_norm_` on the unsharded model; return the norm before clipping."""
     named = [(n, p) for n, p in named_params if p.grad is not None]
     params = [p for _, p in named]
-    total = grad_norm(named, tp_group=tp_group, ep_group=ep_group)
+    total = grad_norm(named, tp_group=tp_group, ep_group=ep_group, pp_group=pp_group, skip=skip)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))

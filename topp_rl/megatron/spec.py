@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from topp_rl.megatron import cpu_shims, moe
 from topp_rl.megatron.hf_config import attention_window, head_dim, model_type, moe_layers, qk_norm, qkv_bias
+from topp_rl.megatron.pipeline import pipeline_config_fields
 
 
 def use_transformer_engine(dtype: torch.dtype) -> bool:
@@ -81,9 +82,10 @@ def _moe_fields(hf_config, *, ep_size: int, te: bool) -> dict:
     )
 
 
-def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1,
+def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, pp_size: int = 1,
                        dtype: torch.dtype = torch.float32):
-    """megatron-core TransformerConfig equivalent to `hf_config` (dropout 0)."""
+    """megatron-core TransformerConfig equivalent to `hf_config` (dropout 0); at pp_size > 1 with the pipeline
+    schedule's fields (`pipeline.pipeline_config_fields`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_type(hf_config)
@@ -124,7 +126,7 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **_moe_fields(hf_config, ep_size=ep_size, te=te),
+        **(pipeline_config_fields(pp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)),
         **extra,
     )
 

@@ -21,7 +21,14 @@ What it adds to `DDPStrategy`:
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError); with the
   distributed optimizer, per rank, restoring at the same world / TP / CP.
 
-Departures from NeMo's MegatronStrategy: no pipeline parallelism, no `dist_checkpointing` (CUDA-only in
+Pipeline parallelism (`pp_size` > 1): megatron's pipeline groups; each rank's backbone holds its stage and runs
+megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-parallel gradient sums run around the
+schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
+a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
+weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. Refused at
+start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet).
+
+Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
 megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
 
 Seams: the module reaches the backbone only through the `Backbone` protocol; its `hf_named_tensors()` (for
@@ -68,6 +75,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
+        if pp_size > 1 and distributed_optimizer:
+            raise ValueError(
+                f"parallel.distributed_optimizer=true with parallel.pp_size={pp_size}: megatron's distributed "
+                "optimizer is not wired through the pipeline schedule yet; set parallel.distributed_optimizer=false "
+                "(AdamW state then stays on each pipeline stage, a 1/pp share of the model)"
+            )
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
@@ -87,7 +100,9 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size,
-                                     expert_model_parallel_size=self.ep_size)
+                                     expert_model_parallel_size=self.ep_size,
+                                     pipeline_model_parallel_size=self.pp_size)
+        self._replica_group = _replica_group(self.plan) if self.pp_size > 1 else None
 
     @property
     def dp_size(self) -> int:
@@ -105,12 +120,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     def rollout_peers(self) -> RolloutPeers:
-        """This rank's TP x CP peers (they train on one rollout) and their source, TP rank 0 / CP rank 0."""
+        """This rank's TP x CP (x PP) peers (they train on one rollout) and their source, the replica's first rank."""
         from megatron.core import parallel_state as ps
 
-        if self.tp_size * self.cp_size == 1:
+        if self.plan.model_parallel == 1:
             return RolloutPeers()
-        group = ps.get_tensor_and_context_parallel_group()
+        group = self._replica_group if self.pp_size > 1 else ps.get_tensor_and_context_parallel_group()
         return RolloutPeers(group=group, source=dist.get_global_rank(group, 0))
 
     # ---- model ----------------------------------------------------------------------------------------------
@@ -165,6 +180,9 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         self._grad_syncs = [GradSync(dense, ps.get_data_parallel_group(with_context_parallel=True))]
         if experts:
             self._grad_syncs.append(GradSync(experts, ps.get_expert_data_parallel_group()))
+        if self.pp_size > 1:  # megatron's schedule runs the backward passes: the backbone runs the sums around it
+            self.lightning_module.policy.use_grad_syncs(self._grad_syncs)
+            self._grad_syncs = []
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -210,7 +228,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             if backbone.hf_config.tie_word_embeddings:
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
             load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
-                         tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank)
+                         tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank,
+                         stage=backbone.stage)
 
     def _layout_key(self) -> tuple[int, int, int]:
         return dist.get_world_size(), self.tp_size, self.cp_size
@@ -225,6 +244,13 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, local)
             return {"megatron_distributed_optimizer": self._layout_key(), "per_rank": per_rank}
+        if self.pp_size > 1:  # every (PP, TP) rank's state, to every rank
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ((layout.pp_rank, layout.tp_rank), local))
+            by_rank = dict(gathered)
+            return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size":
+                    self.pp_size, "per_pp_tp_rank": [by_rank[(p, t)] for p in range(self.pp_size)
+                                                      for t in range(self.tp_size)]}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
@@ -242,12 +268,15 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             if self.distributed_optimizer or "megatron_distributed_optimizer" in state:
                 wrapped.append(self._sharded_state(state))
                 continue
-            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1))
-            if saved != (self.tp_size, self.ep_size):
+            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1))
+            if saved != (self.tp_size, self.ep_size, self.pp_size):
                 raise ValueError(
-                    f"optimizer state was saved at (tp_size, ep_size)={saved}, this run has "
-                    f"{(self.tp_size, self.ep_size)}; resume at the saved sizes, or {WEIGHTS_ONLY_WAY_OUT}"
+                    f"optimizer state was saved at (tp_size, ep_size, pp_size)={saved}, this run has "
+                    f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at the saved sizes, or {WEIGHTS_ONLY_WAY_OUT}"
                 )
+            if self.pp_size > 1:
+                wrapped.append(state["per_pp_tp_rank"][self.layout.pp_rank * self.tp_size + self.layout.tp_rank])
+                continue
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
 
@@ -261,6 +290,21 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                 f"the saved layout and setting; resume with them, or {WEIGHTS_ONLY_WAY_OUT}"
             )
         return state["per_rank"][dist.get_rank()]
+
+
+def _replica_group(plan: ParallelPlan) -> dist.ProcessGroup:
+    """The ranks of this rank's data-parallel replica (TP x CP x PP: they train on one rollout). Every rank creates
+    every replica's group, in data-parallel rank order (`new_group` is collective over the world)."""
+    from megatron.core import parallel_state as ps
+
+    dp_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank(with_context_parallel=False))
+    mine = None
+    for dp in range(plan.dp):
+        group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp])
+        if dp == dp_ranks[dist.get_rank()]:
+            mine = group
+    return mine
 
 
 def _backbone_slots(module) -> list[str]:

@@ -123,9 +123,10 @@ class ParallelLayout:
         start = self.tp_rank * self.vocab_shard_size
         return start, start + self.vocab_shard_size
 
-    def describe(self, *, world_size: int) -> str:
-        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `pp=2` appended when pipelined,
-        `fsdp=4` when sharded."""
+    def describe(self, *, world_size: int, num_layers: int | None = None) -> str:
+        """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `fsdp=4` when sharded; when
+        pipelined, `pp=2` and, given the model's `num_layers`, each stage's layers (embedding on the first stage,
+        head and scoring on the last), e.g. `pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]`."""
         model_parallel = self.tp_size * self.cp_size * self.pp_size
         if world_size % model_parallel:
             raise ValueError(
@@ -140,12 +141,25 @@ class ParallelLayout:
             )
         mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
         pp = f" pp={self.pp_size}" if self.pp_size > 1 else ""
+        if pp and num_layers is not None:
+            pp += f" [{pipeline_stages(num_layers, self.pp_size)}]"
         fsdp = f" fsdp={self.fsdp_size}" if self.fsdp_size > 1 else ""
         return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}{pp}{fsdp}"
 
     def local_positions(self, seq_lengths: torch.Tensor) -> torch.Tensor:
         """`cp_local_positions` for this rank: packed-stream position of each local row, -1 for padding."""
         return cp_local_positions(seq_lengths, cp_size=self.cp_size, cp_rank=self.cp_rank, mode=self.cp_mode)
+
+
+def pipeline_stages(num_layers: int, pp_size: int) -> str:
+    """`stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head` (megatron-core's even split)."""
+    per = num_layers // pp_size
+    stages = []
+    for s in range(pp_size):
+        text = f"layers {s * per}-{(s + 1) * per - 1}" if per > 1 else f"layer {s * per}"
+        text = ("embedding + " if s == 0 else "") + text + (" + head" if s == pp_size - 1 else "")
+        stages.append(f"stage {s}: {text}")
+    return " | ".join(stages)
 
 
 def _check_rank(dim: str, size: int, rank: object) -> None:

@@ -5,7 +5,8 @@ themselves (the per-rank groups and coordinates are `ParallelLayout`'s, built fr
 
 Rules (megatron-core's): world = dp x pp x cp x tp; the experts spread over the data x context ranks of a
 stage (ep divides dp x cp), with expert TP = tp. FSDP shards the HF model over data-parallel ranks only, so it
-combines with none of tp / cp / ep / pp. Pipeline parallelism is a field already; only pp=1 is built.
+combines with none of tp / cp / ep / pp. Pipeline parallelism (pp) splits the decoder layers into pp equal stages
+(`stage_layers`), so the model's layer count must divide by pp (`check_layers`, once the model is known).
 """
 
 from dataclasses import dataclass
@@ -30,6 +31,21 @@ def check_sizes(**sizes: int) -> None:
                   if name != "world" else "set trainer.devices and trainer.num_nodes to 1 or more")
 
 
+def check_layers(num_layers: int, pp: int) -> None:
+    """Every pipeline stage holds the same number of decoder layers (megatron-core's even split)."""
+    if num_layers % pp:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        _fail("pp", pp, f"a divisor of the model's layer count (num_hidden_layers={num_layers}: every pipeline "
+              "stage holds the same number of layers)", f"use parallel.pp_size in {divisors}")
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """The (global, 0-based) decoder layers of pipeline stage `pp_rank`."""
+    check_layers(num_layers, pp)
+    per = num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """The run's parallel sizes, valid together (checked at construction); `dp` is derived."""
@@ -46,10 +62,6 @@ class ParallelPlan:
         check_sizes(world=self.world, tp=self.tp, cp=self.cp, ep=self.ep, pp=self.pp)
         if self.cp_mode not in CP_MODES:
             _fail("cp_mode", self.cp_mode, f"one of {', '.join(CP_MODES)}", "use parallel.cp_mode=zigzag")
-        if self.pp != 1:
-            _fail("pp", self.pp, "1 (pipeline parallelism is not built yet)",
-                  "set parallel.pp_size=1; tensor (parallel=tp2), context (cp2) and expert (ep2) parallelism or FSDP "
-                  "split a model over ranks today")
         if self.fsdp:
             for name in SIZES:
                 if getattr(self, name) != 1:
@@ -73,6 +85,10 @@ class ParallelPlan:
     def dp(self) -> int:
         """Data-parallel size: the number of rollout shares a step's prompts are split into."""
         return self.world // self.model_parallel
+
+    def check_layers(self, num_layers: int) -> None:
+        """The decoder layers split evenly over the pipeline stages (megatron-core's even split)."""
+        check_layers(num_layers, self.pp)
 
     def check_prompts(self, prompts_per_step: int) -> None:
         """Every data-parallel rank gets whole prompt groups."""

@@ -9,6 +9,8 @@
 Config: `algo.advantage` is a `_target_` entry naming one of these classes. `group_relative` tells config
 validation whether the estimator compares samples of one prompt (and so needs `rollout.n_samples >= 2`).
 `informative_groups` drops the groups whose rewards are all equal (`data.drop_zero_variance_groups`).
+`trajectory_advantages` applies an estimator per trajectory: a multi-turn trajectory split into several samples
+(a prefix break) is ONE reward in its group's statistics, and each of its samples gets the trajectory's advantage.
 """
 
 from collections.abc import Callable
@@ -107,6 +109,30 @@ class NoBaseline:
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
         return rewards.float()
+
+
+def trajectory_advantages(estimator: AdvantageEstimator, samples: list[Sample], *,
+                          reduce: Reduce = _identity) -> torch.Tensor:
+    """One advantage per sample, computed over trajectories: the samples that share `metadata["trajectory"]`
+    (a multi-turn step's, `topp_rl.rollout.trajectory`) count once in the estimator's group or batch statistics
+    and all get that trajectory's advantage; a sample without it is a trajectory of its own."""
+    position: dict[object, int] = {}  # trajectory key -> its place among `heads`
+    heads: list[Sample] = []  # each trajectory's first sample
+    owner = []
+    for i, s in enumerate(samples):
+        key = ("trajectory", s.metadata["trajectory"]) if "trajectory" in s.metadata else ("sample", i)
+        if key not in position:
+            position[key] = len(heads)
+            heads.append(s)
+        head = heads[position[key]]
+        if head.reward != s.reward or head.group_index != s.group_index:
+            raise ValueError(f"samples {head.index} and {s.index} of trajectory {key[1]} differ in reward "
+                             f"({head.reward} vs {s.reward}) or group; a trajectory's samples share both")
+        owner.append(position[key])
+    rewards = torch.tensor([float(s.reward) for s in heads], dtype=torch.float64)
+    groups = torch.tensor([s.group_index for s in heads], dtype=torch.long)
+    owner_t = torch.tensor(owner, dtype=torch.long)
+    return estimator(rewards, groups, reduce=reduce)[owner_t]
 
 
 def informative_groups(live: list[Sample], *, drop: bool) -> tuple[list[Sample], int, int]:

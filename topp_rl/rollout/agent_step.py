@@ -4,8 +4,9 @@ Each record starts `params.n` trajectories, each with an `Episode` of the config
 (`topp_rl.tasks.environment`). Rounds run every live trajectory's next turn at once: ONE `engine.generate` call
 (n=1 per prompt) over the running ids of all waiting trajectories (prompt + every earlier turn's exact ids:
 never re-tokenised), then every episode's answer concurrently (async episodes on one event loop, sync ones on
-threads), each call bounded by `env_timeout_s`. A trajectory is one `Sample` (`topp_rl.rollout.trajectory`):
-model tokens train, environment tokens have loss mask 0. Budgets: `max_turns` model turns and
+threads), each call bounded by `env_timeout_s`. A trajectory is one `Sample` (`topp_rl.rollout.trajectory`), or
+several when the engine answered other ids than the running ones (a prefix break starts a new sample): model tokens
+train, environment tokens have loss mask 0. Budgets: `max_turns` model turns and
 `max_trajectory_tokens` response tokens (model + environment); a trajectory that reaches one ends (status
 truncated, counted). An environment call that raises or times out ends only its trajectory (reward 0, counted);
 more than `max_failed_frac` of a step's trajectories failing raises. Rewards come from the episodes.
@@ -15,8 +16,6 @@ template each turn), and environment tokens never get a log-prob or a candidate 
 MoE routes: the last model turn's call covers the whole transcript (`topp_rl.rollout.trajectory`).
 Distributed: the failure share is checked by `check` after the samples reached every rank (`RolloutStep.check`,
 summed over DP ranks), so every rank raises alike; trajectory numbers are step-global (`score`).
-Not yet: prefix breaks (a turn whose ids do not extend the previous ones) end the trajectory as failed instead
-of starting a new sample.
 """
 
 from __future__ import annotations
@@ -29,17 +28,16 @@ import numpy as np
 import torch
 
 from topp_rl.data import PromptRecord, SamplingParams
-from topp_rl.data.sample import Sample, SampleStatus, number_samples
+from topp_rl.data.sample import Sample
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.rollout.step import RolloutStep, Stats
 from topp_rl.rollout.trajectory import (
     END_ABORTED,
-    END_MAX_TOKENS,
-    END_MAX_TURNS,
     FAIL_ERROR,
-    FAIL_PREFIX,
     FAIL_TIMEOUT,
     Trajectory,
+    score_trajectories,
+    trajectory_stats,
 )
 from topp_rl.tasks import Task
 from topp_rl.tasks.environment import Environment, EnvTimeout, call_env, reward_value
@@ -72,7 +70,8 @@ class AgentLoopStep(RolloutStep):
             return _run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
 
     async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
-        trajs = [Trajectory(record=r, sample=Sample(prompt_ids=r.prompt_ids)) for r in records for _ in range(params.n)]
+        trajs = [Trajectory(record=r, samples=[Sample(prompt_ids=r.prompt_ids)]) for r in records
+                 for _ in range(params.n)]
         await asyncio.gather(*(self._guard(t, self._start(t)) for t in trajs))
         turn = dataclasses.replace(params, n=1)
         rounds = 0
@@ -88,7 +87,7 @@ class AgentLoopStep(RolloutStep):
             await asyncio.gather(*jobs)
         await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs
                                if t.episode is not None and not t.failed and t.end != END_ABORTED))
-        return [t.finish(trajectory=i) for i, t in enumerate(trajs)]
+        return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
 
     async def _start(self, t: Trajectory) -> None:
         t.episode = await call_env(self.environment.start, t.record, timeout_s=self.env_timeout_s)
@@ -110,16 +109,13 @@ class AgentLoopStep(RolloutStep):
             t.fail(FAIL_TIMEOUT, str(e))
         except Exception as e:  # any error of the environment's code: counted, never fatal on its own
             t.fail(FAIL_ERROR, f"{type(e).__name__}: {e}")
-        if t.failed:
-            t.reward = 0.0
-            if t.sample.response_length == 0:  # failed before the model wrote a token: nothing to train on
-                t.sample.status = SampleStatus.ABORTED
 
     def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
         """Raise when more than `max_failed_frac` of the step's trajectories failed (`reduce_sum`: sums a tensor
         over the DP ranks, so every rank decides alike on the step's counts; None: this rank's own)."""
-        failed = [s for s in samples if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX)]
-        counts = torch.tensor([float(len(failed)), float(len(samples))], dtype=torch.float64)
+        firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]  # one per trajectory
+        failed = [s for s in firsts if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT)]
+        counts = torch.tensor([float(len(failed)), float(len(firsts))], dtype=torch.float64)
         n_failed, total = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
         if n_failed > self.max_failed_frac * total:
             first = (f"{failed[0].metadata['end']}: {failed[0].metadata.get('env_error')}" if failed
@@ -132,38 +128,11 @@ class AgentLoopStep(RolloutStep):
     # ----- score: the episodes' rewards -----
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
               tokenizer: Any, first_group: int = 0) -> list[Sample]:
-        number_samples(samples, prompts=len(records), n=params.n, first_group=first_group)
-        for s in samples:
-            s.metadata["trajectory"] += first_group * params.n  # step-global, like the sample's index
-            s.metadata.setdefault("answer", records[s.group_index - first_group].answer)
-            if s.status != SampleStatus.ABORTED:
-                s.reward = float(s.metadata["env_reward"])
-                # The episode's other reward entries, logged as rollout/reward/<key>_mean (RolloutStats).
-                info = s.metadata.get("env_reward_info", {})
-                s.metadata["rewards"] = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
+        score_trajectories(samples, records, n=params.n, first_group=first_group)
         return samples
 
     def stats(self, samples: list[Sample]) -> Stats:
-        ends = [s.metadata["end"] for s in samples]
-
-        def count(kind: str) -> tuple[float, float]:  # per step of a rank (averaged over DP ranks)
-            return float(ends.count(kind)), 1.0
-
-        failed = sum(e in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX) for e in ends)
-        trajectories = len({s.metadata["trajectory"] for s in samples})
-        return {
-            "rollout/turns_mean": (float(sum(s.metadata["turns"] for s in samples)), float(len(samples))),
-            "rollout/env_tokens_frac": (float(sum(s.metadata["env_tokens"] for s in samples)),
-                                        float(sum(s.response_length for s in samples))),
-            # one sample per trajectory until prefix breaks start new samples
-            "rollout/samples_per_trajectory_mean": (float(len(samples)), float(trajectories)),
-            "rollout/prefix_breaks": count(FAIL_PREFIX),
-            "rollout/env_errors": count(FAIL_ERROR),
-            "rollout/env_timeouts": count(FAIL_TIMEOUT),
-            "rollout/trajectories_failed": (float(failed), 1.0),
-            "rollout/max_turns_ended": count(END_MAX_TURNS),
-            "rollout/max_tokens_ended": count(END_MAX_TOKENS),
-        }
+        return trajectory_stats(samples)
 
 
 def _run(coro):

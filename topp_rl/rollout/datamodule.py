@@ -42,7 +42,12 @@ from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.collectives import DataParallelCollectives
 from topp_rl.parallel.peers import RolloutPeers
-from topp_rl.rollout.advantages import AdvantageEstimator, GroupAdvantage, informative_groups
+from topp_rl.rollout.advantages import (
+    AdvantageEstimator,
+    GroupAdvantage,
+    informative_groups,
+    trajectory_advantages,
+)
 from topp_rl.rollout.broadcast import share_samples
 from topp_rl.rollout.overlap import Prefetcher, versioned
 from topp_rl.rollout.packing import pack_samples
@@ -243,9 +248,8 @@ class RolloutDataModule(L.LightningDataModule):
         live = [s for s in samples if s.status != SampleStatus.ABORTED]
         train, dropped, groups = informative_groups(live, drop=self.drop_zero_variance_groups)
         dp = self.collectives
-        rewards = torch.tensor([float(s.reward) for s in train], dtype=torch.float64)
-        group_ids = torch.tensor([s.group_index for s in train], dtype=torch.long)
-        adv = self.advantage(rewards, group_ids, reduce=dp.sum)
+        # Per trajectory: a multi-turn trajectory split into several samples is one reward in its group's statistics.
+        adv = trajectory_advantages(self.advantage, train, reduce=dp.sum)
         totals = dp.sum(torch.tensor(
             [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train)], dtype=torch.float64))
         if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective

@@ -1,16 +1,19 @@
-"""One multi-turn trajectory of the agent loop (`topp_rl.rollout.agent_step`): a single `Sample` whose response
-holds the model's turns (trainable, with their recorded log-probs and candidate sets) and the environment's
-output between them (loss mask 0, log-prob 0, empty = unrestricted candidate rows), and the rules that end it.
+"""One multi-turn trajectory (`topp_rl.rollout.agent_step`, `topp_rl.rollout.endpoint`): one or more `Sample`s
+whose responses hold the model's turns (trainable, with their recorded log-probs and candidate sets) and the
+environment's output between them (loss mask 0, log-prob 0, empty = unrestricted candidate rows), and the rules
+that end it.
 
-The token rule: the running ids (`sample.tokens`: the prompt, then every earlier turn's exact ids) are what the
-engine is given for the next turn, so nothing is ever re-tokenised; environment text is tokenised once, here.
+The token rule: a turn's prompt ids either extend the running sample's ids exactly (its prompt, then every
+earlier turn's exact ids: the extra ids are environment tokens) and the turn joins that sample, or they do not
+(a prefix break: the history was rewritten) and the turn starts a new sample of the same trajectory, whose prompt
+is those ids. Every sample of a trajectory gets the trajectory's reward (`extend_to`, `finish`).
 
 MoE routes: an engine records routes per `generate` call, for every token that call fed through the model (its
 prompt, i.e. the whole transcript so far, and its response but the last token). The last model turn's call
-therefore covers every earlier turn, the environment's tokens included; the trajectory keeps that call's routes,
+therefore covers every earlier turn, the environment's tokens included; each sample keeps its last call's routes,
 cut to the sample (`trajectory_routes`). The embedded engine recomputes the prefix each call; SGLang 0.5.23
 reads a cached prefix's routes from the KV slots' capture (`srt/state_capturer`), i.e. the forward whose KV
-later tokens attended to. A trajectory that holds environment tokens after its last model turn (it failed after
+later tokens attended to. A sample that holds environment tokens after its last model turn (it failed after
 them) goes without routes (the trainer routes it itself, as packing does for any sample without routes).
 """
 
@@ -28,21 +31,35 @@ from topp_rl.tasks.environment import EnvOutput, Episode, ModelTurn
 # Why a trajectory ended: the episode ended it, a budget, or the engine aborted it (never trained on) ...
 END_ENV, END_MAX_TURNS, END_MAX_TOKENS, END_ABORTED = "env", "max_turns", "max_tokens", "aborted"
 # ... or it failed (reward 0, counted in rollout/trajectories_failed).
-FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX = "env_error", "env_timeout", "prefix_break"
+FAIL_ERROR, FAIL_TIMEOUT = "env_error", "env_timeout"
 
 
 @dataclass(eq=False)
 class Trajectory:
     record: PromptRecord
-    sample: Sample
+    samples: list[Sample] = field(default_factory=list)  # the running one last; none before the first turn
     episode: Episode | None = None
     turns: int = 0
     env_tokens: int = 0
+    prefix_breaks: int = 0  # turns that started a new sample
     end: str | None = None  # None while it runs
     error: str | None = None  # the failure's message
     reward: float = 0.0
     reward_info: dict[str, Any] = field(default_factory=dict)
-    routes: torch.Tensor | None = None  # the latest model turn's call's routes (MoE engines that record them)
+    status: SampleStatus | None = None  # set on every sample at the end (TRUNCATED: ended by a budget)
+    # Per sample (by position), its latest model turn's call's routes (MoE engines that record them); a Sample
+    # takes routes only once complete.
+    routes: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sample(self) -> Sample:
+        """The running sample (the latest)."""
+        return self.samples[-1]
+
+    @property
+    def response_tokens(self) -> int:
+        """Response tokens (model + environment) over all the trajectory's samples: what the budget counts."""
+        return sum(s.response_length for s in self.samples)
 
     @property
     def live(self) -> bool:
@@ -50,29 +67,53 @@ class Trajectory:
 
     @property
     def failed(self) -> bool:
-        return self.end in (FAIL_ERROR, FAIL_TIMEOUT, FAIL_PREFIX)
+        return self.end in (FAIL_ERROR, FAIL_TIMEOUT)
 
     def fail(self, kind: str, message: str) -> None:
-        self.end, self.error = kind, message
+        """End it as failed (reward 0); with no model token yet there is nothing to train on (aborted)."""
+        self.end, self.error, self.reward = kind, message, 0.0
+        if self.response_tokens == 0:
+            self.status = SampleStatus.ABORTED
+            for s in self.samples:
+                s.status = SampleStatus.ABORTED
+
+    def extend_to(self, ids: list[int]) -> list[int]:
+        """Make the running sample's ids `ids` (the prompt of the next model turn): when they extend its ids exactly
+        the extra ids are appended as environment tokens (returned); otherwise a new sample starts with prompt
+        `ids` (a prefix break, counted, unless it is the trajectory's first sample)."""
+        ids = [int(t) for t in ids]
+        if self.samples:
+            have = self.sample.tokens
+            if ids[: len(have)] == have:
+                extra = ids[len(have):]
+                if extra:
+                    self.sample.append_response_tokens(extra, trainable=False)
+                    self.env_tokens += len(extra)
+                return extra
+            self.prefix_breaks += 1
+        self.samples.append(Sample(prompt_ids=ids))
+        return []
 
     def add_model_turn(self, out: Sample, sent: list[int], *, max_tokens: int, tokenizer: Any) -> ModelTurn | None:
-        """Append the engine's turn (cut to the token budget); None when the engine did not answer `sent` itself
-        (a prefix break: its log-probs would be conditioned on other ids) or aborted."""
+        """Append the engine's turn (cut to the token budget); None when the engine aborted. The turn belongs
+        to the ids the engine conditioned it on (`out.prompt_ids`): when they are not `sent` (the running ids), the
+        turn starts a new sample (a prefix break) rather than train log-probs conditioned on other ids."""
         if out.prompt_ids != sent:
-            self.fail(FAIL_PREFIX, f"the engine answered {len(out.prompt_ids)} prompt ids, not the {len(sent)} sent")
-            return None
+            self.extend_to(out.prompt_ids)
         if out.status == SampleStatus.ABORTED:
-            self.sample.status, self.end = SampleStatus.ABORTED, END_ABORTED
+            for s in self.samples:  # no reward comes: none of the trajectory's samples trains
+                s.status = SampleStatus.ABORTED
+            self.end = END_ABORTED
             self.sample.metadata["finish_reason"] = out.metadata.get("finish_reason")
             return None
-        keep = min(out.response_length, max_tokens - self.sample.response_length)  # budget cuts are exact
+        keep = min(out.response_length, max_tokens - self.response_tokens)  # budget cuts are exact
         ids = out.response_ids[:keep]
         self.sample.append_response_tokens(
             ids, out.rollout_log_probs[:keep], out.candidates[:keep] if out.candidates is not None else None,
             raw_log_probs=out.rollout_raw_log_probs[:keep] if out.rollout_raw_log_probs is not None else None)
         self.turns += 1
         if out.routes is not None:
-            self.routes = out.routes
+            self.routes[len(self.samples) - 1] = out.routes  # this sample's latest call (set on it in `finish`)
         finished = out.status == SampleStatus.COMPLETED and keep == out.response_length
         return ModelTurn(index=self.turns - 1, ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True),
                          finished=finished)
@@ -85,30 +126,39 @@ class Trajectory:
             return
         ids = _env_ids(output, tokenizer, vocab_size)
         if self.turns >= max_turns:
-            self._end_on_budget(END_MAX_TURNS)
-        elif self.sample.response_length + len(ids) >= max_tokens:  # no room left for a model token after it
-            self._end_on_budget(END_MAX_TOKENS)
+            self.end_on_budget(END_MAX_TURNS)
+        elif self.response_tokens + len(ids) >= max_tokens:  # no room left for a model token after it
+            self.end_on_budget(END_MAX_TOKENS)
         else:
             self.sample.append_response_tokens(ids, trainable=False)
             self.env_tokens += len(ids)
 
-    def _end_on_budget(self, reason: str) -> None:
+    def end_on_budget(self, reason: str) -> None:
         self.end = reason
-        self.sample.status = SampleStatus.TRUNCATED
+        self.status = SampleStatus.TRUNCATED
 
-    def finish(self, *, trajectory: int) -> Sample:
-        """The trajectory's sample (`trajectory`: its number in the step), its figures in `metadata` (read by
-        `AgentLoopStep.score` and `stats`)."""
-        if self.routes is not None:
-            self.sample.routes = trajectory_routes(self.routes, fed=len(self.sample.tokens) - 1)
-        meta = self.sample.metadata
-        meta |= {"trajectory": trajectory, "turns": self.turns, "env_tokens": self.env_tokens, "end": self.end,
-                 "env_reward": self.reward}
+    def finish(self, *, trajectory: int) -> list[Sample]:
+        """The trajectory's samples (`trajectory`: its number among the step's trajectories of this rank), each
+        with the trajectory's reward and figures in `metadata` (read by `score_trajectories` and
+        `trajectory_stats`; the figures count once per trajectory, on its first sample)."""
+        if not self.samples:  # failed before its first turn: one empty sample stands for it (aborted, not trained)
+            self.samples.append(Sample(prompt_ids=self.record.prompt_ids, status=SampleStatus.ABORTED))
+        for j, s in enumerate(self.samples):
+            if j in self.routes:
+                s.routes = trajectory_routes(self.routes[j], fed=len(s.tokens) - 1)
+            s.metadata |= {"trajectory_local": trajectory, "trajectory_sample": j,
+                           "trajectory_samples": len(self.samples), "end": self.end, "env_reward": self.reward}
+            if self.status is not None and s.status != SampleStatus.ABORTED:
+                s.status = self.status
+            if s.response_length == 0:  # a turn the engine never answered: nothing of it trains
+                s.status = SampleStatus.ABORTED
+        first = self.samples[0].metadata
+        first |= {"turns": self.turns, "env_tokens": self.env_tokens, "prefix_breaks": self.prefix_breaks}
         if self.error is not None:
-            meta["env_error"] = self.error
+            first["env_error"] = self.error
         if self.reward_info:
-            meta["env_reward_info"] = self.reward_info
-        return self.sample
+            first["env_reward_info"] = self.reward_info
+        return self.samples
 
 
 def trajectory_routes(last_call: torch.Tensor, *, fed: int) -> torch.Tensor | None:
@@ -128,3 +178,45 @@ def _env_ids(output: EnvOutput, tokenizer: Any, vocab_size: int) -> list[int]:
         raise ValueError(f"the environment answered token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
                          "answer text, or ids of the policy's tokenizer")
     return ids
+
+
+def score_trajectories(samples: list[Sample], records: list[PromptRecord], *, n: int, first_group: int) -> None:
+    """Number a multi-turn step's samples in place and give each the reward of its trajectory. Trajectory t of
+    this rank (`trajectory_local`, `n` per record, record-major) belongs to prompt group `first_group + t // n` and
+    is trajectory `first_group * n + t` of the step (`metadata["trajectory"]`, the key advantages are computed
+    over); sample indices run on from `first_group * n` (unique on the rank: the packer's sequence ids)."""
+    for i, s in enumerate(samples):
+        local = int(s.metadata["trajectory_local"])
+        if not 0 <= local < len(records) * n:
+            raise ValueError(f"sample {i} belongs to trajectory {local}, outside the {len(records)} x n={n} of this "
+                             "step; a multi-turn step numbers its trajectories record-major from 0")
+        s.index, s.group_index = first_group * n + i, first_group + local // n
+        s.metadata["trajectory"] = first_group * n + local
+        s.metadata.setdefault("answer", records[local // n].answer)
+        if s.status != SampleStatus.ABORTED:
+            s.reward = float(s.metadata["env_reward"])
+            if "env_reward_info" in s.metadata:  # the episode's other entries: rollout/reward/<key>_mean (RolloutStats)
+                info = s.metadata["env_reward_info"]
+                s.metadata["rewards"] = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
+
+
+def trajectory_stats(samples: list[Sample]) -> dict[str, tuple[float, float]]:
+    """The multi-turn figures of a step's samples, per trajectory (read on each trajectory's first sample)."""
+    firsts = [s.metadata for s in samples if s.metadata["trajectory_sample"] == 0]
+    ends = [m["end"] for m in firsts]
+
+    def count(kind: str) -> tuple[float, float]:  # per step of a rank (averaged over DP ranks)
+        return float(ends.count(kind)), 1.0
+
+    return {
+        "rollout/turns_mean": (float(sum(m["turns"] for m in firsts)), float(len(firsts))),
+        "rollout/env_tokens_frac": (float(sum(m["env_tokens"] for m in firsts)),
+                                    float(sum(s.response_length for s in samples))),
+        "rollout/samples_per_trajectory_mean": (float(len(samples)), float(len(firsts))),
+        "rollout/prefix_breaks": (float(sum(m["prefix_breaks"] for m in firsts)), 1.0),
+        "rollout/env_errors": count(FAIL_ERROR),
+        "rollout/env_timeouts": count(FAIL_TIMEOUT),
+        "rollout/trajectories_failed": (float(sum(e in (FAIL_ERROR, FAIL_TIMEOUT) for e in ends)), 1.0),
+        "rollout/max_turns_ended": count(END_MAX_TURNS),
+        "rollout/max_tokens_ended": count(END_MAX_TOKENS),
+    }

@@ -17,37 +17,37 @@ from pathlib import Path
 from typing import Any
 
 
-def resolve_reward_fn(spec: str) -> Callable:
-    """ "pkg.mod:fn" or "path/to/file.py:fn" -> the function."""
+def resolve_reward_fn(spec: str, *, key: str = "reward_fn") -> Callable:
+    """ "pkg.mod:fn" or "path/to/file.py:fn" -> the function (`key`: the config key named in errors)."""
     target, sep, attr = str(spec).rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(
-            f"reward_fn ({spec!r}) must look like 'package.module:function' or 'path/to/file.py:function'"
+            f"{key} ({spec!r}) must look like 'package.module:function' or 'path/to/file.py:function'"
         )
-    module = _load_file(target, spec) if target.endswith(".py") else _import(target, spec)
+    module = _load_file(target, spec, key) if target.endswith(".py") else _import(target, spec, key)
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"reward_fn {spec!r}: {target} has no attribute {attr!r}; check the function name")
+        raise ValueError(f"{key} {spec!r}: {target} has no attribute {attr!r}; check the function name")
     if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{key} {spec!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _import(module_name: str, spec: str):
+def _import(module_name: str, spec: str, key: str = "reward_fn"):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         # The module itself (or its package) is missing, not something it imports.
         if err.name is not None and (module_name == err.name or module_name.startswith(f"{err.name}.")):
-            raise ValueError(_not_importable(module_name, spec, err.name)) from err
+            raise ValueError(_not_importable(module_name, spec, err.name, key)) from err
         raise ValueError(
-            f"reward_fn {spec!r}: importing {module_name} raised ModuleNotFoundError: {err}; install what it imports"
+            f"{key} {spec!r}: importing {module_name} raised ModuleNotFoundError: {err}; install what it imports"
         ) from err
     except Exception as err:
-        raise ValueError(f"reward_fn {spec!r}: importing {module_name} raised {type(err).__name__}: {err}") from err
+        raise ValueError(f"{key} {spec!r}: importing {module_name} raised {type(err).__name__}: {err}") from err
 
 
-def _not_importable(module_name: str, spec: str, missing: str) -> str:
+def _not_importable(module_name: str, spec: str, missing: str, key: str = "reward_fn") -> str:
     cwd = Path.cwd()
     file = module_name.replace(".", "/") + ".py"
     attr = str(spec).rpartition(":")[2]
@@ -59,16 +59,16 @@ def _not_importable(module_name: str, spec: str, missing: str) -> str:
         "path is taken from the working directory), or install the module or put its directory on PYTHONPATH"
     )
     return (
-        f"reward_fn {spec!r} cannot be imported: no module named {missing!r} on sys.path (the script's directory, "
+        f"{key} {spec!r} cannot be imported: no module named {missing!r} on sys.path (the script's directory, "
         f"PYTHONPATH and installed packages; the working directory is {cwd}); {fix}"
     )
 
 
-def _load_file(path_text: str, spec: str):
+def _load_file(path_text: str, spec: str, key: str = "reward_fn"):
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
         raise ValueError(
-            f"reward_fn {spec!r}: file {path} does not exist (working directory: {Path.cwd()}); pass an existing "
+            f"{key} {spec!r}: file {path} does not exist (working directory: {Path.cwd()}); pass an existing "
             ".py file"
         )
     # A private module name per file: two reward files both called rewards.py must not replace each other.
@@ -82,7 +82,7 @@ def _load_file(path_text: str, spec: str):
         module_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise ValueError(f"reward_fn {spec!r}: loading {path} raised {type(err).__name__}: {err}") from err
+        raise ValueError(f"{key} {spec!r}: loading {path} raised {type(err).__name__}: {err}") from err
     return module
 
 

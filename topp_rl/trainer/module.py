@@ -117,7 +117,9 @@ class PolicyModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.trainer.is_global_zero:
-            print(f"[topp_rl] layout: {self.layout.describe(world_size=self.trainer.world_size)}", flush=True)
+            layers = getattr(self.policy.hf_config, "num_hidden_layers", None)
+            print(f"[topp_rl] layout: {self.layout.describe(world_size=self.trainer.world_size, num_layers=layers)}",
+                  flush=True)
 
     def on_train_start(self) -> None:
         # After any checkpoint restore: a NaN saved into a checkpoint must not train silently. Every rank checks

@@ -1,0 +1,181 @@
+"""`EndpointStep`: the rollout step that runs agent code against an OpenAI-compatible endpoint (config
+`rollout/step=endpoint`, selected by `task=agent`), a `RolloutStep`.
+
+Per step: the `n` trajectories of every record, each with its own base URL on one `EndpointServer` (127.0.0.1, a
+free port); the agent function (`topp_rl.tasks.agent_task.resolve_agent`) is called once per trajectory with an
+`openai.AsyncOpenAI` client pointed at it, all concurrently, and its return value is the trajectory's reward.
+Requests are batched into the engine by `TurnBatcher` (a round when every live trajectory has a request waiting).
+
+The agents run on an event loop of their own, on a daemon thread, and the server on the step's loop: an agent
+that blocks its loop (a sync sleep in an `async def`) cannot stall the server, and the step stops waiting for
+the agents `agent_timeout_s` + `GRACE_S` after they started, failing those still running (timeout). Each agent
+call is bounded by `agent_timeout_s` (engine time included). An agent that raises, times out, returns no number,
+or never asks the endpoint fails its trajectory (reward 0, counted in `rollout/env_errors` /
+`rollout/env_timeouts` / `rollout/trajectories_failed`, the message in the first sample's
+`metadata["env_error"]`); its model tokens still train (with reward 0), as in the agent loop. More than
+`max_failed_frac` of a step's trajectories failing raises. An engine failure raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import ssl
+import threading
+from typing import Any
+
+import httpx
+import openai
+
+from topp_rl.data import PromptRecord, SamplingParams
+from topp_rl.data.sample import Sample
+from topp_rl.engines.base import RolloutEngine
+from topp_rl.rollout.endpoint.batcher import TurnBatcher
+from topp_rl.rollout.endpoint.server import EndpointServer
+from topp_rl.rollout.step import RolloutStep, Stats
+from topp_rl.rollout.trajectory import (
+    END_ENV,
+    FAIL_ERROR,
+    FAIL_TIMEOUT,
+    Trajectory,
+    score_trajectories,
+    trajectory_stats,
+)
+from topp_rl.tasks import Task
+from topp_rl.tasks.agent_task import resolve_agent
+from topp_rl.tasks.environment import reward_value
+
+GRACE_S = 10.0  # past agent_timeout_s, how long the step waits for an agent loop that does not answer at all
+API_KEY = "topp-rl"  # the endpoint checks none; the SDK wants one
+
+
+class EndpointStep(RolloutStep):
+    def __init__(self, *, agent: str, max_turns: int, max_trajectory_tokens: int, agent_timeout_s: float = 120.0,
+                 max_failed_frac: float = 0.5) -> None:
+        self.agent, self.agent_fn = agent, resolve_agent(agent, key="rollout.step.agent")
+        for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
+        if not agent_timeout_s > 0:
+            raise ValueError(f"rollout.step.agent_timeout_s={agent_timeout_s} must be > 0 (seconds per trajectory)")
+        if not 0 <= max_failed_frac <= 1:
+            raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
+                             "step's trajectories allowed to fail before the step raises)")
+        self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
+        self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
+        importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
+
+    def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
+                 seed: int | None, tokenizer: Any) -> list[Sample]:
+        if engine.records_routes:
+            raise ValueError("the endpoint does not merge MoE routes across turns; set rollout.record_routes=false "
+                             "(and rollout.routing_replay=false) for a multi-turn MoE run")
+        return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+
+    async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
+        trajs = [Trajectory(record=r) for r in records for _ in range(params.n)]
+        batcher = TurnBatcher(engine, dataclasses.replace(params, n=1), trajectories=len(trajs), seed=seed)
+        server = EndpointServer(trajs, batcher, tokenizer=tokenizer, params=params, vocab_size=engine.vocab_size,
+                                max_turns=self.max_turns, max_trajectory_tokens=self.max_tokens)
+        await server.start()
+        try:
+            await self._run_agents(trajs, server, batcher)
+        finally:
+            await server.stop()
+        if batcher.engine_error is not None:
+            raise batcher.engine_error
+        self._check_failures(trajs)
+        return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
+
+    # ----- the agents, on a loop of their own -----
+    async def _run_agents(self, trajs: list[Trajectory], server: EndpointServer, batcher: TurnBatcher) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(i: int, kind: str, value: Any) -> None:  # called from the agents' thread
+            _post(loop, self._settle, trajs[i], i, kind, value, batcher)
+
+        def work() -> None:
+            try:
+                asyncio.run(self._agents(trajs, server, settle))
+            finally:
+                _post(loop, lambda: done.done() or done.set_result(None))
+
+        threading.Thread(target=work, name="topp-rl-agents", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.agent_timeout_s + GRACE_S)
+        except TimeoutError:  # the agents' loop is blocked: fail whoever is still running, leave the thread behind
+            for i, t in enumerate(trajs):
+                if i in batcher.live:
+                    self._settle(t, i, FAIL_TIMEOUT, f"the agents' event loop did not answer within "
+                                 f"agent_timeout_s={self.agent_timeout_s} + {GRACE_S} s (a blocking call inside an "
+                                 "async agent function stalls every agent of the step)", batcher)
+
+    async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle) -> None:
+        # A connection pool per trajectory: httpcore matches each request against every connection of its pool, so
+        # one pool shared by hundreds of trajectories costs more than the engine (measured: 5 s a round at 128);
+        # one shared TLS context makes a client cheap (0.2 ms instead of 44 ms for a fresh one, though no TLS is
+        # used on 127.0.0.1).
+        tls = ssl.create_default_context()
+        await asyncio.gather(*(self._agent(i, t.record, server.base_url(i), tls, settle) for i, t in enumerate(trajs)))
+
+    async def _agent(self, i: int, record: PromptRecord, base_url: str, tls: ssl.SSLContext, settle) -> None:
+        async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s) as http:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
+            try:
+                value = await asyncio.wait_for(self.agent_fn(client, record), self.agent_timeout_s)
+            except TimeoutError:
+                settle(i, FAIL_TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
+                       f"{self.agent_timeout_s} s")
+            except Exception as e:  # the agent's own error: counted, never fatal on its own
+                settle(i, FAIL_ERROR, f"the agent {self.agent} raised {type(e).__name__}: {e}")
+            else:
+                settle(i, "ok", value)
+
+    def _settle(self, t: Trajectory, i: int, kind: str, value: Any, batcher: TurnBatcher) -> None:
+        """Record trajectory i's outcome (on the server's loop, where every state change happens)."""
+        if i not in batcher.live:
+            return
+        if kind == "ok":
+            try:
+                t.reward, t.reward_info = reward_value(value)
+            except ValueError as e:
+                kind, value = FAIL_ERROR, f"the agent {self.agent} returned {value!r}: {e}"
+            if kind == "ok" and not t.samples:
+                kind, value = FAIL_ERROR, f"the agent {self.agent} returned without a request to the endpoint"
+        if kind != "ok":
+            if t.live:
+                t.fail(kind, str(value))
+            else:  # ended by a budget (refused request): truncated, reward 0, the message kept
+                t.error, t.reward = str(value), 0.0
+        elif t.live:
+            t.end = END_ENV
+        batcher.retire(i)
+
+    def _check_failures(self, trajs: list[Trajectory]) -> None:
+        failed = [t for t in trajs if t.failed]
+        if len(failed) > self.max_failed_frac * len(trajs):
+            raise RuntimeError(
+                f"{len(failed)} of {len(trajs)} trajectories failed this step (share {len(failed) / len(trajs):.2f} "
+                f"> rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {failed[0].end}: "
+                f"{failed[0].error}; fix the agent {self.agent} (or raise rollout.step.agent_timeout_s="
+                f"{self.agent_timeout_s} if it is just slow)")
+
+    # ----- score: the agents' rewards -----
+    def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
+              tokenizer: Any, first_group: int = 0) -> list[Sample]:
+        score_trajectories(samples, records, n=params.n, first_group=first_group)
+        return samples
+
+    def stats(self, samples: list[Sample]) -> Stats:
+        return trajectory_stats(samples)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args: Any) -> None:
+    """`fn(*args)` on the step's loop, from the agents' thread; dropped when the step is over (a blocked agents'
+    loop that woke up after the step stopped waiting for it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop has closed
+        pass
