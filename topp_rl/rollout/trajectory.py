@@ -195,6 +195,9 @@ def score_trajectories(samples: list[Sample], records: list[PromptRecord], *, n:
         s.metadata.setdefault("answer", records[local // n].answer)
         if s.status != SampleStatus.ABORTED:
             s.reward = float(s.metadata["env_reward"])
+            if "env_reward_info" in s.metadata:  # the episode's other entries: rollout/reward/<key>_mean (RolloutStats)
+                info = s.metadata["env_reward_info"]
+                s.metadata["rewards"] = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
 
 
 def trajectory_stats(samples: list[Sample]) -> dict[str, tuple[float, float]]:

@@ -11,6 +11,7 @@
 
 import ast
 import functools
+import logging
 import operator
 import re
 from collections.abc import Sequence
@@ -22,13 +23,19 @@ if TYPE_CHECKING:
 
 
 # ----- math answers (math-verify) -----
-def math_answer(response: str, record: "PromptRecord") -> float:
-    """1.0 when the response's final answer equals `record.answer` under math-verify, else 0.0."""
+def math_answer(response: str, record: "PromptRecord", *, signal_timeout: bool = True) -> float:
+    """1.0 when the response's final answer equals `record.answer` under math-verify, else 0.0.
+    `signal_timeout=False` runs math-verify without its SIGALRM timeouts, which work on the main thread only: for
+    callers on other threads that bound the text themselves (e.g. a bare number)."""
     from math_verify import verify
 
     if record.answer is None:
         raise ValueError("the record has no reference answer; set the task's answer_key to the answer column")
-    return float(verify(_gold(record.answer), _parse(_final_part(response))))
+    seconds = 5 if signal_timeout else None  # math-verify's defaults
+    if not signal_timeout:
+        _quiet_known_no_timeout()
+    return float(verify(_gold(record.answer, seconds), _parse(_final_part(response), seconds),
+                        timeout_seconds=seconds))
 
 
 _LEADING_NUMBER = re.compile(r"\s*[-+]?\$?\d")
@@ -40,12 +47,19 @@ def leading_number(response: str, record: "PromptRecord") -> float:
     return float(_LEADING_NUMBER.match(response) is not None)
 
 
+@functools.cache
+def _quiet_known_no_timeout() -> None:
+    """math-verify warns that it runs without a timeout (once per thread race, so often); the caller chose it."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+
+
 @functools.lru_cache(maxsize=65536)
-def _gold(answer: str):
+def _gold(answer: str, seconds: int | None = 5):
     text = _final_part(answer)
-    parsed = _parse(text)
+    parsed = _parse(text, seconds)
     if not parsed and _LATEX.search(text):  # bare LaTeX ("x^2+1") parses only between $ signs; prose never
-        parsed = _parse(f"${text}$")
+        parsed = _parse(f"${text}$", seconds)
     if not parsed:
         raise ValueError(f"math-verify cannot parse the reference answer {answer!r}; fix the answer column")
     return parsed
@@ -54,10 +68,10 @@ def _gold(answer: str):
 _LATEX = re.compile(r"[\\^_{}]")
 
 
-def _parse(text: str):
+def _parse(text: str, seconds: int | None = 5):
     from math_verify import parse
 
-    return parse(text)
+    return parse(text, parsing_timeout=seconds)
 
 
 def _final_part(text: str) -> str:
