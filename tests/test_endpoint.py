@@ -159,9 +159,10 @@ def test_other_sampling_settings_are_refused_naming_the_run_values(engine):
     assert info["status"] == 400.0
     assert ("top_p=1.0: this run samples at temperature=1.0 top_p=0.9 top_k=0 min_p=0.0 max_tokens<=3 n=1"
             in info["message"])
+    step, samples = run(engine, "other_temperature")
     with pytest.raises(RuntimeError, match=r"4 of 4 trajectories failed .* the agent .*other_temperature raised "
                        r"BadRequestError: .*temperature=0.5: this run samples at temperature=1.0 top_p=0.9"):
-        run(engine, "other_temperature")
+        step.check(samples)
 
 
 def test_budgets_end_the_trajectory_truncated(engine):
@@ -202,6 +203,12 @@ def test_bad_agents_fail_their_trajectories_counted(engine, name, kind, message)
     assert all(s.reward == 0.0 for s in trained)
     if name != "hangs":  # (whether a hanging agent's request was answered before its timeout depends on the load)
         assert (len(trained) == 0) == (name == "no_request")  # model tokens of a failed trajectory still train
+    step.check(samples)  # max_failed_frac=1.0: a step may fail whole
+    step.max_failed_frac = 0.75
+    with pytest.raises(RuntimeError, match=rf"^4 of 4 trajectories failed this step \(share 1.00 > "
+                                           rf"rollout.step.max_failed_frac=0.75\); first failure: {kind}: .*fix the "
+                                           rf"agent .*{name}"):
+        step.check(samples)
 
 
 def test_a_blocked_agent_loop_is_abandoned(engine, monkeypatch):

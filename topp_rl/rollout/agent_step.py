@@ -25,7 +25,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import torch
 
 from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import Sample
@@ -36,6 +35,7 @@ from topp_rl.rollout.trajectory import (
     FAIL_ERROR,
     FAIL_TIMEOUT,
     Trajectory,
+    check_failed_share,
     score_trajectories,
     trajectory_stats,
 )
@@ -113,17 +113,9 @@ class AgentLoopStep(RolloutStep):
     def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
         """Raise when more than `max_failed_frac` of the step's trajectories failed (`reduce_sum`: sums a tensor
         over the DP ranks, so every rank decides alike on the step's counts; None: this rank's own)."""
-        firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]  # one per trajectory
-        failed = [s for s in firsts if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT)]
-        counts = torch.tensor([float(len(failed)), float(len(firsts))], dtype=torch.float64)
-        n_failed, total = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
-        if n_failed > self.max_failed_frac * total:
-            first = (f"{failed[0].metadata['end']}: {failed[0].metadata.get('env_error')}" if failed
-                     else "on another data-parallel rank")
-            raise RuntimeError(
-                f"{int(n_failed)} of {int(total)} trajectories failed this step (share {n_failed / total:.2f} > "
-                f"rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {first}; fix the environment "
-                f"(or raise rollout.step.env_timeout_s={self.env_timeout_s} if its calls are just slow)")
+        check_failed_share(samples, max_failed_frac=self.max_failed_frac, reduce_sum=reduce_sum,
+                           fix=f"fix the environment (or raise rollout.step.env_timeout_s={self.env_timeout_s} if its "
+                           "calls are just slow)")
 
     # ----- score: the episodes' rewards -----
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,

@@ -220,3 +220,18 @@ def trajectory_stats(samples: list[Sample]) -> dict[str, tuple[float, float]]:
         "rollout/max_turns_ended": count(END_MAX_TURNS),
         "rollout/max_tokens_ended": count(END_MAX_TOKENS),
     }
+
+
+def check_failed_share(samples: list[Sample], *, max_failed_frac: float, reduce_sum=None, fix: str) -> None:
+    """Raise when more than `max_failed_frac` of a multi-turn step's trajectories failed (`reduce_sum`: sums a tensor
+    over the DP ranks, so every rank decides alike on the step's counts; None: this rank's own; `fix`: what to do)."""
+    firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]  # one per trajectory
+    failed = [s for s in firsts if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT)]
+    counts = torch.tensor([float(len(failed)), float(len(firsts))], dtype=torch.float64)
+    n_failed, total = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
+    if n_failed > max_failed_frac * total:
+        first = (f"{failed[0].metadata['end']}: {failed[0].metadata.get('env_error')}" if failed
+                 else "on another data-parallel rank")
+        raise RuntimeError(
+            f"{int(n_failed)} of {int(total)} trajectories failed this step (share {n_failed / total:.2f} > "
+            f"rollout.step.max_failed_frac={max_failed_frac}); first failure: {first}; {fix}")

@@ -39,6 +39,7 @@ from topp_rl.rollout.trajectory import (
     FAIL_ERROR,
     FAIL_TIMEOUT,
     Trajectory,
+    check_failed_share,
     score_trajectories,
     trajectory_stats,
 )
@@ -85,7 +86,6 @@ class EndpointStep(RolloutStep):
             await server.stop()
         if batcher.engine_error is not None:
             raise batcher.engine_error
-        self._check_failures(trajs)
         return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
 
     # ----- the agents, on a loop of their own -----
@@ -153,14 +153,11 @@ class EndpointStep(RolloutStep):
             t.end = END_ENV
         batcher.retire(i)
 
-    def _check_failures(self, trajs: list[Trajectory]) -> None:
-        failed = [t for t in trajs if t.failed]
-        if len(failed) > self.max_failed_frac * len(trajs):
-            raise RuntimeError(
-                f"{len(failed)} of {len(trajs)} trajectories failed this step (share {len(failed) / len(trajs):.2f} "
-                f"> rollout.step.max_failed_frac={self.max_failed_frac}); first failure: {failed[0].end}: "
-                f"{failed[0].error}; fix the agent {self.agent} (or raise rollout.step.agent_timeout_s="
-                f"{self.agent_timeout_s} if it is just slow)")
+    def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
+        """Raise when more than `max_failed_frac` of the step's trajectories failed (on every rank alike)."""
+        check_failed_share(samples, max_failed_frac=self.max_failed_frac, reduce_sum=reduce_sum,
+                           fix=f"fix the agent {self.agent} (or raise rollout.step.agent_timeout_s="
+                           f"{self.agent_timeout_s} if it is just slow)")
 
     # ----- score: the agents' rewards -----
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
