@@ -83,7 +83,8 @@ def rank_main(rank):
 
 
 def pipelined_layout() -> dict:
-    """tp=2 x pp=2: the layout's PP coordinates, its log line, and the Megatron backbone's refusal (one stage)."""
+    """tp=2 x pp=2: the layout's PP coordinates, its log line, and the Megatron backbone's layout checks (dense
+    models pipeline; an MoE model and an uneven layer split are refused)."""
     from types import SimpleNamespace
 
     from megatron.core import parallel_state as ps
@@ -94,10 +95,14 @@ def pipelined_layout() -> dict:
     layout = ParallelLayout.from_megatron(VOCAB)
     out = dict(pp=(layout.pp_size, layout.pp_rank, ranks_of(layout.pp_group), layout.is_last_stage),
                describe=layout.describe(world_size=WORLD))
-    try:
-        check_layout(SimpleNamespace(vocab_size=VOCAB), layout)
-    except ValueError as err:
-        out["refused"] = str(err)
+    dense = dict(vocab_size=VOCAB, model_type="qwen2", num_hidden_layers=4)
+    check_layout(SimpleNamespace(**dense), layout)  # a dense model of 4 layers pipelines over 2 stages
+    for name, config in (("moe", dense | dict(model_type="qwen3_moe", num_experts=4, decoder_sparse_step=1)),
+                         ("uneven", dense | dict(num_hidden_layers=3))):
+        try:
+            check_layout(SimpleNamespace(**config), layout)
+        except ValueError as err:
+            out[name] = str(err)
     ps.destroy_model_parallel()
     return out
 
@@ -123,7 +128,10 @@ def test_from_megatron_and_vocab_parallel_cross_entropy_match():
         stage = rank // 2
         assert res["pipelined"]["pp"] == (2, stage, [rank % 2, rank % 2 + 2], stage == 1)
         assert res["pipelined"]["describe"] == "world=4 dp=1 tp=2 cp=1 ep=1 pp=2"
-        assert "pp_size=2: the Megatron backbone runs the whole decoder on every rank" in res["pipelined"]["refused"]
+        assert "pp_size=2 with model_type='qwen3_moe': the Megatron backbone pipelines dense models only" in res[
+            "pipelined"]["moe"]
+        assert "parallel.pp_size=2: must be a divisor of the model's layer count (num_hidden_layers=3" in res[
+            "pipelined"]["uneven"]
 
 
 def test_describe_prints_ep_and_ep_sizes_are_validated():
