@@ -39,6 +39,12 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key)]
 
 
+def metric_columns(output_dir: Path) -> dict[str, list[float]]:
+    """Every logged key of a run's metrics.csv -> its values, in row order."""
+    rows = read_metrics(output_dir)
+    return {key: column(rows, key) for key in {k for r in rows for k, v in r.items() if v}}
+
+
 def train_env(**extra: str) -> dict[str, str]:
     """This process's environment for a `train.py` subprocess: W&B offline, no hub downloads, plus `extra`."""
     return dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", **extra)

@@ -13,7 +13,6 @@ every gradient stay bit for bit the same, while a model token's advantage change
 """
 
 import copy
-import csv
 import dataclasses
 import importlib.util
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import metric_columns
 
 NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                  reason="megatron-core (the `megatron` extra) is not installed")
@@ -41,14 +41,6 @@ MEGATRON_RUNS = {  # world size 4
 }
 FSDP_RUNS = {"fsdp": ("parallel=fsdp", "trainer.devices=2")}  # world size 2
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "topp_rl.megatron.strategy", "topp_rl.train", "hydra")
-
-
-def _metrics(output_dir: Path) -> dict[str, list[float]]:
-    (path,) = output_dir.glob("csv/*/metrics.csv")
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    keys = {k for r in rows for k, v in r.items() if v}
-    return {k: [float(r[k]) for r in rows if r.get(k)] for k in keys}
 
 
 def _run(output_dir: Path, *extra: str) -> dict:
@@ -72,7 +64,7 @@ def _run(output_dir: Path, *extra: str) -> dict:
         invariance = _env_tokens_change_nothing(run, Keep.samples)
     finally:
         run.datamodule.close_engine()
-    return {"metrics": _metrics(output_dir) if run.trainer.is_global_zero else {}, "keys": sorted(Keep.keys),
+    return {"metrics": metric_columns(output_dir) if run.trainer.is_global_zero else {}, "keys": sorted(Keep.keys),
             "trajectories": sorted(s.metadata["trajectory"] for s in Keep.samples),
             "indices": sorted(s.index for s in Keep.samples), **invariance}
 

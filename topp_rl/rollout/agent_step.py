@@ -36,6 +36,7 @@ from topp_rl.rollout.trajectory import (
     FAIL_TIMEOUT,
     Trajectory,
     check_failed_share,
+    check_step_settings,
     score_trajectories,
     trajectory_stats,
 )
@@ -50,14 +51,10 @@ class AgentLoopStep(RolloutStep):
             raise TypeError(f"environment is a {type(environment).__name__}; pass a topp_rl.tasks.environment."
                             "Environment (an object with start(record) -> Episode; in config: "
                             "rollout.step.environment._target_)")
-        for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
+        check_step_settings(max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens,
+                            max_failed_frac=max_failed_frac)
         if not env_timeout_s > 0:
             raise ValueError(f"rollout.step.env_timeout_s={env_timeout_s} must be > 0 (seconds per environment call)")
-        if not 0 <= max_failed_frac <= 1:
-            raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
-                             "step's trajectories allowed to fail before the step raises)")
         self.environment, self.max_turns, self.max_tokens = environment, max_turns, max_trajectory_tokens
         self.env_timeout_s, self.max_failed_frac = env_timeout_s, max_failed_frac
 

@@ -235,3 +235,13 @@ def check_failed_share(samples: list[Sample], *, max_failed_frac: float, reduce_
         raise RuntimeError(
             f"{int(n_failed)} of {int(total)} trajectories failed this step (share {n_failed / total:.2f} > "
             f"rollout.step.max_failed_frac={max_failed_frac}); first failure: {first}; {fix}")
+
+
+def check_step_settings(*, max_turns: int, max_trajectory_tokens: int, max_failed_frac: float) -> None:
+    """The budgets and failure share of a multi-turn step (`rollout.step.*`), refused naming the key."""
+    for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
+    if not 0 <= max_failed_frac <= 1:
+        raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
+                         "step's trajectories allowed to fail before the step raises)")

@@ -40,6 +40,7 @@ from topp_rl.rollout.trajectory import (
     FAIL_TIMEOUT,
     Trajectory,
     check_failed_share,
+    check_step_settings,
     score_trajectories,
     trajectory_stats,
 )
@@ -55,14 +56,10 @@ class EndpointStep(RolloutStep):
     def __init__(self, *, agent: str, max_turns: int, max_trajectory_tokens: int, agent_timeout_s: float = 120.0,
                  max_failed_frac: float = 0.5) -> None:
         self.agent, self.agent_fn = agent, resolve_agent(agent, key="rollout.step.agent")
-        for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
+        check_step_settings(max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens,
+                            max_failed_frac=max_failed_frac)
         if not agent_timeout_s > 0:
             raise ValueError(f"rollout.step.agent_timeout_s={agent_timeout_s} must be > 0 (seconds per trajectory)")
-        if not 0 <= max_failed_frac <= 1:
-            raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
-                             "step's trajectories allowed to fail before the step raises)")
         self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
         self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
         importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
