@@ -94,7 +94,6 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel.pp_size=0", "parallel.pp_size"),
         ("parallel.pp_size=2 trainer.devices=2", "parallel.pp_size"),
         ("parallel=pp2 model.layers=3", "parallel.pp_size"),
-        ("parallel=pp2 model.family=qwen3_moe", "parallel.pp_size"),
         ("parallel=pp2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
         ("parallel=pp2 trainer=cpu_fp16", "trainer"),
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.

@@ -25,6 +25,9 @@ TEMP = 0.8
 STEPS = 4
 TOL = 1e-5
 FAMILIES = ("qwen2", "llama", "qwen3")
+# Qwen3-MoE (4 experts, top 2, every layer sparse): pp2 vs pp1 at world 2; pp2_ep2 vs ep2 at pp 1 at world 4
+MOE_EP = {2: 1, 4: 2}
+MOE_KEYS = ("train/moe_aux_loss", "train/expert_load_max_frac")
 # (tp, cp, pp) per world size; pp1 is the reference
 LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}
 
@@ -60,18 +63,22 @@ def _micro(samples):
     return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
 
 
-def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> dict:
+def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, moe: bool = False,
+           aux: float = 0.01) -> dict:
     """AdamW steps of GRPO + KL through the backbone's schedule; per-step figures and the final HF weights.
-    `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights."""
+    `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights. `moe`: with routing replay and the
+    load-balancing loss of weight `aux` (its gradient included); the step's MoE figures and routing agreement too."""
     from topp_rl.losses import GRPOLoss
     from topp_rl.megatron import MegatronBackbone
-    from topp_rl.megatron.grads import GradSync
+    from topp_rl.megatron.grads import GradSync, is_expert_param
     from topp_rl.trainer.hook import ToppLogProb
     from topp_rl.trainer.module import PolicyModule
+    from topp_rl.trainer.records import OnPolicyRecord
     from topp_rl.trainer.timer import PhaseTimer
 
-    policy = MegatronBackbone.from_hf(hf, layout=layout)
-    reference = MegatronBackbone.from_hf(hf, layout=layout)
+    extra = dict(routing_replay=True, moe_aux_loss_coeff=aux) if moe else {}
+    policy = MegatronBackbone.from_hf(hf, layout=layout, **extra)
+    reference = MegatronBackbone.from_hf(hf, layout=layout, routing_replay=moe)
     module = PolicyModule(policy=policy, reference=reference, loss=GRPOLoss(kl_coef=0.1),
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                           hook=ToppLogProb(use_mask=True, temperature=TEMP))
@@ -90,6 +97,13 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> 
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             sums, records = module.accumulate_gradients(micro, refs, old=None, timer=PhaseTimer())
         cp_sum.after()
+        if moe:
+            # the EP ranks hold replicas of one batch, so each expert saw its tokens once per EP rank
+            for name, p in policy.model.named_parameters():
+                if is_expert_param(name) and p.grad is not None:
+                    p.grad /= layout.ep_size
+            out.setdefault("moe", []).append({k: sums[k] for k in MOE_KEYS})
+            out.setdefault("agreement", []).append(OnPolicyRecord.concat(records).routing_agreement)
         if step == 0:
             out["grads"] = dict(policy_grads(policy))
         out["grad_norm"].append(policy.clip_grad_norm_(1.0))
@@ -107,7 +121,7 @@ def policy_grads(policy):
     return hf_named_tensors(policy, grads=True)
 
 
-def _layout(tp: int, cp: int, pp: int, vocab: int):
+def _layout(tp: int, cp: int, pp: int, vocab: int, ep: int = 1):
     from megatron.core import parallel_state as ps
 
     from topp_rl.parallel import ParallelLayout
@@ -115,8 +129,39 @@ def _layout(tp: int, cp: int, pp: int, vocab: int):
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp)
+                                 pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     return ParallelLayout.from_megatron(vocab)
+
+
+def _hf_moe():
+    from topp_rl.models import build_char_tokenizer, build_tiny_model
+
+    # gate weights far from zero: routes that matter (replay changes the result)
+    return build_tiny_model("qwen3_moe", vocab_size=96, hidden=32, layers=4, heads=4, kv_heads=2, seed=3,
+                            tie_embeddings=False, initializer_range=0.2, tokenizer=build_char_tokenizer())
+
+
+def _with_routes(hf, micro):
+    """The micro-batches with recorded routes: the model's own top-k on even tokens, other experts on odd ones
+    (so replay changes the result), no route on each sequence's last token (as a rollout records them)."""
+    from topp_rl.data.routes import NO_ROUTE
+    from topp_rl.models.moe import RouteRecorder, moe_routing
+
+    experts = hf.config.num_experts
+    for batch in micro:
+        with RouteRecorder(hf, moe_routing(hf)) as recorder, torch.no_grad():
+            own = []
+            for seq in batch.tokens.split(batch.seq_lengths.tolist()):
+                hf(input_ids=seq[None])
+                own.append(recorder.take())
+        own = torch.cat(own).long()  # [T, L, k]
+        picked = torch.zeros(*own.shape[:2], experts, dtype=torch.bool).scatter_(-1, own, True)
+        other = torch.arange(experts).expand(*own.shape[:2], experts)[~picked].view(*own.shape[:2], -1)
+        other = other[..., : own.shape[-1]]
+        routes = torch.where((torch.arange(own.shape[0]) % 2 == 1)[:, None, None], other, own)
+        routes[torch.cumsum(batch.seq_lengths, 0) - 1] = NO_ROUTE
+        batch.routes = routes.to(torch.int16)
+    return micro
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -138,6 +183,20 @@ def _worker(rank: int, world: int) -> dict:
                 results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=4)
             if family == "llama" and world == 2:
                 results[(family, sizes, "bf16")] = _train(hf, layout, micro, steps=1, autocast=True)
+    hf = _hf_moe()
+    micro = _with_routes(hf, _micro(_samples(hf)))
+    for pp in (1, 2):
+        layout = _layout(1, 1, pp, hf.config.vocab_size, ep=MOE_EP[world])
+        results[("qwen3_moe", pp)] = _train(hf, layout, micro, moe=True)
+        if pp == 2:
+            # without the load-balancing loss the gradient differs: its gradient crossed the stages above
+            results[("qwen3_moe", "no_aux")] = _train(hf, layout, micro, moe=True, aux=0.0, steps=1)
+            from megatron.core import parallel_state as ps
+
+            # megatron's expert groups at pp 2 lie within a stage: the EP ranks are this stage's data-parallel ranks
+            results[("qwen3_moe", "groups")] = (torch.distributed.get_process_group_ranks(layout.pp_group),
+                                                torch.distributed.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+            results[("qwen3_moe", "describe")] = layout.describe(world_size=world, num_layers=4)
     return results
 
 
@@ -180,12 +239,49 @@ def _check(results: list[dict], world: int) -> dict:
     return figures
 
 
+def _check_moe(results: list[dict], world: int) -> dict:
+    """Qwen3-MoE with routing replay at pp 2 (world 4: pp2_ep2) against pp 1 at the same EP size."""
+    ref, got = results[0][("qwen3_moe", 1)], results[0][("qwen3_moe", 2)]
+    for other in results[1:]:  # every stage logs the last stage's figures: the whole model's
+        mine = other[("qwen3_moe", 2)]
+        assert [mine[k] for k in ("loss", "grad_norm", "moe", "agreement")] == [
+            got[k] for k in ("loss", "grad_norm", "moe", "agreement")]
+    assert got["agreement"] == ref["agreement"], (got["agreement"], ref["agreement"])
+    same, recorded = ref["agreement"][0]
+    assert 0.3 < same / recorded < 0.7, ref["agreement"]  # half the recorded routes are not the model's own
+    moe = max(_rel(g[k][0] / g[k][1], r[k][0] / r[k][1]) for g, r in zip(got["moe"], ref["moe"], strict=True)
+              for k in MOE_KEYS)
+    assert moe <= TOL and min(r["train/moe_aux_loss"][0] for r in ref["moe"]) > 0, (got["moe"], ref["moe"])
+    figures = {"moe_figures_rel": moe}
+    loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
+    norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
+    assert loss_rel <= TOL and norm_rel <= TOL, (got["loss"], ref["loss"], got["grad_norm"], ref["grad_norm"])
+    aux_share = _rel(results[0][("qwen3_moe", "no_aux")]["grad_norm"][0], got["grad_norm"][0])
+    assert aux_share > 1e-4, aux_share
+    mismatch = max(float((a - b).abs().max()) for sg, sr in zip(got["records"], ref["records"], strict=True)
+                   for rg, rr in zip(sg, sr, strict=True) for a, b in zip(rg, rr, strict=True) if a.numel())
+    assert mismatch <= TOL, mismatch
+    assert got["weights"].keys() == ref["weights"].keys()
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    assert weights <= TOL, weights
+    # every layer's experts, gathered over EP and the stages
+    assert all(got["weights"][f"model.layers.{i}.mlp.experts.down_proj"].shape[0] == 4 for i in range(4))
+    grads = max(float((got["grads"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+                for k, v in ref["grads"].items())
+    assert grads <= TOL, grads
+    pp_group, ep_group = results[0][("qwen3_moe", "groups")]
+    if world == 4:  # ranks 0 and 1 hold stage 0 (PP outermost): the experts split over them
+        assert pp_group == [0, 2] and ep_group == [0, 1], (pp_group, ep_group)
+    return figures | dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch, weights_abs=weights,
+                          grads_rel=grads, agreement=same / recorded, aux_grad_norm_share=aux_share)
+
+
 @NO_MEGATRON
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_pp2_equals_pp1_with_variable_length_micro_batches():
     results = run_distributed(_worker, 2, 2, timeout=300, preload=PRELOAD)
-    figures = _check(results, 2)
+    figures = _check(results, 2) | {"qwen3_moe": _check_moe(results, 2)}
     assert results[0][("qwen2", (1, 1, 2), "describe")] == (
         "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]")
     # bf16 autocast: the stage outputs cross in the model's dtype (a 16-bit activation in a float32 receive
@@ -201,7 +297,9 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
 @pytest.mark.slow
 def test_tp2_pp2_and_pp2_cp2_equal_pp1():
     results = run_distributed(_worker, 4, 4, timeout=600, preload=PRELOAD)
-    print(_check(results, 4))
+    print(_check(results, 4) | {"qwen3_moe": _check_moe(results, 4)})
+    assert results[0][("qwen3_moe", "describe")] == (
+        "world=4 dp=2 tp=1 cp=1 ep=2 pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]")
 
 
 # ----- train.py at parallel=pp2: strategy, rollouts shared over the stages, weight sync, metrics, checkpoints -----

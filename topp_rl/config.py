@@ -350,10 +350,6 @@ def _validate_pipeline(cfg: DictConfig) -> None:
         _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
               "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
               "cpu_bf16, gpu, gpu_fp32)")
-    family = cfg.model.get("family")
-    if family is not None and "moe" in str(family):
-        _fail("parallel.pp_size", pp, f"1 with an MoE model (model.family={family}: the pipeline stages run dense "
-              "models only)", "use parallel.pp_size=1 with ep / tp / cp for this model")
     layers = cfg.model.get("layers")
     if isinstance(layers, int):
         parallel_plan(cfg).check_layers(layers)

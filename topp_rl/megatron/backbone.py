@@ -27,7 +27,9 @@ first stage, the final norm and output layer on the last) and `forward_backward`
 megatron-core's 1F1B schedule; only the last stage scores, and its outputs reach every stage. A tied embedding
 becomes two copies at pp > 1 (the first stage's embedding, the last stage's `output_layer.weight`), loaded equal and
 kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`), as
-megatron's own `finalize_model_grads` does; the norm counts the weight once. MoE models run at pp = 1 only.
+megatron's own `finalize_model_grads` does; the norm counts the weight once. MoE models pipeline too: each stage
+replays and compares its own MoE layers' slice of the routes, and the last stage's `moe_stats` /
+`routing_agreement` combine every stage's (`replay.PipelineFigures`).
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
 them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The
@@ -48,7 +50,7 @@ from topp_rl.megatron.grads import GradSync, clip_grad_norm_
 from topp_rl.megatron.hf_config import hf_inv_freq, is_moe
 from topp_rl.megatron.moe import moe_stats
 from topp_rl.megatron.pipeline import run_schedule
-from topp_rl.megatron.replay import MegatronRouterReplay, megatron_moe_routing
+from topp_rl.megatron.replay import MegatronRouterReplay, PipelineFigures, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
 from topp_rl.parallel.plan import stage_layers
@@ -70,12 +72,6 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
         raise ValueError(
             f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
             "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
-        )
-    if layout.pp_size > 1 and is_moe(hf_config):
-        raise ValueError(
-            f"parallel.pp_size={layout.pp_size} with model_type={hf_config.model_type!r}: the Megatron backbone "
-            "pipelines dense models only (MoE routing replay and its figures are not carried across stages yet); "
-            "use parallel.pp_size=1 with ep / tp / cp for this model"
         )
     stage_layers(hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank)  # refuses an uneven split
     if layout.cp_size > 1 and layout.cp_mode not in CP_MODES:
@@ -187,9 +183,12 @@ class MegatronBackbone(BackboneBase):
                              "MoE layers: turn replay off (rollout.routing_replay=false)")
         self.routing_replay = routing_replay
         self._grad_owner = None  # a dist_opt.ShardedOptimizer, which holds the reduced gradients (use_grad_owner)
-        self.replay = (MegatronRouterReplay(self.model, self.routing, force=routing_replay)
+        self.replay = (MegatronRouterReplay(self.model, self.routing, force=routing_replay, layers=self.stage_layers)
                        if self.routing is not None else None)
         self._agreement: tuple[float, float] | None = None
+        # pp > 1: the last stage's figures of its last forward, combined over the stages (None: this stage's own)
+        self._figures = PipelineFigures(layout.pp_group) if self.routing is not None and layout.pp_size > 1 else None
+        self._stats: dict[str, Tensor] | None = None
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, *, layout: ParallelLayout, seed: int = 0,
@@ -279,9 +278,10 @@ class MegatronBackbone(BackboneBase):
         return [GradSync([self.tied_copy], ps.get_embedding_group())]
 
     def moe_stats(self) -> dict[str, Tensor]:
-        """MoE load statistics of the last forward (`moe.moe_stats`); empty for dense models."""
+        """MoE load statistics of the last forward (`moe.moe_stats`); empty for dense models. At pp > 1 on the last
+        stage: of the whole model (every stage's layers, see `stage_output`)."""
 
-        return moe_stats(self.model)
+        return moe_stats(self.model) if self._stats is None else self._stats
 
     def output_weight(self) -> Tensor:
         """This rank's output-layer weight shard [V / tp, H] (the embedding when tied)."""
@@ -312,7 +312,8 @@ class MegatronBackbone(BackboneBase):
         return hidden, self.output_weight()
 
     def routing_agreement(self) -> tuple[float, float] | None:
-        """(same, recorded) token-layer routes of the last `forward_hidden` over this rank's CP shard: summed over
+        """(same, recorded) token-layer routes of the last forward over this rank's CP shard (at pp > 1 on the last
+        stage: every stage's layers, see `stage_output`): summed over
         all ranks with the other metrics, the ratio is the single-process one (TP ranks repeat their CP shard's
         counts, which leaves the ratio unchanged; CP and data-parallel ranks hold disjoint tokens)."""
         return self._agreement
@@ -324,7 +325,17 @@ class MegatronBackbone(BackboneBase):
         layout = self._layout
         positions = layout.local_positions(batch.seq_lengths)
         params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
-        return self.hidden_states(cp_shard(batch.tokens, positions), params)
+        tokens = cp_shard(batch.tokens, positions)
+        if self._figures is None:
+            return self.hidden_states(tokens, params)
+        routes = batch_routes(batch, self.routing, replay=self.routing_replay, model=self.hf_config.model_type)
+        agreement = None
+        with self.replay.using(None if routes is None else cp_shard(routes.long(), positions, fill=NO_ROUTE)):
+            output = self.hidden_states(tokens, params)
+            if routes is not None:
+                agreement = tuple(map(float, self.replay.stage_agreement()))
+        self._stats, self._agreement = self._figures.exchange(moe_stats(self.model), agreement)
+        return output
 
     def hidden_states(self, tokens: Tensor, params) -> Tensor:
         """This stage's output [T_local, 1, H] of local packed tokens [T_local]: the final-norm hidden states on

@@ -101,7 +101,12 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 
         )
     # The pure-torch attention path (CPU, or GPU without transformer-engine) runs with no fused CUDA kernels.
     extra = {} if te else dict(cpu_shims.CPU_CONFIG_OVERRIDES)
-    return TransformerConfig(
+    fields = pipeline_config_fields(pp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)
+    # An MoE model pipelined on the all-gather dispatcher (CPU): megatron refuses it with variable_seq_lengths,
+    # since its dispatcher gathers equal row counts over TP x EP; `moe.TopPMoELayer` pads every forward's rows to
+    # the group's largest count, so the flag (the shapes sent between stages) is set after that check.
+    variable = fields.get("moe_token_dispatcher_type") == "allgather" and fields.pop("variable_seq_lengths", False)
+    config = TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -126,9 +131,12 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **(pipeline_config_fields(pp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)),
+        **fields,
         **extra,
     )
+    if variable:
+        config.variable_seq_lengths = True
+    return config
 
 
 def layer_specs(config, dtype: torch.dtype, *, moe_aux_loss_coeff: float = 0.0):
