@@ -77,7 +77,15 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, moe
     from topp_rl.trainer.timer import PhaseTimer
 
     extra = dict(routing_replay=True, moe_aux_loss_coeff=aux) if moe else {}
+    if moe:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        # the aux loss's gradient scale, a process-wide tensor: 1.0 of shape [] once a backward ran outside the
+        # schedule (pp 1), which the schedule's [1]-shaped scale cannot be copied into (one pp size per run in
+        # train.py); unset, each layout sets its own 1
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
     policy = MegatronBackbone.from_hf(hf, layout=layout, **extra)
+    policy.train(moe)  # the load-balancing loss's gradient exists in training mode only (dropout is 0)
     reference = MegatronBackbone.from_hf(hf, layout=layout, routing_replay=moe)
     module = PolicyModule(policy=policy, reference=reference, loss=GRPOLoss(kl_coef=0.1),
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
