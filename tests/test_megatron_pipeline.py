@@ -346,7 +346,8 @@ def _fit(output_dir, parallel: str, *extra: str, ckpt_path=None) -> dict:
         (path,) = output_dir.glob("csv/*/metrics.csv")
         with path.open() as f:
             rows = list(csv.DictReader(f))
-        metrics = {k: [float(r[k]) for r in rows if r.get(k)] for k in TRAIN_KEYS}
+        metrics = {k: [float(r[k]) for r in rows if r.get(k)] for k in (*TRAIN_KEYS, *MOE_KEYS,
+                                                                         "train/routing_agreement")}
     return {"metrics": metrics, "weights": exported, "synced": synced, "has_engine": engine is not None}
 
 
@@ -491,3 +492,61 @@ def test_sglang_rollouts_at_pp2(tmp_path, tiny_sglang_url):
     assert max(m["train/rollout_logprob_abs_diff_max"]) <= 1e-4
     assert min(m["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3
     print(m["train/rollout_logprob_abs_diff_max"], m["train/grad_norm"])
+
+
+# Qwen3-MoE through train.py at pp2_ep2: replay on, the load-balancing loss on (its gradient crosses the stages)
+MOE_TRAIN = ("model.family=qwen3_moe", "rollout.routing_replay=true", "module.moe_aux_loss_coeff=0.01")
+
+
+def _moe_train_worker4(rank: int, tmp: str) -> dict:
+    import os
+    from pathlib import Path
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="4",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    out = {p: _fit(Path(tmp) / p, p, *MOE_TRAIN) for p in ("pp2_ep2", "tp2_ep2")}
+    out["part"] = _fit(Path(tmp) / "part", "pp2_ep2", *MOE_TRAIN, "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+    out["resumed"] = _fit(Path(tmp) / "resumed", "pp2_ep2", *MOE_TRAIN,
+                          ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
+    return out
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_py_moe_at_pp2_ep2_follows_tp2_ep2(tmp_path):
+    """`python train.py parallel=pp2_ep2` with a tiny Qwen3-MoE, routing replay and the load-balancing loss
+    (4 gloo ranks: 2 stages x 2 data-parallel ranks, each stage's experts split over its 2 ranks) against
+    `parallel=tp2_ep2` (pp 1, the same 2 data-parallel replicas and prompt split; the single-process run splits
+    the prompts otherwise): every step's loss, grad norm, reward, entropy, MoE aux loss and expert load within
+    1e-5 relative, the same routing agreement, masked mismatch <= 1e-5; each replica's engine (on its first
+    stage) holds every stage's weights, its experts gathered over EP; the HF export of a pp2_ep2 checkpoint
+    holds the stages' weights bit for bit, and a run resumed from it gives the uninterrupted run's 3rd step."""
+    results = run_distributed(_moe_train_worker4, 4, str(tmp_path), timeout=600,
+                              preload=PRELOAD + ("topp_rl.train", "hydra"))
+    got, ref = results[0]["pp2_ep2"]["metrics"], results[0]["tp2_ep2"]["metrics"]
+    # one engine per replica, on its first stage (PP outermost: ranks 0 and 1 hold stage 0)
+    assert [r["pp2_ep2"]["has_engine"] for r in results] == [True, True, False, False]
+    assert results[0]["pp2_ep2"]["synced"] and results[1]["pp2_ep2"]["synced"]
+    assert len(got["train/loss"]) == 3 and max(ref["train/grad_norm"]) > 0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy", *MOE_KEYS):
+        assert got[key] == pytest.approx(ref[key], rel=TOL, abs=1e-9), (key, got[key], ref[key])
+    assert got["train/routing_agreement"] == ref["train/routing_agreement"] == [1.0] * 3
+    assert max(got["train/rollout_logprob_abs_diff_max"]) <= TOL
+    assert min(got["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3
+    from safetensors.torch import load_file
+
+    from topp_rl.run.export import export_checkpoint
+
+    out_dir = export_checkpoint(tmp_path / "part" / "checkpoints" / "last.ckpt", tmp_path / "export_pp2_ep2")
+    exported = load_file(str(out_dir / "model.safetensors"))
+    held = results[0]["part"]["weights"]
+    assert exported.keys() == held.keys() and all(torch.equal(exported[k], v) for k, v in held.items())
+    assert exported["model.layers.3.mlp.experts.down_proj"].shape[0] == 4  # both EP ranks' experts
+    resumed = results[0]["resumed"]["metrics"]
+    assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", *MOE_KEYS):
+        assert resumed[key] == pytest.approx(got[key][-1:], rel=1e-5, abs=1e-7), key
+    print({k: max(_rel(a, b) for a, b in zip(got[k], ref[k], strict=True) if b) for k in
+           ("train/loss", "train/grad_norm", *MOE_KEYS)}, max(got["train/rollout_logprob_abs_diff_max"]),
+          min(got["train/rollout_logprob_abs_diff_unmasked"]), got["train/grad_norm"])
