@@ -201,12 +201,13 @@ def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer
         "config parallel.distributed_optimizer=True: must be absent with parallel=fsdp (FSDP2 already shards the "
         "AdamW state over the ranks, with the weights and gradients; megatron-core's DistributedOptimizer is the "
         "Megatron layouts' ZeRO-1); drop the key, or pick a layout that reads it "
-        "(parallel=cp2/ep2/megatron/pp2/pp2_cp2/tp2/tp2_cp2/tp2_ep2/tp2_pp2)"
+        "(parallel=cp2/ep2/megatron/pp2/pp2_cp2/pp2_ep2/tp2/tp2_cp2/tp2_ep2/tp2_pp2)"
     )
     with pytest.raises(ValueError) as info:  # and a Megatron layout has no CPU offload to switch
         validate_config(_compose(["parallel=tp2", "+parallel.cpu_offload=true"], tmp_path))
     assert str(info.value) == (
-        "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/pp2/pp2_cp2/tp2/tp2_cp2/tp2_ep2/"
+        "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/pp2/pp2_cp2/pp2_ep2/tp2/tp2_cp2/"
+        "tp2_ep2/"
         "tp2_pp2 (the "
         "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size); drop the key, or pick "
         "a layout that reads it (parallel=fsdp)"
@@ -494,3 +495,17 @@ def test_callback_settings_without_their_callback_are_refused(tmp_path):
         assert str(info.value).startswith(f"config {key}: must be off without a callbacks."), overrides
         assert f"; {fix}, or use callbacks=default" in str(info.value)
     assert "HFExport" not in _built(tmp_path, "callbacks.export=null", "export.hf=false")
+
+
+def test_moe_models_pipeline_with_the_experts_split_inside_a_stage(tmp_path):
+    """parallel=pp2_ep2 with a Qwen3-MoE and routing replay (issue 38; refused before): accepted, world 4 = pp 2 x
+    dp 2 with ep 2 over each stage's two data-parallel ranks; an odd layer count is still refused."""
+    from topp_rl.config import parallel_plan
+
+    cfg = _compose("parallel=pp2_ep2 model.family=qwen3_moe model.layers=4 rollout.routing_replay=true".split(),
+                   tmp_path)
+    validate_config(cfg)
+    plan = parallel_plan(cfg)
+    assert (plan.world, plan.dp, plan.ep, plan.pp) == (4, 2, 2, 2)
+    with pytest.raises(ValueError, match=r"config parallel.pp_size=2: must be a divisor of the model's layer count"):
+        validate_config(_compose("parallel=pp2_ep2 model.family=qwen3_moe model.layers=3".split(), tmp_path))

@@ -8,7 +8,9 @@ reference (its own pipelined backbone) and 4 AdamW steps. Against pp = 1 at the 
 processes (the spare ranks as data-parallel replicas): each step's loss and gradient norm (relative 1e-5), the on-policy records' masked and
 unmasked log-probs and entropy (1e-5), the weights after the 4 steps gathered from every stage under HF names
 (absolute 1e-5, see `_check`), the gradient export of the first step; every stage returns the same outputs (the last stage's). World 2:
-pp2; world 4: tp2_pp2 and pp2_cp2.
+pp2; world 4: tp2_pp2 and pp2_cp2. The same spawns train a tiny Qwen3-MoE with routing replay (half the recorded
+routes not the model's own) and the load-balancing loss: pp2 vs pp1 (world 2) and pp2_ep2 vs ep2 (world 4), the
+same figures plus the MoE aux loss, expert load and routing agreement every rank logs (`_check_moe`).
 """
 
 import importlib.util

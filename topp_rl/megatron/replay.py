@@ -28,13 +28,12 @@ it consumes) and combines them with its own, so the last stage's figures are the
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 import contextlib
 from collections import deque
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from topp_rl.data.routes import MoeRouting, ReplayState, replay_ids
 from topp_rl.megatron.hf_config import moe_layers
