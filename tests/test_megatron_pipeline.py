@@ -616,6 +616,10 @@ def test_train_py_moe_at_pp2_ep2_follows_tp2_ep2(tmp_path):
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", *MOE_KEYS):
         assert resumed[key] == pytest.approx(got[key][-1:], rel=1e-5, abs=1e-7), key
+    # the 3rd step's update used the restored AdamW state: each EP rank's own experts' moments
+    final, resumed_final = results[0]["pp2_ep2"]["weights"], results[0]["resumed"]["weights"]
+    resume_abs = max(float((resumed_final[k] - v).abs().max()) for k, v in final.items())
+    assert resume_abs <= 1e-6, max((float((resumed_final[k] - v).abs().max()), k) for k, v in final.items())
     print({k: max(_rel(a, b) for a, b in zip(got[k], ref[k], strict=True) if b) for k in
            ("train/loss", "train/grad_norm", *MOE_KEYS)}, max(got["train/rollout_logprob_abs_diff_max"]),
-          min(got["train/rollout_logprob_abs_diff_unmasked"]), got["train/grad_norm"])
+          min(got["train/rollout_logprob_abs_diff_unmasked"]), got["train/grad_norm"], resume_abs)

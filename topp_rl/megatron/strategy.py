@@ -25,7 +25,7 @@ Pipeline parallelism (`pp_size` > 1): megatron's pipeline groups; each rank's ba
 megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-parallel gradient sums run around the
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
-weights, gathered), and the optimizer state per (PP, TP) rank, named by parameter, restores at the saved TP / EP
+weights, gathered), and the optimizer state per (PP, EP, TP) rank, named by parameter, restores at the saved TP / EP
 and any pp (`stage_state`). Refused at
 start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet).
 
@@ -249,11 +249,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         sizes = {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size": self.pp_size}
         # with each state, its parameters' names (global layer indices): it restores at another pp size (`restage`)
         local = (self._optimizer_names(local), local)
-        if self.pp_size > 1:  # every (PP, TP) rank's state, to every rank
+        if self.pp_size > 1:  # every (PP, EP, TP) rank's state, to every rank (EP ranks hold different experts)
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, ((layout.pp_rank, layout.tp_rank), local))
+            dist.all_gather_object(gathered, ((layout.pp_rank, layout.ep_rank, layout.tp_rank), local))
             by_rank = dict(gathered)
-            named = [by_rank[(p, t)] for p in range(self.pp_size) for t in range(self.tp_size)]
+            named = [by_rank[(p, e, t)] for p in range(self.pp_size) for e in range(self.ep_size)
+                     for t in range(self.tp_size)]
             return {**sizes, "per_pp_tp_rank": [s for _, s in named], "param_names": [n for n, _ in named]}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
@@ -294,7 +295,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                     f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at {what}, or {WEIGHTS_ONLY_WAY_OUT}"
                 )
             if self.pp_size > 1:
-                wrapped.append(state["per_pp_tp_rank"][self.layout.pp_rank * self.tp_size + self.layout.tp_rank])
+                wrapped.append(state["per_pp_tp_rank"][self._stage_entry(self.layout.pp_rank)])
                 continue
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
@@ -304,13 +305,18 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         (EP, TP) rank merged by parameter name and split along this run's stages (`stage_state.restage`)."""
         layout, tp = self.layout, self.tp_size
         if saved_pp > 1:
-            entries = [p * tp + layout.tp_rank for p in range(saved_pp)]
+            entries = [self._stage_entry(p) for p in range(saved_pp)]
             states = state["per_pp_tp_rank"]
         else:
             entries, states = [layout.ep_rank * tp + layout.tp_rank], state["per_tp_rank"]
         saved = [(state["param_names"][i], states[i]) for i in entries]
         policy = self.lightning_module.policy
         return restage(saved, global_param_names(policy, first_layer=policy.stage_layers.start))
+
+    def _stage_entry(self, pp_rank: int) -> int:
+        """Index in a pipelined checkpoint's `per_pp_tp_rank` (ordered by PP, EP, TP rank) of stage `pp_rank`'s
+        state at this rank's EP and TP coordinates."""
+        return (pp_rank * self.ep_size + self.layout.ep_rank) * self.tp_size + self.layout.tp_rank
 
     def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
         saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
