@@ -246,13 +246,20 @@ class MegatronBackbone(BackboneBase):
         (megatron's schedule runs the backward passes itself, not through the module's `manual_backward`)."""
         self._grad_syncs = list(syncs)
 
+    def use_loss_scale(self, scale) -> None:
+        """An fp16 loss scale (`LossScaledFP16`'s `GradScaler.scale`) for the pipeline schedule, which multiplies
+        the last stage's loss by it before its backward (megatron's `grad_scale_func`); at pp = 1 the module's
+        `manual_backward` scales the loss instead."""
+        self.model.config.grad_scale_func = scale
+
     def forward_backward(self, micro_batches, step_fn: StepFn[T], *, backward=Tensor.backward) -> list[T]:
         """pp = 1: `BackboneBase`'s loop. pp > 1: megatron-core's 1F1B schedule (`pipeline.run_schedule`),
         `step_fn` on the last stage; then the tied embedding's copies and the data-parallel ranks sum their
         gradients. Every stage returns the last stage's outputs."""
         if self._layout.pp_size == 1:
             return super().forward_backward(micro_batches, step_fn, backward=backward)
-        syncs = self._grad_syncs + self._tied_sync()
+        # with megatron's DDP (the distributed optimizer) the gradients live in its buffers: it sums them itself
+        syncs = self._grad_syncs + (self._tied_sync() if self._grad_owner is None else [])
         for sync in syncs:
             sync.before()
         outputs = run_schedule(self, micro_batches, step_fn, forward_only=False)

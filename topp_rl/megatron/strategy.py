@@ -46,13 +46,14 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
 from topp_rl.megatron.convert import load_hf_into
-from topp_rl.megatron.dist_opt import ShardedOptimizer
+from topp_rl.megatron.dist_opt import ShardedOptimizer, TiedCopy
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.parallel.plan import ParallelPlan, check_sizes
 from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.precision import LossScaledFP16
 
 _MODEL_SLOTS = ("policy", "reference")
 # The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
@@ -75,12 +76,6 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
-        if pp_size > 1 and distributed_optimizer:
-            raise ValueError(
-                f"parallel.distributed_optimizer=true with parallel.pp_size={pp_size}: megatron's distributed "
-                "optimizer is not wired through the pipeline schedule yet; set parallel.distributed_optimizer=false "
-                "(AdamW state then stays on each pipeline stage, a 1/pp share of the model)"
-            )
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
@@ -186,12 +181,21 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        policy = self.lightning_module.policy
+        fp16 = isinstance(self.precision_plugin, LossScaledFP16)
         if self.distributed_optimizer:
+            if fp16:
+                raise ValueError(
+                    "parallel.distributed_optimizer=true with an fp16 loss scale (trainer=cpu_fp16 / gpu_fp16): the "
+                    "scaler unscales the optimizer's gradients before the clip, and the sharded optimizer's shards "
+                    "receive theirs only in the clip; train in fp32 or bf16, or set parallel.distributed_optimizer=false"
+                )
             (optimizer,) = self.optimizers  # PolicyModule configures one; its LambdaLR keeps driving it
-            policy = self.lightning_module.policy
-            sharded = ShardedOptimizer(policy.model, optimizer)
+            sharded = ShardedOptimizer(policy.model, optimizer, tied=_tied_copy(policy))
             policy.use_grad_owner(sharded)
             self.optimizers = [sharded]
+        if fp16 and self.pp_size > 1:  # megatron's schedule runs the backward passes: it applies the loss scale
+            policy.use_loss_scale(self.precision_plugin.scaler.scale)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         for sync in self._grad_syncs:
@@ -231,8 +235,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                          tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank,
                          stage=backbone.stage)
 
-    def _layout_key(self) -> tuple[int, int, int]:
-        return dist.get_world_size(), self.tp_size, self.cp_size
+    def _layout_key(self) -> tuple[int, int, int, int]:
+        return dist.get_world_size(), self.tp_size, self.cp_size, self.pp_size
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Every (EP, TP) rank's optimizer state (moments of its shards and experts), gathered to all ranks (over
@@ -282,10 +286,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
         saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
+        if saved is not None and len(saved) == 3:  # saved before pipeline parallelism existed: pp = 1
+            saved = (*saved, 1)
         if saved != this or not self.distributed_optimizer:
-            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp)={saved}"
+            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp, pp)={saved}"
             raise ValueError(
-                f"optimizer state was saved {where}, this run has (world, tp, cp)={this} and "
+                f"optimizer state was saved {where}, this run has (world, tp, cp, pp)={this} and "
                 f"distributed_optimizer={self.distributed_optimizer}: sharded optimizer state restores only at "
                 f"the saved layout and setting; resume with them, or {WEIGHTS_ONLY_WAY_OUT}"
             )
@@ -305,6 +311,15 @@ def _replica_group(plan: ParallelPlan) -> dist.ProcessGroup:
         if dp == dp_ranks[dist.get_rank()]:
             mine = group
     return mine
+
+
+def _tied_copy(policy: MegatronBackbone) -> TiedCopy | None:
+    """The policy stage's copy of a tied embedding at pp > 1 (None otherwise); the first stage's counts in the norm."""
+    if policy.tied_copy is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return TiedCopy(policy.tied_copy, ps.get_embedding_group(), counted=policy.layout.pp_rank == 0)
 
 
 def _backbone_slots(module) -> list[str]:
