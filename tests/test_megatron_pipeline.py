@@ -25,6 +25,8 @@ TEMP = 0.8
 STEPS = 4
 TOL = 1e-5
 FAMILIES = ("qwen2", "llama", "qwen3")
+# the distributed optimizer at pp 2: a tied embedding (two copies, one weight) and an untied one
+SHARDED_FAMILIES = ("qwen2", "llama")
 # (tp, cp, pp) per world size; pp1 is the reference
 LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}
 
@@ -60,9 +62,10 @@ def _micro(samples):
     return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
 
 
-def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> dict:
+def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sharded: bool = False) -> dict:
     """AdamW steps of GRPO + KL through the backbone's schedule; per-step figures and the final HF weights.
-    `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights."""
+    `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights. `sharded`: megatron's DDP +
+    distributed optimizer (`dist_opt.ShardedOptimizer`, as `parallel.distributed_optimizer=true` sets it up)."""
     from topp_rl.losses import GRPOLoss
     from topp_rl.megatron import MegatronBackbone
     from topp_rl.megatron.grads import GradSync
@@ -76,6 +79,11 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> 
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                           hook=ToppLogProb(use_mask=True, temperature=TEMP))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    if sharded:  # its buffers sum the gradients over DP x CP (here the CP ranks) and the tied embedding's copies
+        from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
+
+        opt = ShardedOptimizer(policy.model, opt, tied=tied_copy(policy))
+        policy.use_grad_owner(opt)
     params = dict(policy.model.named_parameters())
     out = {"loss": [], "grad_norm": [], "records": [], "stage": (
         len(policy.model.decoder.layers), "embedding.word_embeddings.weight" in params,
@@ -83,14 +91,14 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> 
     refs = module.reference_pass(micro)
     # CP ranks hold partial gradients: summed over the CP group as the strategy's GradSync does (the spare ranks
     # are data-parallel replicas of the same batch, so no data-parallel sum)
-    cp_sum = GradSync(list(policy.parameters()), layout.cp_group)
+    cp_sum = GradSync(list(policy.parameters()), None if sharded else layout.cp_group)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         cp_sum.before()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             sums, records = module.accumulate_gradients(micro, refs, old=None, timer=PhaseTimer())
         cp_sum.after()
-        if step == 0:
+        if step == 0 and not sharded:  # sharded: the gradients are in megatron's buffers, not .grad
             out["grads"] = dict(policy_grads(policy))
         out["grad_norm"].append(policy.clip_grad_norm_(1.0))
         opt.step()
@@ -98,6 +106,9 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> 
         out["loss"].append(loss / count)
         out["records"].append([(r.logprobs, r.logprobs_unmasked, r.entropy) for r in records])
     out["weights"] = dict(policy.hf_named_tensors())
+    from topp_rl.megatron.dist_opt import plain_state_bytes
+
+    out["state_bytes"] = opt.state_bytes() if sharded else plain_state_bytes(opt)
     return out
 
 
@@ -136,6 +147,8 @@ def _worker(rank: int, world: int) -> dict:
                                                          last and (not tied or sizes[2] > 1)), (family, sizes)
             if sizes[2] > 1:
                 results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=4)
+            if sizes[2] > 1 and family in SHARDED_FAMILIES:
+                results[(family, sizes, "sharded")] = _train(hf, layout, micro, sharded=True)
             if family == "llama" and world == 2:
                 results[(family, sizes, "bf16")] = _train(hf, layout, micro, steps=1, autocast=True)
     return results
@@ -177,6 +190,34 @@ def _check(results: list[dict], world: int) -> dict:
             assert grads <= TOL, (family, sizes, grads)
             figures[(family, sizes)] = dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch,
                                             weights_abs=weights, grads_rel=grads)
+            if family in SHARDED_FAMILIES:
+                figures[(family, sizes, "sharded")] = _check_sharded(results, family, sizes, ref)
+    return figures
+
+
+def _check_sharded(results: list[dict], family: str, sizes: tuple, ref: dict) -> dict:
+    """The distributed optimizer at pp 2 against the plain AdamW at the same layout and at pp 1: every step's
+    loss and grad norm (relative 1e-5; every stage alike), the weights after the 4 steps (absolute 1e-5); its AdamW
+    state per rank is the plain one's divided by DP x CP (megatron pads its buffers: within 5%)."""
+    plain = results[0][(family, sizes)]
+    got = results[0][(family, sizes, "sharded")]
+    for r in results[1:]:
+        other = r[(family, sizes, "sharded")]
+        assert other["loss"] == got["loss"] and other["grad_norm"] == got["grad_norm"], (family, sizes)
+    figures = {}
+    for name, base in (("plain", plain), ("pp1", ref)):
+        loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], base["loss"], strict=True))
+        norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], base["grad_norm"], strict=True))
+        weights = max(float((got["weights"][k] - v).abs().max()) for k, v in base["weights"].items())
+        assert got["weights"].keys() == base["weights"].keys(), (family, sizes, name)
+        assert loss_rel <= TOL and norm_rel <= TOL and weights <= TOL, (family, sizes, name, loss_rel, norm_rel,
+                                                                        weights)
+        figures[name] = dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, weights_abs=weights)
+    shards = sizes[1]  # DP x CP: the spare ranks of a pp 2 layout are its CP ranks here
+    ratios = [r[(family, sizes, "sharded")]["state_bytes"] / r[(family, sizes)]["state_bytes"] for r in results]
+    assert all(abs(ratio * shards - 1) <= 0.05 for ratio in ratios), (family, sizes, ratios)
+    figures["state_bytes"] = [(r[(family, sizes)]["state_bytes"], r[(family, sizes, "sharded")]["state_bytes"])
+                              for r in results]
     return figures
 
 

@@ -67,6 +67,16 @@ class TiedCopy:
     counted: bool
 
 
+def tied_copy(backbone) -> TiedCopy | None:
+    """A `MegatronBackbone`'s copy of a tied embedding at pp > 1 (None otherwise); the first stage's counts in the
+    norm."""
+    if backbone.tied_copy is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return TiedCopy(backbone.tied_copy, ps.get_embedding_group(), counted=backbone.layout.pp_rank == 0)
+
+
 class ShardedOptimizer:
     """megatron-core DDP + DistributedOptimizer over `model` with `optimizer`'s hyper-parameters (module docstring).
 

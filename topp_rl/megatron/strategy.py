@@ -46,7 +46,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
 from topp_rl.megatron.convert import load_hf_into
-from topp_rl.megatron.dist_opt import ShardedOptimizer, TiedCopy
+from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
@@ -191,7 +191,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                     "receive theirs only in the clip; train in fp32 or bf16, or set parallel.distributed_optimizer=false"
                 )
             (optimizer,) = self.optimizers  # PolicyModule configures one; its LambdaLR keeps driving it
-            sharded = ShardedOptimizer(policy.model, optimizer, tied=_tied_copy(policy))
+            sharded = ShardedOptimizer(policy.model, optimizer, tied=tied_copy(policy))
             policy.use_grad_owner(sharded)
             self.optimizers = [sharded]
         if fp16 and self.pp_size > 1:  # megatron's schedule runs the backward passes: it applies the loss scale
@@ -311,15 +311,6 @@ def _replica_group(plan: ParallelPlan) -> dist.ProcessGroup:
         if dp == dp_ranks[dist.get_rank()]:
             mine = group
     return mine
-
-
-def _tied_copy(policy: MegatronBackbone) -> TiedCopy | None:
-    """The policy stage's copy of a tied embedding at pp > 1 (None otherwise); the first stage's counts in the norm."""
-    if policy.tied_copy is None:
-        return None
-    from megatron.core import parallel_state as ps
-
-    return TiedCopy(policy.tied_copy, ps.get_embedding_group(), counted=policy.layout.pp_rank == 0)
 
 
 def _backbone_slots(module) -> list[str]:
