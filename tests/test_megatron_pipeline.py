@@ -247,7 +247,8 @@ def test_tp2_pp2_and_pp2_cp2_equal_pp1():
 
 
 # ----- train.py at parallel=pp2: strategy, rollouts shared over the stages, weight sync, metrics, checkpoints -----
-TRAIN = ("model.layers=4", "rollout.max_new_tokens=12")  # on top of test_megatron_train's TINY (3 steps)
+TRAIN = ("model.layers=4", "rollout.max_new_tokens=12")
+DIST_OPT = "parallel.distributed_optimizer=true"  # on top of test_megatron_train's TINY (3 steps)
 # the source rank generates the next step on a background thread (one update stale) beside the pipeline's
 # collectives; with 2 PPO epochs the on-policy pass is its own pipelined forward_only
 OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0",
@@ -289,7 +290,12 @@ def _fit(output_dir, parallel: str, *extra: str, ckpt_path=None) -> dict:
         with path.open() as f:
             rows = list(csv.DictReader(f))
         metrics = {k: [float(r[k]) for r in rows if r.get(k)] for k in TRAIN_KEYS}
-    return {"metrics": metrics, "weights": exported, "synced": synced, "has_engine": engine is not None}
+    from topp_rl.megatron.dist_opt import ShardedOptimizer, plain_state_bytes
+
+    (opt,) = run.trainer.strategy.optimizers
+    state_bytes = opt.state_bytes() if isinstance(opt, ShardedOptimizer) else plain_state_bytes(opt)
+    return {"metrics": metrics, "weights": exported, "synced": synced, "has_engine": engine is not None,
+            "state_bytes": state_bytes}
 
 
 def _train_worker(rank: int, tmp: str) -> dict:
@@ -397,6 +403,13 @@ def _train_worker4(rank: int, tmp: str) -> dict:
     # two data-parallel replicas of two stages, against tp2 x dp2 (the same split of the prompts over 2 replicas)
     for p in ("pp2", "tp2"):
         out[f"{p}_dp2"] = _fit(Path(tmp) / f"{p}_dp2", p, "trainer.devices=4")
+    # the same with the distributed optimizer (AdamW state sharded over the 2 replicas), and its resume after step 2
+    sharded = ("trainer.devices=4", DIST_OPT)
+    out["pp2_dp2_sharded"] = _fit(Path(tmp) / "pp2_dp2_sharded", "pp2", *sharded)
+    out["sharded_part"] = _fit(Path(tmp) / "sharded_part", "pp2", *sharded, "trainer.max_steps=2",
+                               "checkpoint.every_n_steps=1")
+    out["sharded_resumed"] = _fit(Path(tmp) / "sharded_resumed", "pp2", *sharded,
+                                  ckpt_path=Path(tmp) / "sharded_part/checkpoints/last.ckpt")
     return out
 
 
@@ -409,7 +422,7 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
     single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights. And
     `parallel=pp2 trainer.devices=4` (2 data-parallel replicas of 2 stages: the gradient sums over data-parallel
     ranks run around the schedule) follows `parallel=tp2 trainer.devices=4` (the same 2 replicas) within 1e-5."""
-    results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=600, preload=PRELOAD + ("topp_rl.train",
+    results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=900, preload=PRELOAD + ("topp_rl.train",
                                                                                                     "hydra"))
     ref = _fit(tmp_path / "none", "none")["metrics"]
     for parallel in ("tp2_pp2", "pp2_cp2"):
@@ -431,6 +444,38 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
         assert pp_dp[key] == pytest.approx(tp_dp[key], rel=TOL, abs=1e-9), ("pp2_dp2", key, pp_dp[key], tp_dp[key])
     assert max(pp_dp["train/rollout_logprob_abs_diff_max"]) <= TOL
+    _check_sharded_train(results, tp_dp)
+
+
+def _check_sharded_train(results: list[dict], ref: dict) -> None:
+    """`parallel=pp2 parallel.distributed_optimizer=true trainer.devices=4` (megatron's DDP reduce-scatters over the
+    2 replicas after the schedule, its optimizer steps each rank's half) against the same layout without it and
+    against `ref`, pp 1 on the same 2 replicas (tp2 x dp2): every step's loss, grad norm, reward and entropy within 1e-5 relative, the final
+    weights within 1e-5 of the plain pp2 x dp2 run's; each rank's AdamW state halved; the resume after step 2
+    gives the uninterrupted run's step 3 and weights."""
+    plain, got = results[0]["pp2_dp2"], results[0]["pp2_dp2_sharded"]
+    m = got["metrics"]
+    assert len(m["train/loss"]) == 3 and max(m["train/grad_norm"]) > 0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+        assert m[key] == pytest.approx(plain["metrics"][key], rel=TOL, abs=1e-9), ("sharded", key)
+        assert m[key] == pytest.approx(ref[key], rel=TOL, abs=1e-9), ("sharded vs pp 1", key)
+    assert max(m["train/rollout_logprob_abs_diff_max"]) <= TOL
+    assert got["synced"], "the engine's weights != the weights exported from both stages"
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in plain["weights"].items())
+    assert got["weights"].keys() == plain["weights"].keys() and weights <= TOL, weights
+    ratios = [r["pp2_dp2_sharded"]["state_bytes"] / r["pp2_dp2"]["state_bytes"] for r in results]
+    assert all(0.45 < ratio < 0.55 for ratio in ratios), ratios  # DP = 2, up to megatron's bucket padding
+    resumed = results[0]["sharded_resumed"]
+    assert len(resumed["metrics"]["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert resumed["metrics"][key] == pytest.approx(m[key][-1:], rel=1e-5, abs=1e-7), ("resumed", key)
+    resumed_weights = max(float((resumed["weights"][k] - v).abs().max()) for k, v in got["weights"].items())
+    assert resumed_weights <= 1e-6, resumed_weights
+    print({"sharded_vs_plain_weights_abs": weights, "resumed_weights_abs": resumed_weights,
+           "state_bytes_per_rank": [(r["pp2_dp2"]["state_bytes"], r["pp2_dp2_sharded"]["state_bytes"])
+                                    for r in results],
+           "sharded_vs_pp1_rel": {k: max(_rel(a, b) for a, b in zip(m[k], ref[k], strict=True) if b)
+                                             for k in ("train/loss", "train/grad_norm")}})
 
 
 def _sglang_worker(rank: int, tmp: str, url: str) -> dict:
