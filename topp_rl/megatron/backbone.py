@@ -26,8 +26,9 @@ Pipeline parallelism (`pipeline`): at pp_size > 1 this rank builds only its stag
 first stage, the final norm and output layer on the last) and `forward_backward` / `forward_only` run
 megatron-core's 1F1B schedule; only the last stage scores, and its outputs reach every stage. A tied embedding
 becomes two copies at pp > 1 (the first stage's embedding, the last stage's `output_layer.weight`), loaded equal and
-kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`), as
-megatron's own `finalize_model_grads` does; the norm counts the weight once. MoE models run at pp = 1 only.
+kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`; with the
+distributed optimizer, in its buffers: `dist_opt.TiedCopy`), as megatron's own `finalize_model_grads` does; the
+norm counts the weight once. MoE models run at pp = 1 only.
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
 them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The

@@ -15,7 +15,7 @@ What it adds to `DDPStrategy`:
   tokens of their TP x EP group); torch DDP would average, and would need one backward per forward;
 - `distributed_optimizer=True`: megatron-core's DDP + `DistributedOptimizer` instead (`dist_opt.ShardedOptimizer`,
   ZeRO-1: optimizer state sharded over DP x CP), wrapped around the module's own torch optimizer after
-  `setup_optimizers`; the backbone hands its gradient clipping to it;
+  `setup_optimizers`; the backbone hands its gradient clipping to it (at any pp; not with an fp16 loss scale);
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
   weights resume at any TP; optimizer
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError); with the
@@ -25,8 +25,12 @@ Pipeline parallelism (`pp_size` > 1): megatron's pipeline groups; each rank's ba
 megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-parallel gradient sums run around the
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
-weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. Refused at
-start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet).
+weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. With the
+distributed optimizer the schedule's backward passes fill megatron's DDP buffers and its reduce-scatter runs once
+per step after the schedule (the tied embedding's copies summed in the buffers, `dist_opt.TiedCopy`); its sharded
+state restores at the saved (world, tp, cp, pp). An fp16 loss scale (`LossScaledFP16`) reaches the schedule as
+megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`), which scales the last stage's loss before its
+backward; the plugin makes every rank skip an overflowing step together.
 
 Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
 megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
