@@ -8,7 +8,8 @@ reference (its own pipelined backbone) and 4 AdamW steps. Against pp = 1 at the 
 processes (the spare ranks as data-parallel replicas): each step's loss and gradient norm (relative 1e-5), the on-policy records' masked and
 unmasked log-probs and entropy (1e-5), the weights after the 4 steps gathered from every stage under HF names
 (absolute 1e-5, see `_check`), the gradient export of the first step; every stage returns the same outputs (the last stage's). World 2:
-pp2; world 4: tp2_pp2 and pp2_cp2.
+pp2; world 4: tp2_pp2 and pp2_cp2. The same spawns run Qwen2 and Llama at pp 2 with the distributed optimizer
+(megatron's DDP + DistributedOptimizer, `_check_sharded`) against the plain AdamW and pp 1.
 """
 
 import importlib.util
@@ -324,8 +325,8 @@ relative,
     every step's masked rollout mismatch <= 1e-5 (unmasked far above: the mask matters), the engine holds the
     weights gathered from both stages, the final weights within 1e-4 (see there), the HF export of a pp2 checkpoint
 holds the stages' weights bit for bit, a run with `rollout.overlap` (one update stale) and 2 PPO epochs follows
-its single-process run within 1e-5, and a run checkpointed after step 2 and
-    resumed at pp2 gives the uninterrupted run's step 3."""
+its single-process run within 1e-5, a run checkpointed after step 2 and
+    resumed at pp2 gives the uninterrupted run's step 3, and fp16 loss scaling at pp2 follows pp 1 (`_check_fp16`)."""
     results = run_distributed(_train_worker, 2, str(tmp_path), timeout=500, preload=PRELOAD + ("topp_rl.train",
                                                                                                    "hydra"))
     ref = _fit(tmp_path / "none", "none")
@@ -421,7 +422,8 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
     its TP x CP x PP ranks): every step's loss, grad norm, reward and entropy within 1e-5 relative of the
     single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights. And
     `parallel=pp2 trainer.devices=4` (2 data-parallel replicas of 2 stages: the gradient sums over data-parallel
-    ranks run around the schedule) follows `parallel=tp2 trainer.devices=4` (the same 2 replicas) within 1e-5."""
+    ranks run around the schedule) follows `parallel=tp2 trainer.devices=4` (the same 2 replicas) within 1e-5, with
+    the distributed optimizer too, whose checkpoint resumes (`_check_sharded_train`)."""
     results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=900, preload=PRELOAD + ("topp_rl.train",
                                                                                                     "hydra"))
     ref = _fit(tmp_path / "none", "none")["metrics"]

@@ -28,7 +28,7 @@ class LossScaledFP16(MixedPrecision):
         # scaling a zero creates the scale there, as GradScaler does on its first `scale`.
         self.scaler.scale(torch.zeros((), device=self.device))
         self.scaler.unscale_(optimizer)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.scaler.is_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._agree_on_overflow(optimizer)
 
     def _agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> None:
