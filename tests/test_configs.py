@@ -267,15 +267,20 @@ def test_megatron_resume_refusals_name_the_export_way_out():
         f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 1), this run has (2, 1, 1); resume at the "
         f"saved sizes, or {way_out}"
     )
-    # A pipelined run's state (per pipeline stage and TP rank) restores at the saved pp only (issue 38).
+    # A pipelined run's state restores at another pp only with its parameters' names (saved since issue 38; the
+    # regrouping itself is tested in test_megatron_pipeline.py).
     saved_at_pp2 = {"optimizer_states": [{"megatron_tp_size": 1, "megatron_ep_size": 1, "megatron_pp_size": 2,
                                           "per_pp_tp_rank": [{}, {}]}]}
     with pytest.raises(ValueError) as info:
         MegatronStrategy().load_optimizer_state_dict(saved_at_pp2)
     assert str(info.value) == (
         f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 2), this run has (1, 1, 1); resume at the "
-        f"saved sizes, or {way_out}"
+        f"saved pp_size (this checkpoint predates the parameter names that let its optimizer state restore at "
+        f"another pp_size), or {way_out}"
     )
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_pp2)
+    assert "(1, 1, 2), this run has (2, 1, 1); resume at the saved sizes, or" in str(info.value)
     sharded = MegatronStrategy(tp_size=2)
     sharded._layout_key = lambda: (2, 2, 1, 1)  # (world, tp, cp, pp) without a process group
     with pytest.raises(ValueError) as info:  # a key saved before pp existed (world, tp, cp) reads as pp = 1

@@ -64,18 +64,22 @@ def _micro(samples):
     return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
 
 
-def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sharded: bool = False) -> dict:
+def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sharded: bool = False,
+           start=None) -> dict:
     """AdamW steps of GRPO + KL through the backbone's schedule; per-step figures and the final HF weights.
     `autocast`: under bf16 autocast (Lightning's bf16-mixed), float32 weights. `sharded`: megatron's DDP +
-    distributed optimizer (`dist_opt.ShardedOptimizer`, as `parallel.distributed_optimizer=true` sets it up)."""
+    distributed optimizer (`dist_opt.ShardedOptimizer`, as `parallel.distributed_optimizer=true` sets it up).
+    `start`: (HF weights, the saved stages' (names, optimizer state) pairs) of a run at another pp size to go on
+    from (the reference stays `hf`)."""
     from topp_rl.losses import GRPOLoss
     from topp_rl.megatron import MegatronBackbone
     from topp_rl.megatron.grads import GradSync
+    from topp_rl.megatron.stage_state import global_param_names, restage
     from topp_rl.trainer.hook import ToppLogProb
     from topp_rl.trainer.module import PolicyModule
     from topp_rl.trainer.timer import PhaseTimer
 
-    policy = MegatronBackbone.from_hf(hf, layout=layout)
+    policy = MegatronBackbone.from_hf(_with_weights(hf, start[0]) if start else hf, layout=layout)
     reference = MegatronBackbone.from_hf(hf, layout=layout)
     module = PolicyModule(policy=policy, reference=reference, loss=GRPOLoss(kl_coef=0.1),
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
@@ -86,6 +90,9 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sha
 
         opt = ShardedOptimizer(policy.model, opt, tied=tied_copy(policy))
         policy.use_grad_owner(opt)
+    names = global_param_names(policy, first_layer=policy.stage_layers.start)
+    if start:
+        opt.load_state_dict(restage(start[1], names))
     params = dict(policy.model.named_parameters())
     out = {"loss": [], "grad_norm": [], "records": [], "stage": (
         len(policy.model.decoder.layers), "embedding.word_embeddings.weight" in params,
@@ -111,7 +118,20 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sha
     from topp_rl.megatron.dist_opt import plain_state_bytes
 
     out["state_bytes"] = opt.state_bytes() if sharded else plain_state_bytes(opt)
+    if not sharded:
+        stages = [None] * layout.pp_size  # every stage's (names, optimizer state), as a checkpoint holds them
+        torch.distributed.all_gather_object(stages, (names, opt.state_dict()), group=layout.pp_group)
+        out["optimizer"] = stages
     return out
+
+
+def _with_weights(hf, weights: dict):
+    import copy
+
+    model = copy.deepcopy(hf)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: the embedding
+    return model
 
 
 def policy_grads(policy):
@@ -153,6 +173,13 @@ def _worker(rank: int, world: int) -> dict:
                 results[(family, sizes, "sharded")] = _train(hf, layout, micro, sharded=True)
             if family == "llama" and world == 2:
                 results[(family, sizes, "bf16")] = _train(hf, layout, micro, steps=1, autocast=True)
+        if world == 2 and family != "qwen3":
+            # a resume at another pp size: 2 steps at pp a, the optimizer state regrouped by name, 2 at pp b
+            for a, b in ((2, 1), (1, 2)):
+                half = _train(hf, _layout(1, 1, a, hf.config.vocab_size), micro, steps=STEPS // 2)
+                results[(family, "restaged", a, b)] = _train(hf, _layout(1, 1, b, hf.config.vocab_size), micro,
+                                                             steps=STEPS // 2,
+                                                             start=(half["weights"], half["optimizer"]))
     return results
 
 
@@ -235,6 +262,19 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
     # buffer gave a grad norm of 6478 against 1.5)
     bf16 = {pp: results[0][("llama", (1, 1, pp), "bf16")] for pp in (1, 2)}
     figures["bf16"] = {k: _rel(bf16[2][k][0], bf16[1][k][0]) for k in ("loss", "grad_norm")}
+    # Resumed at another pp size (the optimizer state of 2 steps regrouped by parameter name, `stage_state`): steps
+    # 3-4 and the weights after them equal the uninterrupted pp1 run's (a Qwen2 tied embedding: one parameter at pp 1,
+    # two copies with the same moments at pp 2).
+    for family in ("qwen2", "llama"):
+        ref = results[0][(family, (1, 1, 1))]
+        for a, b in ((2, 1), (1, 2)):
+            got = results[0][(family, "restaged", a, b)]
+            for key in ("loss", "grad_norm"):
+                rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
+                assert rel <= TOL, (family, a, b, key, got[key], ref[key])
+            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+            assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (family, a, b, weights)
+            figures[(family, f"pp{a}->pp{b}")] = weights
     print(figures)
     assert figures["bf16"]["loss"] <= 1e-4 and figures["bf16"]["grad_norm"] <= 1e-4, figures["bf16"]  # 3.4e-6 here
 
@@ -411,6 +451,9 @@ def _train_worker4(rank: int, tmp: str) -> dict:
                                "checkpoint.every_n_steps=1")
     out["sharded_resumed"] = _fit(Path(tmp) / "sharded_resumed", "pp2", *sharded,
                                   ckpt_path=Path(tmp) / "sharded_part/checkpoints/last.ckpt")
+    # a resume at another pp size: tp2_pp2's step-2 checkpoint goes on at tp2_cp2 (pp 1; one replica in both)
+    out["part_pp2"] = _fit(Path(tmp) / "part", "tp2_pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
+    out["resumed_pp1"] = _fit(Path(tmp) / "resumed", "tp2_cp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
     return out
 
 
@@ -423,7 +466,8 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
     single-process HF run, masked mismatch <= 1e-5, the engine (rank 0 alone) holds every stage's weights. And
     `parallel=pp2 trainer.devices=4` (2 data-parallel replicas of 2 stages: the gradient sums over data-parallel
     ranks run around the schedule) follows `parallel=tp2 trainer.devices=4` (the same 2 replicas) within 1e-5, with
-    the distributed optimizer too, whose checkpoint resumes (`_check_sharded_train`)."""
+    the distributed optimizer too, whose checkpoint resumes (`_check_sharded_train`). A tp2_pp2 checkpoint resumed
+    at tp2_cp2 (pp 2 -> 1, the optimizer state regrouped) gives the uninterrupted step 3."""
     results = run_distributed(_train_worker4, 4, str(tmp_path), timeout=900, preload=PRELOAD + ("topp_rl.train",
                                                                                                     "hydra"))
     ref = _fit(tmp_path / "none", "none")["metrics"]
@@ -446,6 +490,21 @@ def test_train_py_at_tp2_pp2_and_pp2_cp2_follows_the_single_process_run(tmp_path
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
         assert pp_dp[key] == pytest.approx(tp_dp[key], rel=TOL, abs=1e-9), ("pp2_dp2", key, pp_dp[key], tp_dp[key])
     assert max(pp_dp["train/rollout_logprob_abs_diff_max"]) <= TOL
+    # the optimizer state regrouped from two stages to one (`stage_state.restage`): the uninterrupted run's step 3
+    resumed = results[0]["resumed_pp1"]["metrics"]
+    assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert resumed[key] == pytest.approx(results[0]["tp2_pp2"]["metrics"][key][-1:], rel=TOL, abs=1e-9), key
+    # Step 3's update used the restored moments: the weights after it are the uninterrupted run's. Within 1e-4, as
+    # the pp2 run against the HF run above: step 3 runs at another layout (tp2_cp2), whose round-off AdamW turns into
+    # lr-sized steps on zero-true-gradient entries (1.0e-5 here); fresh moments would make every entry's step 3
+    # update lr * sign(g), moving weights by up to the update printed (~lr = 3e-3) away from the uninterrupted run.
+    uninterrupted, got = results[0]["tp2_pp2"]["weights"], results[0]["resumed_pp1"]["weights"]
+    weights = max(float((got[k] - v).abs().max()) for k, v in uninterrupted.items())
+    after_2 = results[0]["part_pp2"]["weights"]
+    update = max(float((v - after_2[k]).abs().max()) for k, v in uninterrupted.items())
+    assert got.keys() == uninterrupted.keys() and weights <= 1e-4, weights
+    print("resumed at pp1: weights after step 3, abs", weights, "step 3's update", update)
     _check_sharded_train(results, tp_dp)
 
 

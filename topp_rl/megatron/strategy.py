@@ -25,12 +25,13 @@ Pipeline parallelism (`pp_size` > 1): megatron's pipeline groups; each rank's ba
 megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-parallel gradient sums run around the
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
-weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. With the
-distributed optimizer the schedule's backward passes fill megatron's DDP buffers and its reduce-scatter runs once
-per step after the schedule (the tied embedding's copies summed in the buffers, `dist_opt.TiedCopy`); its sharded
-state restores at the saved (world, tp, cp, pp). An fp16 loss scale (`LossScaledFP16`) reaches the schedule as
-megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`), which scales the last stage's loss before its
-backward; the plugin makes every rank skip an overflowing step together.
+weights, gathered), and the optimizer state per (PP, TP) rank, named by parameter, restores at the saved TP / EP
+and any pp (`stage_state`). With the distributed optimizer the schedule's backward passes fill megatron's DDP
+buffers and its reduce-scatter runs once per step after the schedule (the tied embedding's copies summed in the
+buffers, `dist_opt.TiedCopy`); its sharded state restores at the saved (world, tp, cp, pp) only. An fp16 loss
+scale (`LossScaledFP16`) reaches the schedule as megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`),
+which scales the last stage's loss before its backward; the plugin makes every rank skip an overflowing step
+together.
 
 Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
 megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
@@ -52,6 +53,7 @@ from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusa
 from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
+from topp_rl.megatron.stage_state import global_param_names, restage
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
@@ -252,23 +254,33 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, local)
             return {"megatron_distributed_optimizer": self._layout_key(), "per_rank": per_rank}
+        sizes = {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size": self.pp_size}
+        # with each state, its parameters' names (global layer indices): it restores at another pp size (`restage`)
+        local = (self._optimizer_names(local), local)
         if self.pp_size > 1:  # every (PP, TP) rank's state, to every rank
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.pp_rank, layout.tp_rank), local))
             by_rank = dict(gathered)
-            return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size":
-                    self.pp_size, "per_pp_tp_rank": [by_rank[(p, t)] for p in range(self.pp_size)
-                                                      for t in range(self.tp_size)]}
+            named = [by_rank[(p, t)] for p in range(self.pp_size) for t in range(self.tp_size)]
+            return {**sizes, "per_pp_tp_rank": [s for _, s in named], "param_names": [n for n, _ in named]}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
-            states = [dict(gathered)[(e, t)] for e in range(self.ep_size) for t in range(self.tp_size)]
+            named = [dict(gathered)[(e, t)] for e in range(self.ep_size) for t in range(self.tp_size)]
         elif self.tp_size > 1:
-            states = [None] * self.tp_size
-            dist.all_gather_object(states, local, group=layout.tp_group)
+            named = [None] * self.tp_size
+            dist.all_gather_object(named, local, group=layout.tp_group)
         else:
-            states = [local]
-        return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "per_tp_rank": states}
+            named = [local]
+        return {**sizes, "per_tp_rank": [s for _, s in named], "param_names": [n for n, _ in named]}
+
+    def _optimizer_names(self, state: dict[str, Any]) -> list[str]:
+        policy = self.lightning_module.policy
+        names = global_param_names(policy, first_layer=policy.stage_layers.start)
+        if [len(names)] != [len(g["params"]) for g in state["param_groups"]]:
+            raise RuntimeError(f"the optimizer holds {[len(g['params']) for g in state['param_groups']]} parameters, "
+                               f"the policy {len(names)} trainable ones: PolicyModule.configure_optimizers changed")
+        return names
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         wrapped = []
@@ -277,16 +289,36 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                 wrapped.append(self._sharded_state(state))
                 continue
             saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1))
+            if saved[:2] == (self.tp_size, self.ep_size) and saved[2] != self.pp_size and "param_names" in state:
+                wrapped.append(self._restaged(state, saved_pp=saved[2]))
+                continue
             if saved != (self.tp_size, self.ep_size, self.pp_size):
+                # pp alone may change, for states saved with their parameters' names (not before issue 38)
+                what = "the saved sizes" if saved[:2] != (self.tp_size, self.ep_size) else (
+                    "the saved pp_size (this checkpoint predates the parameter names that let its optimizer state "
+                    "restore at another pp_size)")
                 raise ValueError(
                     f"optimizer state was saved at (tp_size, ep_size, pp_size)={saved}, this run has "
-                    f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at the saved sizes, or {WEIGHTS_ONLY_WAY_OUT}"
+                    f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at {what}, or {WEIGHTS_ONLY_WAY_OUT}"
                 )
             if self.pp_size > 1:
                 wrapped.append(state["per_pp_tp_rank"][self.layout.pp_rank * self.tp_size + self.layout.tp_rank])
                 continue
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
+
+    def _restaged(self, state: dict[str, Any], *, saved_pp: int) -> dict[str, Any]:
+        """This rank's state from a checkpoint saved at another pp size (same TP / EP): the saved stages of this
+        (EP, TP) rank merged by parameter name and split along this run's stages (`stage_state.restage`)."""
+        layout, tp = self.layout, self.tp_size
+        if saved_pp > 1:
+            entries = [p * tp + layout.tp_rank for p in range(saved_pp)]
+            states = state["per_pp_tp_rank"]
+        else:
+            entries, states = [layout.ep_rank * tp + layout.tp_rank], state["per_tp_rank"]
+        saved = [(state["param_names"][i], states[i]) for i in entries]
+        policy = self.lightning_module.policy
+        return restage(saved, global_param_names(policy, first_layer=policy.stage_layers.start))
 
     def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
         saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
