@@ -342,17 +342,15 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     pp = cfg.parallel.get("pp_size", 1)
     if pp == 1:
         return
-    if cfg.parallel.get("distributed_optimizer", False):
-        _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
-              "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
-    targets = [str(p.get("_target_")) if isinstance(p, DictConfig) else str(p) for p in cfg.trainer.get("plugins") or []]
-    if any("LossScaledFP16" in t for t in targets):
-        _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
-              "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
-              "cpu_bf16, gpu, gpu_fp32)")
     layers = cfg.model.get("layers")
     if isinstance(layers, int):
         parallel_plan(cfg).check_layers(layers)
+
+
+def _loss_scaled_fp16(cfg: DictConfig) -> bool:
+    """Whether the trainer runs `LossScaledFP16` (trainer=cpu_fp16 / gpu_fp16)."""
+    plugins = cfg.trainer.get("plugins") or []
+    return any("LossScaledFP16" in (str(p.get("_target_")) if isinstance(p, DictConfig) else str(p)) for p in plugins)
 
 
 def _validate_distributed_optimizer(cfg: DictConfig) -> None:
@@ -366,6 +364,10 @@ def _validate_distributed_optimizer(cfg: DictConfig) -> None:
         _fail("optimizer._target_", target, "torch.optim.AdamW with parallel.distributed_optimizer=true (megatron-core's "
               "DistributedOptimizer shards only Adam state, and accepts torch's Adam only without transformer-engine)",
               "use optimizer._target_=torch.optim.AdamW or parallel.distributed_optimizer=false")
+    if _loss_scaled_fp16(cfg):
+        _fail("parallel.distributed_optimizer", True, "false with an fp16 loss scale (trainer=cpu_fp16 / gpu_fp16: "
+              "the scaler unscales the optimizer's gradients before the clip, and the sharded optimizer's shards "
+              "receive theirs only in the clip)", "train in fp32 or bf16, or set parallel.distributed_optimizer=false")
     if cfg.parallel.ep_size > 1:
         _fail("parallel.distributed_optimizer", True, f"false with parallel.ep_size={cfg.parallel.ep_size} (the "
               "sharded optimizer covers dense models only; experts would need their own over the expert-data-"

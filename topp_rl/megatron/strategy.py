@@ -15,7 +15,7 @@ What it adds to `DDPStrategy`:
   tokens of their TP x EP group); torch DDP would average, and would need one backward per forward;
 - `distributed_optimizer=True`: megatron-core's DDP + `DistributedOptimizer` instead (`dist_opt.ShardedOptimizer`,
   ZeRO-1: optimizer state sharded over DP x CP), wrapped around the module's own torch optimizer after
-  `setup_optimizers`; the backbone hands its gradient clipping to it;
+  `setup_optimizers`; the backbone hands its gradient clipping to it (at any pp; not with an fp16 loss scale);
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
   weights resume at any TP; optimizer
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError); with the
@@ -26,8 +26,12 @@ megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-paralle
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
 weights, gathered), and the optimizer state per (PP, EP, TP) rank, named by parameter, restores at the saved TP / EP
-and any pp (`stage_state`). Refused at
-start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet).
+and any pp (`stage_state`). With the distributed optimizer the schedule's backward passes fill megatron's DDP
+buffers and its reduce-scatter runs once per step after the schedule (the tied embedding's copies summed in the
+buffers, `dist_opt.TiedCopy`); its sharded state restores at the saved (world, tp, cp, pp) only. An fp16 loss
+scale (`LossScaledFP16`) reaches the schedule as megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`),
+which scales the last stage's loss before its backward; the plugin makes every rank skip an overflowing step
+together.
 
 Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
 megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
@@ -47,7 +51,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
 from topp_rl.megatron.convert import load_hf_into
-from topp_rl.megatron.dist_opt import ShardedOptimizer
+from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.megatron.stage_state import global_param_names, restage
 from topp_rl.parallel import ParallelLayout
@@ -55,6 +59,7 @@ from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.parallel.plan import ParallelPlan, check_sizes
 from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.precision import LossScaledFP16
 
 _MODEL_SLOTS = ("policy", "reference")
 # The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
@@ -77,12 +82,6 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
-        if pp_size > 1 and distributed_optimizer:
-            raise ValueError(
-                f"parallel.distributed_optimizer=true with parallel.pp_size={pp_size}: megatron's distributed "
-                "optimizer is not wired through the pipeline schedule yet; set parallel.distributed_optimizer=false "
-                "(AdamW state then stays on each pipeline stage, a 1/pp share of the model)"
-            )
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
@@ -188,12 +187,21 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        policy = self.lightning_module.policy
+        fp16 = isinstance(self.precision_plugin, LossScaledFP16)
         if self.distributed_optimizer:
+            if fp16:
+                raise ValueError(
+                    "parallel.distributed_optimizer=true with an fp16 loss scale (trainer=cpu_fp16 / gpu_fp16): the "
+                    "scaler unscales the optimizer's gradients before the clip, and the sharded optimizer's shards "
+                    "receive theirs only in the clip; train in fp32 or bf16, or set parallel.distributed_optimizer=false"
+                )
             (optimizer,) = self.optimizers  # PolicyModule configures one; its LambdaLR keeps driving it
-            policy = self.lightning_module.policy
-            sharded = ShardedOptimizer(policy.model, optimizer)
+            sharded = ShardedOptimizer(policy.model, optimizer, tied=tied_copy(policy))
             policy.use_grad_owner(sharded)
             self.optimizers = [sharded]
+        if fp16 and self.pp_size > 1:  # megatron's schedule runs the backward passes: it applies the loss scale
+            policy.use_loss_scale(self.precision_plugin.scaler.scale)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         for sync in self._grad_syncs:
@@ -233,8 +241,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                          tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank,
                          stage=backbone.stage)
 
-    def _layout_key(self) -> tuple[int, int, int]:
-        return dist.get_world_size(), self.tp_size, self.cp_size
+    def _layout_key(self) -> tuple[int, int, int, int]:
+        return dist.get_world_size(), self.tp_size, self.cp_size, self.pp_size
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Every (EP, TP) rank's optimizer state (moments of its shards and experts), gathered to all ranks (over
@@ -320,10 +328,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
         saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
+        if saved is not None and len(saved) == 3:  # saved before pipeline parallelism existed: pp = 1
+            saved = (*saved, 1)
         if saved != this or not self.distributed_optimizer:
-            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp)={saved}"
+            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp, pp)={saved}"
             raise ValueError(
-                f"optimizer state was saved {where}, this run has (world, tp, cp)={this} and "
+                f"optimizer state was saved {where}, this run has (world, tp, cp, pp)={this} and "
                 f"distributed_optimizer={self.distributed_optimizer}: sharded optimizer state restores only at "
                 f"the saved layout and setting; resume with them, or {WEIGHTS_ONLY_WAY_OUT}"
             )
