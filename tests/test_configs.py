@@ -97,6 +97,10 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel=pp2 model.family=qwen3_moe", "parallel.pp_size"),
         ("parallel=pp2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
         ("parallel=pp2 trainer=cpu_fp16", "trainer"),
+        # Virtual stages: a size >= 1, pp > 1, the layers in pp x vpp equal chunks.
+        ("parallel=pp2 parallel.vpp_size=0", "parallel.vpp_size"),
+        ("parallel=megatron parallel.vpp_size=2", "parallel.vpp_size"),
+        ("parallel=pp2 model.layers=4 parallel.vpp_size=4", "parallel.vpp_size"),
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
         ("parallel.tp_size=2", "parallel.tp_size"),
         ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),
@@ -209,7 +213,8 @@ def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer
     assert str(info.value) == (
         "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/pp2/pp2_cp2/tp2/tp2_cp2/tp2_ep2/"
         "tp2_pp2 (the "
-        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size); drop the key, or pick "
+        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size, vpp_size); drop the "
+        "key, or pick "
         "a layout that reads it (parallel=fsdp)"
     )
 
@@ -264,8 +269,8 @@ def test_megatron_resume_refusals_name_the_export_way_out():
     with pytest.raises(ValueError) as info:
         MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_tp1)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 1), this run has (2, 1, 1); resume at the "
-        f"saved sizes, or {way_out}"
+        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 1, 1), this run has (2, 1, 1, 1); "
+        f"resume at the saved sizes, or {way_out}"
     )
     # A pipelined run's state (per pipeline stage and TP rank) restores at the saved pp only (issue 38).
     saved_at_pp2 = {"optimizer_states": [{"megatron_tp_size": 1, "megatron_ep_size": 1, "megatron_pp_size": 2,
@@ -273,8 +278,15 @@ def test_megatron_resume_refusals_name_the_export_way_out():
     with pytest.raises(ValueError) as info:
         MegatronStrategy().load_optimizer_state_dict(saved_at_pp2)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 2), this run has (1, 1, 1); resume at the "
-        f"saved sizes, or {way_out}"
+        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 2, 1), this run has (1, 1, 1, 1); "
+        f"resume at the saved sizes, or {way_out}"
+    )
+    # with virtual stages a rank holds other layers than at vpp 1 (same pp): its moments would land on other weights
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(pp_size=2, vpp_size=2).load_optimizer_state_dict(saved_at_pp2)
+    assert str(info.value) == (
+        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 2, 1), this run has (1, 1, 2, 2); "
+        f"resume at the saved sizes, or {way_out}"
     )
     sharded = MegatronStrategy(tp_size=2)
     sharded._layout_key = lambda: (2, 2, 1)  # (world, tp, cp) without a process group

@@ -83,9 +83,9 @@ def _moe_fields(hf_config, *, ep_size: int, te: bool) -> dict:
 
 
 def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, pp_size: int = 1,
-                       dtype: torch.dtype = torch.float32):
+                       vpp_size: int = 1, dtype: torch.dtype = torch.float32):
     """megatron-core TransformerConfig equivalent to `hf_config` (dropout 0); at pp_size > 1 with the pipeline
-    schedule's fields (`pipeline.pipeline_config_fields`)."""
+    schedule's fields (`pipeline.pipeline_config_fields`, vpp_size > 1: the interleaved schedule's)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_type(hf_config)
@@ -126,7 +126,7 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        **(pipeline_config_fields(pp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)),
+        **(pipeline_config_fields(pp_size, vpp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)),
         **extra,
     )
 

@@ -26,10 +26,13 @@ megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-paralle
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
 weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. Refused at
-start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet).
+start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet). Virtual
+(interleaved) pipeline stages (`vpp_size` > 1): megatron's interleaved schedule over vpp model chunks per rank
+(`topp_rl.megatron.chunks`); the data module then packs at least pp micro-batches a step (`min_micro_batches`, what
+that schedule needs).
 
-Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
-megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
+Departures from NeMo's MegatronStrategy: no `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient
+clipping goes through the backbone's TP-aware `clip_grad_norm_`.
 
 Seams: the module reaches the backbone only through the `Backbone` protocol; its `hf_named_tensors()` (for
 `WeightSync`) and `clip_grad_norm_` gather / reduce over TP, so every rank must call them; `RolloutDataModule`
@@ -45,13 +48,12 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
-from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.dist_opt import ShardedOptimizer
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
-from topp_rl.parallel.plan import ParallelPlan, check_sizes
+from topp_rl.parallel.plan import ParallelPlan, check_sizes, check_virtual_stages
 from topp_rl.trainer.backbone import HFBackbone
 
 _MODEL_SLOTS = ("policy", "reference")
@@ -67,10 +69,11 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
     strategy_name = "megatron"
     cp_modes = CP_MODES
 
-    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
+    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1, vpp_size: int = 1,
                  cp_mode: str = "zigzag", moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False,
                  seed: int = 0, **kwargs: Any) -> None:
         check_sizes(tp=tp_size, cp=cp_size, ep=ep_size, pp=pp_size)  # the rest once the world size is known
+        check_virtual_stages(pp_size, vpp_size)
         if cp_size > 1 and cp_mode not in self.cp_modes:
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
@@ -84,7 +87,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
-        self.pp_size = pp_size
+        self.pp_size, self.vpp_size = pp_size, vpp_size
         self.plan: ParallelPlan | None = None  # the sizes checked against the world size, in setup_distributed
         self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
@@ -96,12 +99,13 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         from megatron.core import parallel_state as ps
 
         self.plan = ParallelPlan(world=dist.get_world_size(), tp=self.tp_size, cp=self.cp_size, ep=self.ep_size,
-                                 pp=self.pp_size, cp_mode=self.cp_mode)
+                                 pp=self.pp_size, vpp=self.vpp_size, cp_mode=self.cp_mode)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size,
                                      expert_model_parallel_size=self.ep_size,
-                                     pipeline_model_parallel_size=self.pp_size)
+                                     pipeline_model_parallel_size=self.pp_size,
+                                     virtual_pipeline_model_parallel_size=self.vpp_size if self.vpp_size > 1 else None)
         self._replica_group = _replica_group(self.plan) if self.pp_size > 1 else None
 
     @property
@@ -114,6 +118,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_rank(with_context_parallel=False)
+
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches a step may pack: megatron's interleaved schedule (virtual stages) runs at least
+        pp_size (`pipeline.microbatch_group_size`); 1 otherwise."""
+        return self.pp_size if self.vpp_size > 1 else 1
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -227,9 +237,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             hf_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             if backbone.hf_config.tie_word_embeddings:
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
-            load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
-                         tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank,
-                         stage=backbone.stage)
+            backbone.load_hf_state(hf_state)  # the layout's TP / EP shards, every model chunk
 
     def _layout_key(self) -> tuple[int, int, int]:
         return dist.get_world_size(), self.tp_size, self.cp_size
@@ -249,8 +257,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             dist.all_gather_object(gathered, ((layout.pp_rank, layout.tp_rank), local))
             by_rank = dict(gathered)
             return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size":
-                    self.pp_size, "per_pp_tp_rank": [by_rank[(p, t)] for p in range(self.pp_size)
-                                                      for t in range(self.tp_size)]}
+                    self.pp_size, "megatron_vpp_size": self.vpp_size,  # a rank's parameters differ with vpp
+                    "per_pp_tp_rank": [by_rank[(p, t)] for p in range(self.pp_size) for t in range(self.tp_size)]}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
@@ -268,11 +276,13 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             if self.distributed_optimizer or "megatron_distributed_optimizer" in state:
                 wrapped.append(self._sharded_state(state))
                 continue
-            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1))
-            if saved != (self.tp_size, self.ep_size, self.pp_size):
+            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1),
+                     state.get("megatron_vpp_size", 1))
+            if saved != (self.tp_size, self.ep_size, self.pp_size, self.vpp_size):
                 raise ValueError(
-                    f"optimizer state was saved at (tp_size, ep_size, pp_size)={saved}, this run has "
-                    f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at the saved sizes, or {WEIGHTS_ONLY_WAY_OUT}"
+                    f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)={saved}, this run has "
+                    f"{(self.tp_size, self.ep_size, self.pp_size, self.vpp_size)}; resume at the saved sizes, or "
+                    f"{WEIGHTS_ONLY_WAY_OUT}"
                 )
             if self.pp_size > 1:
                 wrapped.append(state["per_pp_tp_rank"][self.layout.pp_rank * self.tp_size + self.layout.tp_rank])
