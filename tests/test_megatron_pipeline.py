@@ -8,7 +8,8 @@ reference (its own pipelined backbone) and 4 AdamW steps. Against pp = 1 at the 
 processes (the spare ranks as data-parallel replicas): each step's loss and gradient norm (relative 1e-5), the on-policy records' masked and
 unmasked log-probs and entropy (1e-5), the weights after the 4 steps gathered from every stage under HF names
 (absolute 1e-5, see `_check`), the gradient export of the first step; every stage returns the same outputs (the last stage's). World 2:
-pp2; world 4: tp2_pp2 and pp2_cp2.
+pp2; world 4: tp2_pp2 and pp2_cp2. A third spawn (world 2) runs megatron's interleaved schedule (virtual stages,
+pp2 x vpp2 on 8 layers) against pp1 and the non-interleaved pp2 the same way.
 """
 
 import importlib.util
@@ -29,10 +30,10 @@ FAMILIES = ("qwen2", "llama", "qwen3")
 LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}
 
 
-def _hf(family: str):
+def _hf(family: str, layers: int = 4):
     from topp_rl.models import build_char_tokenizer, build_tiny_model
 
-    return build_tiny_model(family, vocab_size=96, hidden=32, layers=4, heads=4, kv_heads=2, seed=3,
+    return build_tiny_model(family, vocab_size=96, hidden=32, layers=layers, heads=4, kv_heads=2, seed=3,
                             tie_embeddings=family == "qwen2", tokenizer=build_char_tokenizer())
 
 
@@ -52,12 +53,12 @@ def _samples(model):
     return out
 
 
-def _micro(samples):
-    """Three micro-batches: 5 tokens, 61 + 10 tokens, 12 + 45 + 7 tokens."""
+def _micro(samples, groups=([0], [1, 2], [3, 4, 5])):
+    """Three micro-batches: 5 tokens, 61 + 10 tokens, 12 + 45 + 7 tokens (or the samples of `groups`)."""
     from test_module import pack
 
     adv = torch.linspace(-1.0, 1.5, len(samples))
-    return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
+    return [pack(samples, idx, advantages=adv) for idx in groups]
 
 
 def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> dict:
@@ -76,9 +77,9 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False) -> 
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                           hook=ToppLogProb(use_mask=True, temperature=TEMP))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    params = dict(policy.model.named_parameters())
+    params = {n for chunk in policy.chunks for n, _ in chunk.named_parameters()}  # every virtual stage's chunk
     out = {"loss": [], "grad_norm": [], "records": [], "stage": (
-        len(policy.model.decoder.layers), "embedding.word_embeddings.weight" in params,
+        sum(len(chunk.decoder.layers) for chunk in policy.chunks), "embedding.word_embeddings.weight" in params,
         "decoder.final_layernorm.weight" in params, "output_layer.weight" in params)}
     refs = module.reference_pass(micro)
     # CP ranks hold partial gradients: summed over the CP group as the strategy's GradSync does (the spare ranks
@@ -107,7 +108,7 @@ def policy_grads(policy):
     return hf_named_tensors(policy, grads=True)
 
 
-def _layout(tp: int, cp: int, pp: int, vocab: int):
+def _layout(tp: int, cp: int, pp: int, vocab: int, vpp: int = 1):
     from megatron.core import parallel_state as ps
 
     from topp_rl.parallel import ParallelLayout
@@ -115,7 +116,8 @@ def _layout(tp: int, cp: int, pp: int, vocab: int):
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp)
+                                 pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     return ParallelLayout.from_megatron(vocab)
 
 
@@ -150,34 +152,39 @@ def _check(results: list[dict], world: int) -> dict:
     for family in FAMILIES:
         for sizes in LAYOUTS[world]:
             ref = results[0][(family, (*sizes[:2], 1))]  # the same TP x CP at pp = 1: what pipelining changes
-            outs = [r[(family, sizes)] for r in results]
-            got = outs[0]
-            for other in outs[1:]:  # every stage returns the last stage's figures
-                assert other["loss"] == got["loss"] and other["grad_norm"] == got["grad_norm"], (family, sizes)
-            loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
-            norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
-            assert loss_rel <= TOL and norm_rel <= TOL, (family, sizes, got["loss"], ref["loss"], got["grad_norm"],
-                                                         ref["grad_norm"])
-            mismatch = 0.0
-            for step_got, step_ref in zip(got["records"], ref["records"], strict=True):
-                for rec_got, rec_ref in zip(step_got, step_ref, strict=True):
-                    for a, b in zip(rec_got, rec_ref, strict=True):
-                        assert a.shape == b.shape, (family, sizes)
-                        if a.numel():  # a CP rank may hold no response token of a short micro-batch
-                            mismatch = max(mismatch, float((a - b).abs().max()))
-            assert mismatch <= TOL, (family, sizes, mismatch)
-            assert got["weights"].keys() == ref["weights"].keys(), (family, sizes)
-            # Absolute: the weights are O(0.01-1), and the K bias's true gradient is zero (softmax ignores a shift
-            # shared by all keys), so AdamW turns its round-off into lr-sized steps in either layout.
-            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
-            worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
-            assert weights <= TOL, (family, sizes, worst)
-            grads = max(float((got["grads"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
-                        for k, v in ref["grads"].items())
-            assert grads <= TOL, (family, sizes, grads)
-            figures[(family, sizes)] = dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch,
-                                            weights_abs=weights, grads_rel=grads)
+            figures[(family, sizes)] = _compare([r[(family, sizes)] for r in results], ref, (family, sizes))
     return figures
+
+
+def _compare(outs: list[dict], ref: dict, case) -> dict:
+    """Every rank's `_train` figures (`outs`) against the reference run's (`ref`): see the module docstring."""
+    family, sizes = case[:2]
+    got = outs[0]
+    for other in outs[1:]:  # every stage returns the last stage's figures
+        assert other["loss"] == got["loss"] and other["grad_norm"] == got["grad_norm"], (family, sizes)
+    loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
+    norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
+    assert loss_rel <= TOL and norm_rel <= TOL, (family, sizes, got["loss"], ref["loss"], got["grad_norm"],
+                                                 ref["grad_norm"])
+    mismatch = 0.0
+    for step_got, step_ref in zip(got["records"], ref["records"], strict=True):
+        for rec_got, rec_ref in zip(step_got, step_ref, strict=True):
+            for a, b in zip(rec_got, rec_ref, strict=True):
+                assert a.shape == b.shape, (family, sizes)
+                if a.numel():  # a CP rank may hold no response token of a short micro-batch
+                    mismatch = max(mismatch, float((a - b).abs().max()))
+    assert mismatch <= TOL, (family, sizes, mismatch)
+    assert got["weights"].keys() == ref["weights"].keys(), (family, sizes)
+    # Absolute: the weights are O(0.01-1), and the K bias's true gradient is zero (softmax ignores a shift
+    # shared by all keys), so AdamW turns its round-off into lr-sized steps in either layout.
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
+    assert weights <= TOL, (family, sizes, worst)
+    grads = max(float((got["grads"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+                for k, v in ref["grads"].items())
+    assert grads <= TOL, (family, sizes, grads)
+    return dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch, weights_abs=weights,
+                grads_rel=grads)
 
 
 @NO_MEGATRON
@@ -202,6 +209,59 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
 def test_tp2_pp2_and_pp2_cp2_equal_pp1():
     results = run_distributed(_worker, 4, 4, timeout=600, preload=PRELOAD)
     print(_check(results, 4))
+
+
+# ----- virtual (interleaved) pipeline stages: megatron's forward_backward_pipelining_with_interleaving -----
+VPP_LAYERS = 8  # pp2 x vpp2: four chunks of two layers, rank 0 holding layers 0-1 and 4-5, rank 1 2-3 and 6-7
+# (tp, cp, pp, vpp): pp1 and pp2 (non-interleaved) are the references of pp2 vpp2
+VPP_SIZES = ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 2, 2))
+# micro-batches: the three of `_micro` (m = 3: megatron's default group of pp = 2 is refused for m mod 2 = 1, so
+# groups of 3), and five (m = 5: groups of 3, a last group of 2), both of very different lengths; and four at
+# depth-first groups of 2 (m = 4) for one family
+FIVE = ([0], [1], [2, 3], [4], [5])
+FOUR = ([0], [1, 2], [3], [4, 5])
+
+
+def _vpp_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for family in FAMILIES:
+        hf = _hf(family, layers=VPP_LAYERS)
+        samples = _samples(hf)
+        cases = {"m3": _micro(samples), "m5": _micro(samples, FIVE)} | (
+            {"m4": _micro(samples, FOUR)} if family == "llama" else {})
+        for sizes in VPP_SIZES:
+            layout = _layout(*sizes[:3], hf.config.vocab_size, vpp=sizes[3])
+            for m, micro in cases.items():
+                results[(family, sizes, m)] = _train(hf, layout, micro, steps=STEPS if m == "m3" else 2)
+            chunks = layout.vpp_size
+            first, last, tied = layout.pp_rank == 0, layout.is_last_stage, hf.config.tie_word_embeddings
+            assert results[(family, sizes, "m3")]["stage"] == (VPP_LAYERS // sizes[2], first, last,
+                                                               last and (not tied or sizes[2] > 1)), (family, sizes)
+            if chunks > 1:
+                results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=VPP_LAYERS)
+    return results
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_vpp2_equals_pp1_and_pp2_with_variable_length_micro_batches():
+    """Interleaved virtual stages (8 layers, pp2 x vpp2: each rank runs two chunks, the last rank's second one
+    scores) against pp1 and the non-interleaved pp2: loss, grad norm, gradients, weights after the AdamW steps and
+    the masked on-policy log-probs within 1e-5, for 3, 4 and 5 micro-batches of very different lengths (the
+    spawn's timeout turns a hang into a failure)."""
+    results = run_distributed(_vpp_worker, 2, 2, timeout=400, preload=PRELOAD)
+    figures = {}
+    for family in FAMILIES:
+        for m in ("m3", "m5") + (("m4",) if family == "llama" else ()):
+            got = [r[(family, VPP_SIZES[2], m)] for r in results]
+            for ref in VPP_SIZES[:2]:
+                figures[(family, m, f"vs pp{ref[2]}")] = _compare(got, results[0][(family, ref, m)], (family, m, ref))
+    assert results[0][("qwen2", VPP_SIZES[2], "describe")] == (
+        "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 vpp=2 [stage 0: embedding + layers 0-1, layers 4-5 | stage 1: layers 2-3, "
+        "layers 6-7 + head]")
+    print(figures)
 
 
 # ----- train.py at parallel=pp2: strategy, rollouts shared over the stages, weight sync, metrics, checkpoints -----

@@ -185,12 +185,12 @@ class MegatronBackbone(BackboneBase):
                             moe_aux_loss_coeff=moe_aux_loss_coeff, place=place, vpp_size=layout.vpp_size)
             for place in self.places])
         self.chunks = model_chunks(self.model)
-        first, last = layout.pp_rank == 0, layout.is_last_stage
         # a tied embedding split over stages: this stage's copy, summed with the other's after each schedule
         self.tied_copy = None
-        if hf_config.tie_word_embeddings and layout.pp_size > 1:
-            self.tied_copy = (self.chunks[0].embedding.word_embeddings.weight if first
-                              else self.chunks[-1].output_layer.weight)
+        if hf_config.tie_word_embeddings and layout.pp_size > 1 and self.places[0].first:
+            self.tied_copy = self.chunks[0].embedding.word_embeddings.weight
+        elif hf_config.tie_word_embeddings and layout.pp_size > 1 and self.places[-1].last:
+            self.tied_copy = self.chunks[-1].output_layer.weight
         # the stage's layers and `convert.stage_state` arguments: one stage's, so None with virtual stages (`places`)
         self.stage_layers = self.places[0].layers if layout.vpp_size == 1 else None
         self.stage = self.places[0].stage_args() if layout.vpp_size == 1 else None

@@ -30,8 +30,10 @@ micro-batch order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -59,7 +61,34 @@ def pipeline_config_fields(pp_size: int, vpp_size: int = 1) -> dict:
                   moe_token_dispatcher_type="alltoall")
     if vpp_size > 1:
         fields["virtual_pipeline_model_parallel_size"] = vpp_size
+        if pp_size == 2:  # the activations and gradients per direction (`two_stage_shapes_per_direction`)
+            fields["batch_p2p_comm"] = False
     return fields
+
+
+@contextlib.contextmanager
+def two_stage_shapes_per_direction(pp_size: int, vpp_size: int) -> Iterator[None]:
+    """megatron-core 0.16's interleaved schedule at pp = 2 (see the module docstring): exchange the activation
+    shapes of the two directions one after the other. `P2PCommunicator._communicate_shapes` posts one batch of
+    [send_prev, recv_prev, send_next, recv_next]; at pp = 2 prev and next are the same rank and the messages carry no
+    tag, so when both directions are busy (interleaved 1F1B: rank 0's last chunk sends forward to rank 1 while its
+    first chunk sends gradients back to rank 1's last chunk) rank 1's recv_prev takes rank 0's send_prev, a
+    gradient's shape. Megatron's own `_p2p_ops` (batch_p2p_comm=False) pairs the tensors of the two directions over
+    two communicators at pp = 2; the shapes have no such path."""
+    if pp_size != 2 or vpp_size == 1:
+        yield
+        return
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    both = P2PCommunicator._communicate_shapes
+
+    def per_direction(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        prev_shape, _ = both(self, tensor_send_next, None, recv_prev, False)  # forward: activations
+        _, next_shape = both(self, None, tensor_send_prev, False, recv_next)  # backward: gradients
+        return prev_shape, next_shape
+
+    with mock.patch.object(P2PCommunicator, "_communicate_shapes", per_direction):
+        yield
 
 
 def microbatch_group_size(num_micro_batches: int, pp_size: int) -> int:
@@ -108,7 +137,7 @@ def run_schedule(backbone, micro_batches: Sequence[PackedBatch], fn: LastStageFn
         data = iter(enumerate(micro_batches))
     schedule = get_forward_backward_func(pp_size=layout.pp_size,
                                          vp_size=layout.vpp_size if layout.vpp_size > 1 else None)
-    with cpu_shims.pipeline_on_cpu():
+    with cpu_shims.pipeline_on_cpu(), two_stage_shapes_per_direction(layout.pp_size, layout.vpp_size):
         outputs = schedule(forward_step_func=forward_step, data_iterator=data,
                            model=chunks, num_microbatches=len(micro_batches),
                            seq_length=1,  # a placeholder: variable_seq_lengths sends every activation's shape
