@@ -101,6 +101,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel=pp2 parallel.vpp_size=0", "parallel.vpp_size"),
         ("parallel=megatron parallel.vpp_size=2", "parallel.vpp_size"),
         ("parallel=pp2 model.layers=4 parallel.vpp_size=4", "parallel.vpp_size"),
+        ("parallel=pp2 parallel.pp_size=4 trainer.devices=4 model.layers=8 parallel.vpp_size=2 "
+         "rollout.prompts_per_step=1 rollout.n_samples=2", "parallel.vpp_size"),  # fewer samples than stages
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
         ("parallel.tp_size=2", "parallel.tp_size"),
         ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),

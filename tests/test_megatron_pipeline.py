@@ -274,6 +274,9 @@ TRAIN_KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rol
               "train/rollout_logprob_abs_diff_unmasked", "train/entropy")
 
 
+VPP_TRAIN = ("parallel.vpp_size=2", "model.layers=8")
+
+
 def _fit(output_dir, parallel: str, *extra: str, ckpt_path=None) -> dict:
     """One train.py run; its CSV metrics (global rank 0), the exported weights, and whether the engine holds them."""
     import csv
@@ -314,6 +317,12 @@ def _train_worker(rank: int, tmp: str) -> dict:
     out["part"] = _fit(Path(tmp) / "part", "pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
     out["resumed"] = _fit(Path(tmp) / "resumed", "pp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
     out["overlap"] = _fit(Path(tmp) / "overlap", "pp2", *OVERLAP)
+    # virtual stages: 8 layers in four chunks, two per rank; checkpointed after step 2 and resumed at pp2 vpp2
+    out["vpp2"] = _fit(Path(tmp) / "vpp2", "pp2", *VPP_TRAIN)
+    out["vpp2_part"] = _fit(Path(tmp) / "vpp2_part", "pp2", *VPP_TRAIN, "trainer.max_steps=2",
+                            "checkpoint.every_n_steps=1")
+    out["vpp2_resumed"] = _fit(Path(tmp) / "vpp2_resumed", "pp2", *VPP_TRAIN,
+                               ckpt_path=Path(tmp) / "vpp2_part/checkpoints/last.ckpt")
     return out
 
 
@@ -328,8 +337,9 @@ relative,
     weights gathered from both stages, the final weights within 1e-4 (see there), the HF export of a pp2 checkpoint
 holds the stages' weights bit for bit, a run with `rollout.overlap` (one update stale) and 2 PPO epochs follows
 its single-process run within 1e-5, and a run checkpointed after step 2 and
-    resumed at pp2 gives the uninterrupted run's step 3."""
-    results = run_distributed(_train_worker, 2, str(tmp_path), timeout=500, preload=PRELOAD + ("topp_rl.train",
+    resumed at pp2 gives the uninterrupted run's step 3. The same at pp2 vpp2 (virtual stages, 8 layers) against the
+    single-process run of the 8-layer model, with its checkpoint resumed at pp2 vpp2."""
+    results = run_distributed(_train_worker, 2, str(tmp_path), timeout=800, preload=PRELOAD + ("topp_rl.train",
                                                                                                    "hydra"))
     ref = _fit(tmp_path / "none", "none")
     got = results[0]["pp2"]
@@ -365,6 +375,24 @@ its single-process run within 1e-5, and a run checkpointed after step 2 and
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
         assert resumed[key] == pytest.approx(m[key][-1:], rel=1e-5, abs=1e-7), key
+    # virtual stages (pp2 vpp2, 8 layers) against the single-process run of the same 8-layer model
+    vpp, vpp_ref = results[0]["vpp2"], _fit(tmp_path / "none8", "none", "model.layers=8")
+    assert [r["vpp2"]["has_engine"] for r in results] == [True, False] and vpp["synced"]
+    assert max(vpp_ref["metrics"]["train/grad_norm"]) > 0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+        assert vpp["metrics"][key] == pytest.approx(vpp_ref["metrics"][key], rel=TOL, abs=1e-9), ("vpp2", key)
+    assert max(vpp["metrics"]["train/rollout_logprob_abs_diff_max"]) <= TOL
+    assert min(vpp["metrics"]["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3
+    vpp_weights = max(float((vpp["weights"][k] - v).abs().max()) for k, v in vpp_ref["weights"].items())
+    assert vpp["weights"].keys() == vpp_ref["weights"].keys() and vpp_weights <= 1e-4, vpp_weights
+    vpp_resumed = results[0]["vpp2_resumed"]["metrics"]
+    assert len(vpp_resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert vpp_resumed[key] == pytest.approx(vpp["metrics"][key][-1:], rel=1e-5, abs=1e-7), ("vpp2", key)
+    print({"vpp2": {k: max(_rel(a, b) for a, b in zip(vpp["metrics"][k], vpp_ref["metrics"][k], strict=True) if b)
+                    for k in ("train/loss", "train/grad_norm")},
+           "vpp2_mismatch_max": max(vpp["metrics"]["train/rollout_logprob_abs_diff_max"]),
+           "vpp2_weights_abs": vpp_weights})
     trains = r["train/grad_norm"].index(max(r["train/grad_norm"]))
     print({"loss_rel": _rel(m["train/loss"][trains], r["train/loss"][trains]),
            "grad_norm_rel": _rel(m["train/grad_norm"][trains], r["train/grad_norm"][trains]),
