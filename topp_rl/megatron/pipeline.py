@@ -61,34 +61,57 @@ def pipeline_config_fields(pp_size: int, vpp_size: int = 1) -> dict:
                   moe_token_dispatcher_type="alltoall")
     if vpp_size > 1:
         fields["virtual_pipeline_model_parallel_size"] = vpp_size
-        if pp_size == 2:  # the activations and gradients per direction (`two_stage_shapes_per_direction`)
+        if pp_size == 2:  # the activations and gradients per direction (`interleaved_shape_exchange`)
             fields["batch_p2p_comm"] = False
     return fields
 
 
 @contextlib.contextmanager
-def two_stage_shapes_per_direction(pp_size: int, vpp_size: int) -> Iterator[None]:
-    """megatron-core 0.16's interleaved schedule at pp = 2 (see the module docstring): exchange the activation
-    shapes of the two directions one after the other. `P2PCommunicator._communicate_shapes` posts one batch of
-    [send_prev, recv_prev, send_next, recv_next]; at pp = 2 prev and next are the same rank and the messages carry no
-    tag, so when both directions are busy (interleaved 1F1B: rank 0's last chunk sends forward to rank 1 while its
-    first chunk sends gradients back to rank 1's last chunk) rank 1's recv_prev takes rank 0's send_prev, a
-    gradient's shape. Megatron's own `_p2p_ops` (batch_p2p_comm=False) pairs the tensors of the two directions over
-    two communicators at pp = 2; the shapes have no such path."""
-    if pp_size != 2 or vpp_size == 1:
+def interleaved_shape_exchange(vpp_size: int) -> Iterator[None]:
+    """megatron-core 0.16's interleaved schedule with variable_seq_lengths (see the module docstring): each
+    activation's shape is sent ahead of it without waiting for the send (the receives are waited for), the forward
+    direction's shapes before the backward direction's. Without it the schedule deadlocks or crosses shapes:
+
+    - `P2PCommunicator._communicate_shapes` waits for its sends too. At m = pp micro-batches the last rank's first
+      1F1B exchange sends a gradient's shape to the first rank, which receives it only in its cool-down, after its
+      last warm-up send (an activation) has been received, which the last rank posts only after that shape
+      exchange returns: both ranks wait (measured: a hang at pp2 vpp2 with 2 micro-batches, gloo).
+    - It posts one batch of [send_prev, recv_prev, send_next, recv_next]; at pp = 2 prev and next are the same
+      rank and p2p messages carry no tag, so when both directions are busy the other rank's recv_prev takes this
+      rank's send_prev, a gradient's shape (measured: a split_with_sizes error at pp2 vpp2 with 3 and 4
+      micro-batches). The order here is the one megatron's `_p2p_ops` (batch_p2p_comm=False, set at pp = 2) gives
+      the tensors themselves: forward (send_next / recv_prev) before backward (send_prev / recv_next).
+
+    The sends complete once the other rank posts the matching receive; they are waited for when the schedule has
+    run."""
+    if vpp_size == 1:
         yield
         return
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    both = P2PCommunicator._communicate_shapes
+    sends: list = []  # (shape tensor, work): kept alive until sent
 
-    def per_direction(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        prev_shape, _ = both(self, tensor_send_next, None, recv_prev, False)  # forward: activations
-        _, next_shape = both(self, None, tensor_send_prev, False, recv_next)  # backward: gradients
-        return prev_shape, next_shape
+    def exchange(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        received = {}
+        for direction, send, to, receive, source in (("prev", tensor_send_next, self.next_rank, recv_prev,
+                                                       self.prev_rank),
+                                                      ("next", tensor_send_prev, self.prev_rank, recv_next,
+                                                       self.next_rank)):
+            if receive:
+                shape = torch.empty(3, dtype=torch.int64)
+                received[direction] = (shape, dist.irecv(shape, src=source, group=self.pp_group))
+            if send is not None:
+                shape = torch.tensor(send.size(), dtype=torch.int64)
+                sends.append((shape, dist.isend(shape, dst=to, group=self.pp_group)))
+        for _, work in received.values():
+            work.wait()
+        prev, nxt = (received[d][0].tolist() if d in received else [0, 0, 0] for d in ("prev", "next"))
+        return prev, nxt
 
-    with mock.patch.object(P2PCommunicator, "_communicate_shapes", per_direction):
+    with mock.patch.object(P2PCommunicator, "_communicate_shapes", exchange):
         yield
+    for _, work in sends:
+        work.wait()
 
 
 def microbatch_group_size(num_micro_batches: int, pp_size: int) -> int:
@@ -137,7 +160,7 @@ def run_schedule(backbone, micro_batches: Sequence[PackedBatch], fn: LastStageFn
         data = iter(enumerate(micro_batches))
     schedule = get_forward_backward_func(pp_size=layout.pp_size,
                                          vp_size=layout.vpp_size if layout.vpp_size > 1 else None)
-    with cpu_shims.pipeline_on_cpu(), two_stage_shapes_per_direction(layout.pp_size, layout.vpp_size):
+    with cpu_shims.pipeline_on_cpu(), interleaved_shape_exchange(layout.vpp_size):
         outputs = schedule(forward_step_func=forward_step, data_iterator=data,
                            model=chunks, num_microbatches=len(micro_batches),
                            seq_length=1,  # a placeholder: variable_seq_lengths sends every activation's shape
