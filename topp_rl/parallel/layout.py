@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from topp_rl.parallel.context import CP_MODES, CPMode, cp_local_positions
+from topp_rl.parallel.plan import chunk_layers
 
 DIMS = ("tp", "cp", "ep", "pp")  # the factors with a rank and a group
 
@@ -163,8 +164,6 @@ class ParallelLayout:
 def pipeline_stages(num_layers: int, pp_size: int, vpp_size: int = 1) -> str:
     """`stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head` (megatron-core's even split); with virtual
     stages each stage's chunks, comma-separated (`plan.chunk_layers`)."""
-    from topp_rl.parallel.plan import chunk_layers
-
     stages = []
     for s in range(pp_size):
         chunks = [f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"
