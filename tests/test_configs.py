@@ -89,17 +89,17 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("trainer.devices=2 rollout.prompts_per_step=3", "rollout.prompts_per_step"),
         ("parallel=tp2 trainer.devices=3", "parallel.tp_size * parallel.cp_size * parallel.pp_size"),
         # Pipeline parallelism (issue 38): stages need a Megatron layout, the world, an even layer split, a dense
-        # model, no distributed optimizer and no fp16 loss scaling.
+        # model.
         ("parallel=tp2 parallel.pp_size=2", "parallel.tp_size * parallel.cp_size * parallel.pp_size"),
         ("parallel.pp_size=0", "parallel.pp_size"),
         ("parallel.pp_size=2 trainer.devices=2", "parallel.pp_size"),
         ("parallel=pp2 model.layers=3", "parallel.pp_size"),
         ("parallel=pp2 model.family=qwen3_moe", "parallel.pp_size"),
-        ("parallel=pp2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
-        ("parallel=pp2 trainer=cpu_fp16", "trainer"),
         # Virtual stages: a size >= 1, pp > 1, the layers in pp x vpp equal chunks.
         ("parallel=pp2 parallel.vpp_size=0", "parallel.vpp_size"),
         ("parallel=megatron parallel.vpp_size=2", "parallel.vpp_size"),
+        ("parallel=pp2 model.layers=8 parallel.vpp_size=2 parallel.distributed_optimizer=true",
+         "parallel.distributed_optimizer"),
         ("parallel=pp2 model.layers=4 parallel.vpp_size=4", "parallel.vpp_size"),
         ("parallel=pp2 parallel.pp_size=4 trainer.devices=4 model.layers=8 parallel.vpp_size=2 "
          "rollout.prompts_per_step=1 rollout.n_samples=2", "parallel.vpp_size"),  # fewer samples than stages
@@ -122,6 +122,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel=tp2 parallel.distributed_optimizer=true optimizer._target_=torch.optim.NAdam ~optimizer.fused",
          "optimizer._target_"),
         ("parallel=ep2 parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
+        ("parallel=tp2 parallel.distributed_optimizer=true trainer=cpu_fp16", "parallel.distributed_optimizer"),
+        ("parallel=pp2 parallel.distributed_optimizer=true trainer=cpu_fp16", "parallel.distributed_optimizer"),
         ("+parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
         ("parallel=ep2 module.moe_aux_loss_coeff=-1", "module.moe_aux_loss_coeff"),
         # parallel=fsdp shards data-parallel ranks only; no offload on CPU; every rank must join a shared gather.
@@ -271,34 +273,45 @@ def test_megatron_resume_refusals_name_the_export_way_out():
     with pytest.raises(ValueError) as info:
         MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_tp1)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 1, 1), this run has (2, 1, 1, 1); "
-        f"resume at the saved sizes, or {way_out}"
+        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 1), this run has (2, 1, 1); resume at the "
+        f"saved sizes, or {way_out}"
     )
-    # A pipelined run's state (per pipeline stage and TP rank) restores at the saved pp only (issue 38).
+    # A pipelined run's state restores at another pp only with its parameters' names (saved since issue 38; the
+    # regrouping itself is tested in test_megatron_pipeline.py).
     saved_at_pp2 = {"optimizer_states": [{"megatron_tp_size": 1, "megatron_ep_size": 1, "megatron_pp_size": 2,
                                           "per_pp_tp_rank": [{}, {}]}]}
     with pytest.raises(ValueError) as info:
         MegatronStrategy().load_optimizer_state_dict(saved_at_pp2)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 2, 1), this run has (1, 1, 1, 1); "
-        f"resume at the saved sizes, or {way_out}"
+        f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 2), this run has (1, 1, 1); resume at the "
+        f"saved pp_size (this checkpoint predates the parameter names that let its optimizer state restore at "
+        f"another pp_size), or {way_out}"
     )
-    # with virtual stages a rank holds other layers than at vpp 1 (same pp): its moments would land on other weights
+    # the same at another vpp_size: a rank holds other layers than at vpp 1 (same pp)
     with pytest.raises(ValueError) as info:
         MegatronStrategy(pp_size=2, vpp_size=2).load_optimizer_state_dict(saved_at_pp2)
     assert str(info.value) == (
-        f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)=(1, 1, 2, 1), this run has (1, 1, 2, 2); "
-        f"resume at the saved sizes, or {way_out}"
+        "optimizer state was saved at parallel.vpp_size=1, this run has 2; resume at the saved vpp_size (this "
+        f"checkpoint predates the parameter names that let its optimizer state restore at another one), or {way_out}"
     )
-    sharded = MegatronStrategy(tp_size=2)
-    sharded._layout_key = lambda: (2, 2, 1)  # (world, tp, cp) without a process group
     with pytest.raises(ValueError) as info:
+        MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_pp2)
+    assert "(1, 1, 2), this run has (2, 1, 1); resume at the saved sizes, or" in str(info.value)
+    sharded = MegatronStrategy(tp_size=2)
+    sharded._layout_key = lambda: (2, 2, 1, 1)  # (world, tp, cp, pp) without a process group
+    with pytest.raises(ValueError) as info:  # a key saved before pp existed (world, tp, cp) reads as pp = 1
         sharded.load_optimizer_state_dict({"optimizer_states": [{"megatron_distributed_optimizer": (4, 2, 1)}]})
     assert str(info.value) == (
-        "optimizer state was saved at (world, tp, cp)=(4, 2, 1), this run has (world, tp, cp)=(2, 2, 1) and "
-        f"distributed_optimizer=False: sharded optimizer state restores only at the saved layout and setting; resume "
-        f"with them, or {way_out}"
+        "optimizer state was saved at (world, tp, cp, pp)=(4, 2, 1, 1), this run has (world, tp, cp, pp)=(2, 2, 1, 1) "
+        f"and distributed_optimizer=False: sharded optimizer state restores only at the saved layout and setting; "
+        f"resume with them, or {way_out}"
     )
+    # The same world, TP and CP at another pipeline split holds other shards: refused too (issue 38).
+    at_pp2 = MegatronStrategy(pp_size=2, distributed_optimizer=True)
+    at_pp2._layout_key = lambda: (4, 1, 1, 2)
+    with pytest.raises(ValueError, match=r"saved at \(world, tp, cp, pp\)=\(4, 1, 1, 1\), this run has "
+                       r"\(world, tp, cp, pp\)=\(4, 1, 1, 2\) and distributed_optimizer=True"):
+        at_pp2.load_optimizer_state_dict({"optimizer_states": [{"megatron_distributed_optimizer": (4, 1, 1, 1)}]})
     assert "weights_only" not in (ROOT / "topp_rl" / "megatron" / "strategy.py").read_text()
 
 
@@ -463,6 +476,8 @@ def test_a_key_of_another_rollout_choice_is_refused(tmp_path):
         ["+logger.wandb.entity=me"],  # WandbLogger takes **kwargs (wandb.init's)
         ["+parallel.strategy.foo=1", "parallel=fsdp"],  # FSDPStrategy takes **kwargs (Lightning's)
         ["eval.split=test", "eval.every_n_steps=5"],  # the split an evaluation reads
+        ["parallel=pp2", "parallel.distributed_optimizer=true"],  # issue 38: both through the pipeline schedule
+        ["parallel=pp2", "trainer=cpu_fp16"],
     ],
 )
 def test_legitimate_extra_keys_are_accepted(overrides, tmp_path):

@@ -39,3 +39,36 @@ def test_an_overflowing_step_is_skipped_and_the_scale_halved(tmp_path):
     rows = read_metrics(tmp_path)
     assert column(rows, "train/loss_scale") == [float(torch.tensor(1.0e30)) / 2]  # the float32 scale, halved
     assert not math.isfinite(column(rows, "train/grad_norm")[0])  # logged as it was, the run goes on
+
+
+def _overflow_on_one_rank(rank: int) -> dict:
+    """Two ranks, each with its own parameter (a pipeline stage's layers): rank 1 alone gets an inf gradient."""
+    plugin = LossScaledFP16(init_scale=8.0)
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    scales, weights = [], []
+    for step in range(2):
+        opt.zero_grad()
+        if rank == 1:  # the last stage scales the loss; a stage before it never calls `scale` itself
+            plugin.scaler.scale(torch.ones(()))
+        overflow = rank == 1 and step == 0
+        weight.grad = torch.full((3,), float("inf") if overflow else plugin.scaler.get_scale())  # 1 once unscaled
+        plugin.unscale(opt)
+        plugin.optimizer_step(opt, model=None, closure=lambda: None)
+        scales.append(plugin.scaler.get_scale())
+        weights.append(weight.detach().clone())
+    return {"scales": scales, "weights": weights}
+
+
+@pytest.mark.distributed
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """A rank's overflow check sees only its own gradients (a pipeline stage, a shard): the plugin takes the
+    world's maximum of the flags, so rank 1's inf skips rank 0's finite update too and halves both scales; the next
+    step (finite everywhere) updates both."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_overflow_on_one_rank, 2, timeout=120)
+    for r in results:
+        assert r["scales"] == [4.0, 4.0]  # halved by the overflow, kept after the good step (growth_interval 2000)
+        torch.testing.assert_close(r["weights"][0], torch.ones(3), rtol=0, atol=0)  # skipped everywhere
+        torch.testing.assert_close(r["weights"][1], torch.full((3,), 0.9), rtol=0, atol=1e-7)  # grad 1 after unscale

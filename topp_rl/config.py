@@ -342,14 +342,6 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     pp = cfg.parallel.get("pp_size", 1)
     if pp == 1:
         return
-    if cfg.parallel.get("distributed_optimizer", False):
-        _fail("parallel.distributed_optimizer", True, f"false with parallel.pp_size={pp} (megatron's distributed "
-              "optimizer is not wired through the pipeline schedule yet)", "set parallel.distributed_optimizer=false")
-    targets = [str(p.get("_target_")) if isinstance(p, DictConfig) else str(p) for p in cfg.trainer.get("plugins") or []]
-    if any("LossScaledFP16" in t for t in targets):
-        _fail("trainer", "fp16 loss scaling", f"unused with parallel.pp_size={pp} (the pipeline schedule runs the "
-              "backward passes itself, past the plugin's loss scaling)", "train in fp32 or bf16 (trainer=cpu, "
-              "cpu_bf16, gpu, gpu_fp32)")
     family = cfg.model.get("family")
     if family is not None and "moe" in str(family):
         _fail("parallel.pp_size", pp, f"1 with an MoE model (model.family={family}: the pipeline stages run dense "
@@ -358,12 +350,22 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     if isinstance(layers, int):
         parallel_plan(cfg).check_layers(layers)
     vpp = cfg.parallel.get("vpp_size", 1)
+    if vpp > 1 and cfg.parallel.get("distributed_optimizer", False):
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.vpp_size={vpp} (the sharded optimizer "
+              "wraps one model per rank in megatron's DDP; virtual stages hold a list of chunks)",
+              "set parallel.distributed_optimizer=false or parallel.vpp_size=1")
     samples = cfg.rollout.prompts_per_step // parallel_plan(cfg).dp * cfg.rollout.n_samples
     if vpp > 1 and samples < pp:
         _fail("parallel.vpp_size", vpp, f"1 when a data-parallel rank draws fewer samples a step ({samples} = "
               "rollout.prompts_per_step / data-parallel size x rollout.n_samples) than parallel.pp_size="
               f"{pp} (megatron's interleaved schedule runs at least pp_size micro-batches)",
               "raise rollout.prompts_per_step or rollout.n_samples, or set parallel.vpp_size=1")
+
+
+def _loss_scaled_fp16(cfg: DictConfig) -> bool:
+    """Whether the trainer runs `LossScaledFP16` (trainer=cpu_fp16 / gpu_fp16)."""
+    plugins = cfg.trainer.get("plugins") or []
+    return any("LossScaledFP16" in (str(p.get("_target_")) if isinstance(p, DictConfig) else str(p)) for p in plugins)
 
 
 def _validate_distributed_optimizer(cfg: DictConfig) -> None:
@@ -377,6 +379,10 @@ def _validate_distributed_optimizer(cfg: DictConfig) -> None:
         _fail("optimizer._target_", target, "torch.optim.AdamW with parallel.distributed_optimizer=true (megatron-core's "
               "DistributedOptimizer shards only Adam state, and accepts torch's Adam only without transformer-engine)",
               "use optimizer._target_=torch.optim.AdamW or parallel.distributed_optimizer=false")
+    if _loss_scaled_fp16(cfg):
+        _fail("parallel.distributed_optimizer", True, "false with an fp16 loss scale (trainer=cpu_fp16 / gpu_fp16: "
+              "the scaler unscales the optimizer's gradients before the clip, and the sharded optimizer's shards "
+              "receive theirs only in the clip)", "train in fp32 or bf16, or set parallel.distributed_optimizer=false")
     if cfg.parallel.ep_size > 1:
         _fail("parallel.distributed_optimizer", True, f"false with parallel.ep_size={cfg.parallel.ep_size} (the "
               "sharded optimizer covers dense models only; experts would need their own over the expert-data-"

@@ -26,10 +26,11 @@ Pipeline parallelism (`pipeline`): at pp_size > 1 this rank builds only its stag
 first stage, the final norm and output layer on the last) and `forward_backward` / `forward_only` run
 megatron-core's 1F1B schedule; only the last stage scores, and its outputs reach every stage. A tied embedding
 becomes two copies at pp > 1 (the first stage's embedding, the last stage's `output_layer.weight`), loaded equal and
-kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`), as
-megatron's own `finalize_model_grads` does; the norm counts the weight once. MoE models run at pp = 1 only. With
-virtual stages (`layout.vpp_size` > 1, megatron's interleaved schedule) `model` is a ModuleList of this rank's
-chunks (`chunks`: the embedding in rank 0's first chunk, the head in the last rank's last chunk).
+kept equal: their gradients are summed over megatron's embedding group after each schedule (`_tied_sync`; with the
+distributed optimizer, in its buffers: `dist_opt.TiedCopy`), as megatron's own `finalize_model_grads` does; the
+norm counts the weight once. MoE models run at pp = 1 only. With virtual stages (`layout.vpp_size` > 1, megatron's
+interleaved schedule) `model` is a ModuleList of this rank's chunks (`chunks`: the embedding in rank 0's first
+chunk, the head in the last rank's last chunk).
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
 them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The
@@ -267,13 +268,21 @@ class MegatronBackbone(BackboneBase):
         (megatron's schedule runs the backward passes itself, not through the module's `manual_backward`)."""
         self._grad_syncs = list(syncs)
 
+    def use_loss_scale(self, scale) -> None:
+        """An fp16 loss scale (`LossScaledFP16`'s `GradScaler.scale`) for the pipeline schedule, which multiplies
+        the last stage's loss by it before its backward (megatron's `grad_scale_func`); at pp = 1 the module's
+        `manual_backward` scales the loss instead."""
+        for chunk in self.chunks:  # the schedule reads the first chunk's config; kept equal
+            chunk.config.grad_scale_func = scale
+
     def forward_backward(self, micro_batches, step_fn: StepFn[T], *, backward=Tensor.backward) -> list[T]:
         """pp = 1: `BackboneBase`'s loop. pp > 1: megatron-core's 1F1B schedule (`pipeline.run_schedule`),
         `step_fn` on the last stage; then the tied embedding's copies and the data-parallel ranks sum their
         gradients. Every stage returns the last stage's outputs."""
         if self._layout.pp_size == 1:
             return super().forward_backward(micro_batches, step_fn, backward=backward)
-        syncs = self._grad_syncs + self._tied_sync()
+        # with megatron's DDP (the distributed optimizer) the gradients live in its buffers: it sums them itself
+        syncs = self._grad_syncs + (self._tied_sync() if self._grad_owner is None else [])
         for sync in syncs:
             sync.before()
         outputs = run_schedule(self, micro_batches, step_fn, forward_only=False)

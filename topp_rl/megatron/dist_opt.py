@@ -3,11 +3,17 @@
 `ShardedOptimizer` puts megatron-core's `DistributedDataParallel` (contiguous parameter / gradient buffers) and
 `DistributedOptimizer` around the policy's `GPTModel` and the torch AdamW that the module's
 `configure_optimizers` built. Per optimizer step:
-1. backward passes accumulate every gradient into its buffer (`param.main_grad`; DDP's hooks leave `.grad` None);
-2. `clip_grad_norm_`: one reduce-scatter over the data-parallel-with-context-parallel group leaves each rank the
-   SUMMED gradient of its 1/(dp x cp) buffer shard, then megatron's `clip_grad_norm` on the shards: squares summed
-   over the whole world, TP-replicated parameters counted on TP rank 0 only, which is the unsharded model's norm;
-   same clip rule as torch (scale by max_norm / (norm + 1e-6) when below 1);
+1. backward passes accumulate every gradient into its buffer (`param.main_grad`; DDP's hooks leave `.grad` None),
+   whoever runs them: the module's loop at pp = 1, megatron-core's pipeline schedule at pp > 1 (its backward
+   passes fire the same hooks);
+2. `clip_grad_norm_`: at pp > 1 with a tied embedding, the two copies' buffers (first stage's embedding, last
+   stage's `output_layer.weight`) are summed over megatron's embedding group (`TiedCopy`, what megatron's
+   `finalize_model_grads` does); then one reduce-scatter over the data-parallel-with-context-parallel group leaves
+   each rank the SUMMED gradient of its 1/(dp x cp) buffer shard, then megatron's `clip_grad_norm` on the shards:
+   squares summed over the whole world (megatron's intra-distributed-optimizer group: every TP, CP, DP and pipeline
+   rank), TP-replicated parameters counted on TP rank 0 only, the last stage's tied copy not at all (megatron's
+   `shared` attribute), which is the unsharded model's norm; same clip rule as torch (scale by
+   max_norm / (norm + 1e-6) when below 1);
 3. `step`: the torch optimizer updates this rank's shard only (its moments, and float32 master weights for a
    16-bit model, exist for the shard alone), then one all-gather refreshes every replica's weights.
 
@@ -19,7 +25,9 @@ Departures from megatron's own setup (`get_megatron_optimizer`, `finalize_model_
   the losses already divide by global token / sequence counts, as with `grads.GradSync`;
 - checkpoints hold each rank's shard state (the torch optimizer's state dict, plus master weights when they are
   separate), gathered to every rank, instead of `dist_checkpointing` (CUDA-only in megatron-core 0.16); they
-  restore at the same (world, TP, CP) layout;
+  restore at the same (world, TP, CP, PP) layout;
+- no fp16 loss scale (`LossScaledFP16`, refused at start): the scaler unscales `.grad` of the optimizer's
+  parameters before the clip, and here the shards receive their gradients only inside `clip_grad_norm_`;
 - dense models only: MoE experts would need a second optimizer over the expert-data-parallel group.
 On CPU the calls into megatron run under `cpu_shims.cuda_as_cpu` (its buffers and optimizer allocate on CUDA).
 """
@@ -32,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from topp_rl.megatron.cpu_shims import cuda_as_cpu
 
@@ -47,6 +56,27 @@ class _Pending:
     grads_ready: bool = False
 
 
+@dataclass(frozen=True)
+class TiedCopy:
+    """This pipeline stage's copy of a tied embedding (`MegatronBackbone.tied_copy`) and the group holding both
+    copies (megatron's embedding group: the first and last stage of this pipeline). `counted`: whether the grad
+    norm counts it (the first stage's copy; the last stage's is a duplicate)."""
+
+    param: torch.nn.Parameter
+    group: Any
+    counted: bool
+
+
+def tied_copy(backbone) -> TiedCopy | None:
+    """A `MegatronBackbone`'s copy of a tied embedding at pp > 1 (None otherwise); the first stage's counts in the
+    norm."""
+    if backbone.tied_copy is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return TiedCopy(backbone.tied_copy, ps.get_embedding_group(), counted=backbone.layout.pp_rank == 0)
+
+
 class ShardedOptimizer:
     """megatron-core DDP + DistributedOptimizer over `model` with `optimizer`'s hyper-parameters (module docstring).
 
@@ -55,7 +85,8 @@ class ShardedOptimizer:
     `LightningOptimizer` calls them with itself as `self` and forwards missing attributes here.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 tied: TiedCopy | None = None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig
@@ -68,6 +99,8 @@ class ShardedOptimizer:
                 "or parallel.distributed_optimizer=false"
             )
         dtype = next(model.parameters()).dtype
+        if tied is not None and not tied.counted:
+            tied.param.shared = True  # megatron's mark of a duplicate: its grad-norm filter skips it (module docstring)
         config = copy.copy(model.config)  # the model keeps its own; only the DDP sees the flag below
         config.calculate_per_token_loss = True  # sum over DP x CP: the losses divide by global counts
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
@@ -87,6 +120,7 @@ class ShardedOptimizer:
         self._megatron.grad_stats_parallel_group = ps.get_intra_distributed_optimizer_instance_group()
         self._megatron.tp_group = ps.get_tensor_model_parallel_group()
         self._pending = _Pending()
+        self._tied = tied
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -116,6 +150,8 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Reduce-scatter the accumulated gradients, clip this rank's shards by the unsharded model's 2-norm (a
         collective over the world), return that norm before clipping."""
+        if self._tied is not None:  # both copies get the sum of their gradients, as one weight would
+            dist.all_reduce(self._tied.param.main_grad, group=self._tied.group)
         with cuda_as_cpu():
             self._ddp.finish_grad_sync()
             self._megatron.prepare_grads()

@@ -15,7 +15,7 @@ What it adds to `DDPStrategy`:
   tokens of their TP x EP group); torch DDP would average, and would need one backward per forward;
 - `distributed_optimizer=True`: megatron-core's DDP + `DistributedOptimizer` instead (`dist_opt.ShardedOptimizer`,
   ZeRO-1: optimizer state sharded over DP x CP), wrapped around the module's own torch optimizer after
-  `setup_optimizers`; the backbone hands its gradient clipping to it;
+  `setup_optimizers`; the backbone hands its gradient clipping to it (at any pp; not with an fp16 loss scale);
 - checkpoints hold the FULL model under HF names (gathered over TP), the same keys as an `HFBackbone` run, so
   weights resume at any TP; optimizer
   state is saved per TP rank and restores at the saved TP only (a different TP raises ValueError); with the
@@ -25,11 +25,16 @@ Pipeline parallelism (`pp_size` > 1): megatron's pipeline groups; each rank's ba
 megatron-core's 1F1B schedule (`topp_rl.megatron.pipeline`), so the data-parallel gradient sums run around the
 schedule (`MegatronBackbone.use_grad_syncs`) instead of in the backward hooks; the rollout peers are all ranks of
 a data-parallel replica (TP x CP x PP); checkpoints still hold the full model under HF names (every stage's
-weights, gathered), and the optimizer state per (PP, TP) rank restores at the saved pp / tp only. Refused at
-start at pp > 1: the distributed optimizer and fp16 loss scaling (not wired through the schedule yet). Virtual
-(interleaved) pipeline stages (`vpp_size` > 1): megatron's interleaved schedule over vpp model chunks per rank
-(`topp_rl.megatron.chunks`); the data module then packs at least pp micro-batches a step (`min_micro_batches`, what
-that schedule needs).
+weights, gathered), and the optimizer state per (PP, TP) rank, named by parameter, restores at the saved TP / EP
+and any pp (`stage_state`). With the distributed optimizer the schedule's backward passes fill megatron's DDP
+buffers and its reduce-scatter runs once per step after the schedule (the tied embedding's copies summed in the
+buffers, `dist_opt.TiedCopy`); its sharded state restores at the saved (world, tp, cp, pp) only. An fp16 loss
+scale (`LossScaledFP16`) reaches the schedule as megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`),
+which scales the last stage's loss before its backward; the plugin makes every rank skip an overflowing step
+together. Virtual (interleaved) pipeline stages (`vpp_size` > 1): megatron's interleaved schedule over vpp model
+chunks per rank (`topp_rl.megatron.chunks`); the data module then packs at least pp micro-batches a step
+(`min_micro_batches`, what that schedule needs); the optimizer state's names are global, so it restores at another
+vpp too; the distributed optimizer is refused with them (megatron's DDP would wrap each chunk).
 
 Departures from NeMo's MegatronStrategy: no `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient
 clipping goes through the backbone's TP-aware `clip_grad_norm_`.
@@ -48,19 +53,27 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
-from topp_rl.megatron.dist_opt import ShardedOptimizer
+from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
+from topp_rl.megatron.stage_state import global_param_names, restage
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.parallel.plan import ParallelPlan, check_sizes, check_virtual_stages
 from topp_rl.trainer.backbone import HFBackbone
+from topp_rl.trainer.precision import LossScaledFP16
 
 _MODEL_SLOTS = ("policy", "reference")
 # The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
 # HF export (no step, optimizer or rollout state: a new run). There is no weights-only resume key.
 WEIGHTS_ONLY_WAY_OUT = ("to go on from its weights alone at this layout, export them (python -m topp_rl.export "
                         "<ckpt> OUT) and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
+
+
+VPP_DIST_OPT_REFUSAL = (
+    "parallel.distributed_optimizer=true with parallel.vpp_size={vpp}: the sharded optimizer wraps one model per "
+    "rank in megatron's DDP, and virtual stages hold a list of chunks (not wired yet); set "
+    "parallel.distributed_optimizer=false or parallel.vpp_size=1")
 
 
 class MegatronStrategy(StrategyCapabilities, DDPStrategy):
@@ -78,12 +91,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
-        if pp_size > 1 and distributed_optimizer:
-            raise ValueError(
-                f"parallel.distributed_optimizer=true with parallel.pp_size={pp_size}: megatron's distributed "
-                "optimizer is not wired through the pipeline schedule yet; set parallel.distributed_optimizer=false "
-                "(AdamW state then stays on each pipeline stage, a 1/pp share of the model)"
-            )
+        if vpp_size > 1 and distributed_optimizer:
+            raise ValueError(VPP_DIST_OPT_REFUSAL.format(vpp=vpp_size))
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
@@ -196,12 +205,21 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        policy = self.lightning_module.policy
+        fp16 = isinstance(self.precision_plugin, LossScaledFP16)
         if self.distributed_optimizer:
+            if fp16:
+                raise ValueError(
+                    "parallel.distributed_optimizer=true with an fp16 loss scale (trainer=cpu_fp16 / gpu_fp16): the "
+                    "scaler unscales the optimizer's gradients before the clip, and the sharded optimizer's shards "
+                    "receive theirs only in the clip; train in fp32 or bf16, or set parallel.distributed_optimizer=false"
+                )
             (optimizer,) = self.optimizers  # PolicyModule configures one; its LambdaLR keeps driving it
-            policy = self.lightning_module.policy
-            sharded = ShardedOptimizer(policy.model, optimizer)
+            sharded = ShardedOptimizer(policy.model, optimizer, tied=tied_copy(policy))
             policy.use_grad_owner(sharded)
             self.optimizers = [sharded]
+        if fp16 and self.pp_size > 1:  # megatron's schedule runs the backward passes: it applies the loss scale
+            policy.use_loss_scale(self.precision_plugin.scaler.scale)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         for sync in self._grad_syncs:
@@ -239,8 +257,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
             backbone.load_hf_state(hf_state)  # the layout's TP / EP shards, every model chunk
 
-    def _layout_key(self) -> tuple[int, int, int]:
-        return dist.get_world_size(), self.tp_size, self.cp_size
+    def _layout_key(self) -> tuple[int, int, int, int]:
+        return dist.get_world_size(), self.tp_size, self.cp_size, self.pp_size
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Every (EP, TP) rank's optimizer state (moments of its shards and experts), gathered to all ranks (over
@@ -252,23 +270,34 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, local)
             return {"megatron_distributed_optimizer": self._layout_key(), "per_rank": per_rank}
+        sizes = {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size": self.pp_size,
+                 "megatron_vpp_size": self.vpp_size}
+        # with each state, its parameters' names (global layer indices): it restores at another pp size (`restage`)
+        local = (self._optimizer_names(local), local)
         if self.pp_size > 1:  # every (PP, TP) rank's state, to every rank
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.pp_rank, layout.tp_rank), local))
             by_rank = dict(gathered)
-            return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size":
-                    self.pp_size, "megatron_vpp_size": self.vpp_size,  # a rank's parameters differ with vpp
-                    "per_pp_tp_rank": [by_rank[(p, t)] for p in range(self.pp_size) for t in range(self.tp_size)]}
+            named = [by_rank[(p, t)] for p in range(self.pp_size) for t in range(self.tp_size)]
+            return {**sizes, "per_pp_tp_rank": [s for _, s in named], "param_names": [n for n, _ in named]}
         if self.ep_size > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ((layout.ep_rank, layout.tp_rank), local))
-            states = [dict(gathered)[(e, t)] for e in range(self.ep_size) for t in range(self.tp_size)]
+            named = [dict(gathered)[(e, t)] for e in range(self.ep_size) for t in range(self.tp_size)]
         elif self.tp_size > 1:
-            states = [None] * self.tp_size
-            dist.all_gather_object(states, local, group=layout.tp_group)
+            named = [None] * self.tp_size
+            dist.all_gather_object(named, local, group=layout.tp_group)
         else:
-            states = [local]
-        return {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "per_tp_rank": states}
+            named = [local]
+        return {**sizes, "per_tp_rank": [s for _, s in named], "param_names": [n for n, _ in named]}
+
+    def _optimizer_names(self, state: dict[str, Any]) -> list[str]:
+        policy = self.lightning_module.policy
+        names = global_param_names(policy)
+        if [len(names)] != [len(g["params"]) for g in state["param_groups"]]:
+            raise RuntimeError(f"the optimizer holds {[len(g['params']) for g in state['param_groups']]} parameters, "
+                               f"the policy {len(names)} trainable ones: PolicyModule.configure_optimizers changed")
+        return names
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         wrapped = []
@@ -276,13 +305,25 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             if self.distributed_optimizer or "megatron_distributed_optimizer" in state:
                 wrapped.append(self._sharded_state(state))
                 continue
-            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1),
-                     state.get("megatron_vpp_size", 1))
-            if saved != (self.tp_size, self.ep_size, self.pp_size, self.vpp_size):
+            saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1))
+            pipeline_changed = saved[2] != self.pp_size or state.get("megatron_vpp_size", 1) != self.vpp_size
+            if saved[:2] == (self.tp_size, self.ep_size) and pipeline_changed and "param_names" in state:
+                wrapped.append(self._restaged(state, saved_pp=saved[2]))
+                continue
+            if saved != (self.tp_size, self.ep_size, self.pp_size):
+                # pp alone may change, for states saved with their parameters' names (not before issue 38)
+                what = "the saved sizes" if saved[:2] != (self.tp_size, self.ep_size) else (
+                    "the saved pp_size (this checkpoint predates the parameter names that let its optimizer state "
+                    "restore at another pp_size)")
                 raise ValueError(
-                    f"optimizer state was saved at (tp_size, ep_size, pp_size, vpp_size)={saved}, this run has "
-                    f"{(self.tp_size, self.ep_size, self.pp_size, self.vpp_size)}; resume at the saved sizes, or "
-                    f"{WEIGHTS_ONLY_WAY_OUT}"
+                    f"optimizer state was saved at (tp_size, ep_size, pp_size)={saved}, this run has "
+                    f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at {what}, or {WEIGHTS_ONLY_WAY_OUT}"
+                )
+            if pipeline_changed:  # vpp alone, without names: a rank's parameters are other layers
+                raise ValueError(
+                    f"optimizer state was saved at parallel.vpp_size={state.get('megatron_vpp_size', 1)}, this run has "
+                    f"{self.vpp_size}; resume at the saved vpp_size (this checkpoint predates the parameter names "
+                    f"that let its optimizer state restore at another one), or {WEIGHTS_ONLY_WAY_OUT}"
                 )
             if self.pp_size > 1:
                 wrapped.append(state["per_pp_tp_rank"][self.layout.pp_rank * self.tp_size + self.layout.tp_rank])
@@ -290,12 +331,27 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             wrapped.append(state["per_tp_rank"][self.layout.ep_rank * self.tp_size + self.layout.tp_rank])
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": wrapped})
 
+    def _restaged(self, state: dict[str, Any], *, saved_pp: int) -> dict[str, Any]:
+        """This rank's state from a checkpoint saved at another pp size (same TP / EP): the saved stages of this
+        (EP, TP) rank merged by parameter name and split along this run's stages (`stage_state.restage`)."""
+        layout, tp = self.layout, self.tp_size
+        if saved_pp > 1:
+            entries = [p * tp + layout.tp_rank for p in range(saved_pp)]
+            states = state["per_pp_tp_rank"]
+        else:
+            entries, states = [layout.ep_rank * tp + layout.tp_rank], state["per_tp_rank"]
+        saved = [(state["param_names"][i], states[i]) for i in entries]
+        policy = self.lightning_module.policy
+        return restage(saved, global_param_names(policy))
+
     def _sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
         saved, this = state.get("megatron_distributed_optimizer"), self._layout_key()
+        if saved is not None and len(saved) == 3:  # saved before pipeline parallelism existed: pp = 1
+            saved = (*saved, 1)
         if saved != this or not self.distributed_optimizer:
-            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp)={saved}"
+            where = "without parallel.distributed_optimizer" if saved is None else f"at (world, tp, cp, pp)={saved}"
             raise ValueError(
-                f"optimizer state was saved {where}, this run has (world, tp, cp)={this} and "
+                f"optimizer state was saved {where}, this run has (world, tp, cp, pp)={this} and "
                 f"distributed_optimizer={self.distributed_optimizer}: sharded optimizer state restores only at "
                 f"the saved layout and setting; resume with them, or {WEIGHTS_ONLY_WAY_OUT}"
             )
