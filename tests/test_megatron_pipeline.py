@@ -326,6 +326,14 @@ def _vpp_worker(rank: int, world: int) -> dict:
                                                                last and (not tied or sizes[2] > 1)), (family, sizes)
             if chunks > 1:
                 results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=VPP_LAYERS)
+        if family != "qwen3":
+            # a resume at another vpp size (the optimizer state named by global layer, `stage_state`): 2 steps at
+            # layout a, 2 at layout b
+            for a, b in ((VPP_SIZES[2], VPP_SIZES[0]), (VPP_SIZES[1], VPP_SIZES[2])):
+                half = _train(hf, _layout(*a[:3], hf.config.vocab_size, vpp=a[3]), cases["m3"], steps=STEPS // 2)
+                results[(family, "restaged", a, b)] = _train(hf, _layout(*b[:3], hf.config.vocab_size, vpp=b[3]),
+                                                             cases["m3"], steps=STEPS // 2,
+                                                             start=(half["weights"], half["optimizer"]))
     return results
 
 
@@ -336,14 +344,26 @@ def test_pp2_vpp2_equals_pp1_and_pp2_with_variable_length_micro_batches():
     """Interleaved virtual stages (8 layers, pp2 x vpp2: each rank runs two chunks, the last rank's second one
     scores) against pp1 and the non-interleaved pp2: loss, grad norm, gradients, weights after the AdamW steps and
     the masked on-policy log-probs within 1e-5, for 2, 3, 4 and 5 micro-batches of very different lengths (the
-    spawn's timeout turns a hang into a failure)."""
-    results = run_distributed(_vpp_worker, 2, 2, timeout=400, preload=PRELOAD)
+    spawn's timeout turns a hang into a failure); and a run resumed at another vpp size (pp2 vpp2 -> pp1, pp2 ->
+    pp2 vpp2) equals the uninterrupted one."""
+    results = run_distributed(_vpp_worker, 2, 2, timeout=500, preload=PRELOAD)
     figures = {}
     for family in FAMILIES:
         for m in ("m3", "m5", "m2") + (("m4",) if family == "llama" else ()):
             got = [r[(family, VPP_SIZES[2], m)] for r in results]
             for ref in VPP_SIZES[:2]:
                 figures[(family, m, f"vs pp{ref[2]}")] = _compare(got, results[0][(family, ref, m)], (family, m, ref))
+    # resumed at another vpp size: steps 3-4 and the weights after them equal the uninterrupted pp1 run's
+    for family in ("qwen2", "llama"):
+        ref = results[0][(family, VPP_SIZES[0], "m3")]
+        for a, b in ((VPP_SIZES[2], VPP_SIZES[0]), (VPP_SIZES[1], VPP_SIZES[2])):
+            got = results[0][(family, "restaged", a, b)]
+            for key in ("loss", "grad_norm"):
+                rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
+                assert rel <= TOL, (family, a, b, key, got[key], ref[key])
+            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+            assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (family, a, b, weights)
+            figures[(family, f"{a}->{b}")] = weights
     assert results[0][("qwen2", VPP_SIZES[2], "describe")] == (
         "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 vpp=2 [stage 0: embedding + layers 0-1, layers 4-5 | stage 1: layers 2-3, "
         "layers 6-7 + head]")
