@@ -94,6 +94,15 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("parallel.pp_size=0", "parallel.pp_size"),
         ("parallel.pp_size=2 trainer.devices=2", "parallel.pp_size"),
         ("parallel=pp2 model.layers=3", "parallel.pp_size"),
+        # Virtual stages: a size >= 1, pp > 1, the layers in pp x vpp equal chunks, dense models.
+        ("parallel=pp2 parallel.vpp_size=0", "parallel.vpp_size"),
+        ("parallel=megatron parallel.vpp_size=2", "parallel.vpp_size"),
+        ("parallel=pp2 model.layers=8 parallel.vpp_size=2 parallel.distributed_optimizer=true",
+         "parallel.distributed_optimizer"),
+        ("parallel=pp2 model.layers=4 parallel.vpp_size=4", "parallel.vpp_size"),
+        ("parallel=pp2 parallel.pp_size=4 trainer.devices=4 model.layers=8 parallel.vpp_size=2 "
+         "rollout.prompts_per_step=1 rollout.n_samples=2", "parallel.vpp_size"),  # fewer samples than stages
+        ("parallel=pp2 model.family=qwen3_moe model.layers=8 parallel.vpp_size=2", "parallel.vpp_size"),
         # parallel=none runs the HF model whole: a size or a CP layout would do nothing there.
         ("parallel.tp_size=2", "parallel.tp_size"),
         ("parallel.cp_size=2 trainer.devices=2", "parallel.cp_size"),
@@ -209,7 +218,8 @@ def test_fsdp_refuses_the_distributed_optimizer_saying_fsdp_shards_the_optimizer
         "config parallel.cpu_offload=True: must be absent with parallel=cp2/ep2/megatron/pp2/pp2_cp2/pp2_ep2/tp2/tp2_cp2/"
         "tp2_ep2/"
         "tp2_pp2 (the "
-        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size); drop the key, or pick "
+        "keys it reads: cp_mode, cp_size, distributed_optimizer, ep_size, pp_size, strategy, tp_size, vpp_size); drop the "
+        "key, or pick "
         "a layout that reads it (parallel=fsdp)"
     )
 
@@ -277,6 +287,13 @@ def test_megatron_resume_refusals_name_the_export_way_out():
         f"optimizer state was saved at (tp_size, ep_size, pp_size)=(1, 1, 2), this run has (1, 1, 1); resume at the "
         f"saved pp_size (this checkpoint predates the parameter names that let its optimizer state restore at "
         f"another pp_size), or {way_out}"
+    )
+    # the same at another vpp_size: a rank holds other layers than at vpp 1 (same pp)
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(pp_size=2, vpp_size=2).load_optimizer_state_dict(saved_at_pp2)
+    assert str(info.value) == (
+        "optimizer state was saved at parallel.vpp_size=1, this run has 2; resume at the saved vpp_size (this "
+        f"checkpoint predates the parameter names that let its optimizer state restore at another one), or {way_out}"
     )
     with pytest.raises(ValueError) as info:
         MegatronStrategy(tp_size=2).load_optimizer_state_dict(saved_at_pp2)

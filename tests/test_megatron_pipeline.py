@@ -11,7 +11,9 @@ unmasked log-probs and entropy (1e-5), the weights after the 4 steps gathered fr
 pp2; world 4: tp2_pp2 and pp2_cp2. The same spawns train a tiny Qwen3-MoE with routing replay (half the recorded
 routes not the model's own) and the load-balancing loss: pp2 vs pp1 (world 2) and pp2_ep2 vs ep2 (world 4), the
 same figures plus the MoE aux loss, expert load and routing agreement every rank logs (`_check_moe`).
-They also run Qwen2 and Llama at pp 2 with the distributed optimizer (megatron's DDP + DistributedOptimizer, `_check_sharded`) against the plain AdamW and pp 1.
+They also run Qwen2 and Llama at pp 2 with the distributed optimizer (megatron's DDP + DistributedOptimizer,
+`_check_sharded`) against the plain AdamW and pp 1. A third spawn (world 2) runs megatron's interleaved schedule
+(virtual stages, pp2 x vpp2 on 8 layers) against pp1 and the non-interleaved pp2 the same way.
 """
 
 import importlib.util
@@ -39,10 +41,10 @@ SHARDED_FAMILIES = ("qwen2", "llama")
 LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}
 
 
-def _hf(family: str):
+def _hf(family: str, layers: int = 4):
     from topp_rl.models import build_char_tokenizer, build_tiny_model
 
-    return build_tiny_model(family, vocab_size=96, hidden=32, layers=4, heads=4, kv_heads=2, seed=3,
+    return build_tiny_model(family, vocab_size=96, hidden=32, layers=layers, heads=4, kv_heads=2, seed=3,
                             tie_embeddings=family == "qwen2", tokenizer=build_char_tokenizer())
 
 
@@ -62,12 +64,12 @@ def _samples(model):
     return out
 
 
-def _micro(samples):
-    """Three micro-batches: 5 tokens, 61 + 10 tokens, 12 + 45 + 7 tokens."""
+def _micro(samples, groups=([0], [1, 2], [3, 4, 5])):
+    """Three micro-batches: 5 tokens, 61 + 10 tokens, 12 + 45 + 7 tokens (or the samples of `groups`)."""
     from test_module import pack
 
     adv = torch.linspace(-1.0, 1.5, len(samples))
-    return [pack(samples, idx, advantages=adv) for idx in ([0], [1, 2], [3, 4, 5])]
+    return [pack(samples, idx, advantages=adv) for idx in groups]
 
 
 def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sharded: bool = False,
@@ -107,12 +109,12 @@ def _train(hf, layout, micro, *, steps: int = STEPS, autocast: bool = False, sha
 
         opt = ShardedOptimizer(policy.model, opt, tied=tied_copy(policy))
         policy.use_grad_owner(opt)
-    names = global_param_names(policy, first_layer=policy.stage_layers.start)
+    names = global_param_names(policy)
     if start:
         opt.load_state_dict(restage(start[1], names))
-    params = dict(policy.model.named_parameters())
+    params = {n for chunk in policy.chunks for n, _ in chunk.named_parameters()}  # every virtual stage's chunk
     out = {"loss": [], "grad_norm": [], "records": [], "stage": (
-        len(policy.model.decoder.layers), "embedding.word_embeddings.weight" in params,
+        sum(len(chunk.decoder.layers) for chunk in policy.chunks), "embedding.word_embeddings.weight" in params,
         "decoder.final_layernorm.weight" in params, "output_layer.weight" in params)}
     refs = module.reference_pass(micro)
     # CP ranks hold partial gradients: summed over the CP group as the strategy's GradSync does (the spare ranks
@@ -164,7 +166,7 @@ def policy_grads(policy):
     return hf_named_tensors(policy, grads=True)
 
 
-def _layout(tp: int, cp: int, pp: int, vocab: int, ep: int = 1):
+def _layout(tp: int, cp: int, pp: int, vocab: int, ep: int = 1, vpp: int = 1):
     from megatron.core import parallel_state as ps
 
     from topp_rl.parallel import ParallelLayout
@@ -172,7 +174,8 @@ def _layout(tp: int, cp: int, pp: int, vocab: int, ep: int = 1):
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+                                 pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     return ParallelLayout.from_megatron(vocab)
 
 
@@ -263,33 +266,7 @@ def _check(results: list[dict], world: int) -> dict:
     for family in FAMILIES:
         for sizes in LAYOUTS[world]:
             ref = results[0][(family, (*sizes[:2], 1))]  # the same TP x CP at pp = 1: what pipelining changes
-            outs = [r[(family, sizes)] for r in results]
-            got = outs[0]
-            for other in outs[1:]:  # every stage returns the last stage's figures
-                assert other["loss"] == got["loss"] and other["grad_norm"] == got["grad_norm"], (family, sizes)
-            loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
-            norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
-            assert loss_rel <= TOL and norm_rel <= TOL, (family, sizes, got["loss"], ref["loss"], got["grad_norm"],
-                                                         ref["grad_norm"])
-            mismatch = 0.0
-            for step_got, step_ref in zip(got["records"], ref["records"], strict=True):
-                for rec_got, rec_ref in zip(step_got, step_ref, strict=True):
-                    for a, b in zip(rec_got, rec_ref, strict=True):
-                        assert a.shape == b.shape, (family, sizes)
-                        if a.numel():  # a CP rank may hold no response token of a short micro-batch
-                            mismatch = max(mismatch, float((a - b).abs().max()))
-            assert mismatch <= TOL, (family, sizes, mismatch)
-            assert got["weights"].keys() == ref["weights"].keys(), (family, sizes)
-            # Absolute: the weights are O(0.01-1), and the K bias's true gradient is zero (softmax ignores a shift
-            # shared by all keys), so AdamW turns its round-off into lr-sized steps in either layout.
-            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
-            worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
-            assert weights <= TOL, (family, sizes, worst)
-            grads = max(float((got["grads"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
-                        for k, v in ref["grads"].items())
-            assert grads <= TOL, (family, sizes, grads)
-            figures[(family, sizes)] = dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch,
-                                            weights_abs=weights, grads_rel=grads)
+            figures[(family, sizes)] = _compare([r[(family, sizes)] for r in results], ref, (family, sizes))
             if family in SHARDED_FAMILIES:
                 figures[(family, sizes, "sharded")] = _check_sharded(results, family, sizes, ref)
     return figures
@@ -365,6 +342,37 @@ def _check_moe_layout(results: list[dict], sizes) -> dict:
     return figures | (dict(aux_grad_norm_share=aux_share) if sizes[:2] == (1, 1) else {})
 
 
+def _compare(outs: list[dict], ref: dict, case) -> dict:
+    """Every rank's `_train` figures (`outs`) against the reference run's (`ref`): see the module docstring."""
+    family, sizes = case[:2]
+    got = outs[0]
+    for other in outs[1:]:  # every stage returns the last stage's figures
+        assert other["loss"] == got["loss"] and other["grad_norm"] == got["grad_norm"], (family, sizes)
+    loss_rel = max(_rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
+    norm_rel = max(_rel(a, b) for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
+    assert loss_rel <= TOL and norm_rel <= TOL, (family, sizes, got["loss"], ref["loss"], got["grad_norm"],
+                                                 ref["grad_norm"])
+    mismatch = 0.0
+    for step_got, step_ref in zip(got["records"], ref["records"], strict=True):
+        for rec_got, rec_ref in zip(step_got, step_ref, strict=True):
+            for a, b in zip(rec_got, rec_ref, strict=True):
+                assert a.shape == b.shape, (family, sizes)
+                if a.numel():  # a CP rank may hold no response token of a short micro-batch
+                    mismatch = max(mismatch, float((a - b).abs().max()))
+    assert mismatch <= TOL, (family, sizes, mismatch)
+    assert got["weights"].keys() == ref["weights"].keys(), (family, sizes)
+    # Absolute: the weights are O(0.01-1), and the K bias's true gradient is zero (softmax ignores a shift
+    # shared by all keys), so AdamW turns its round-off into lr-sized steps in either layout.
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    worst = max((float((got["weights"][k] - v).abs().max()), k) for k, v in ref["weights"].items())
+    assert weights <= TOL, (family, sizes, worst)
+    grads = max(float((got["grads"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+                for k, v in ref["grads"].items())
+    assert grads <= TOL, (family, sizes, grads)
+    return dict(loss_rel=loss_rel, grad_norm_rel=norm_rel, mismatch=mismatch, weights_abs=weights,
+                grads_rel=grads)
+
+
 @NO_MEGATRON
 @pytest.mark.distributed
 @pytest.mark.slow
@@ -404,6 +412,81 @@ def test_tp2_pp2_and_pp2_cp2_equal_pp1():
         "world=4 dp=2 tp=1 cp=1 ep=2 pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]")
 
 
+# ----- virtual (interleaved) pipeline stages: megatron's forward_backward_pipelining_with_interleaving -----
+VPP_LAYERS = 8  # pp2 x vpp2: four chunks of two layers, rank 0 holding layers 0-1 and 4-5, rank 1 2-3 and 6-7
+# (tp, cp, pp, vpp): pp1 and pp2 (non-interleaved) are the references of pp2 vpp2
+VPP_SIZES = ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 2, 2))
+# micro-batches: the three of `_micro` (m = 3: megatron's default group of pp = 2 is refused for m mod 2 = 1, so
+# groups of 3), five (m = 5: groups of 3, a last group of 2) and two (m = pp: the first rank runs every forward in
+# its warm-up; megatron's own shape exchange hangs there), all of very different lengths; and four at depth-first
+# groups of 2 (m = 4) for one family
+FIVE = ([0], [1], [2, 3], [4], [5])
+FOUR = ([0], [1, 2], [3], [4, 5])
+TWO = ([0, 1, 2], [3, 4, 5])
+
+
+def _vpp_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for family in FAMILIES:
+        hf = _hf(family, layers=VPP_LAYERS)
+        samples = _samples(hf)
+        cases = {"m3": _micro(samples), "m5": _micro(samples, FIVE), "m2": _micro(samples, TWO)} | (
+            {"m4": _micro(samples, FOUR)} if family == "llama" else {})
+        for sizes in VPP_SIZES:
+            layout = _layout(*sizes[:3], hf.config.vocab_size, vpp=sizes[3])
+            for m, micro in cases.items():
+                results[(family, sizes, m)] = _train(hf, layout, micro, steps=STEPS if m == "m3" else 2)
+            chunks = layout.vpp_size
+            first, last, tied = layout.pp_rank == 0, layout.is_last_stage, hf.config.tie_word_embeddings
+            assert results[(family, sizes, "m3")]["stage"] == (VPP_LAYERS // sizes[2], first, last,
+                                                               last and (not tied or sizes[2] > 1)), (family, sizes)
+            if chunks > 1:
+                results[(family, sizes, "describe")] = layout.describe(world_size=world, num_layers=VPP_LAYERS)
+        if family != "qwen3":
+            # a resume at another vpp size (the optimizer state named by global layer, `stage_state`): 2 steps at
+            # layout a, 2 at layout b
+            for a, b in ((VPP_SIZES[2], VPP_SIZES[0]), (VPP_SIZES[1], VPP_SIZES[2])):
+                half = _train(hf, _layout(*a[:3], hf.config.vocab_size, vpp=a[3]), cases["m3"], steps=STEPS // 2)
+                results[(family, "restaged", a, b)] = _train(hf, _layout(*b[:3], hf.config.vocab_size, vpp=b[3]),
+                                                             cases["m3"], steps=STEPS // 2,
+                                                             start=(half["weights"], half["optimizer"]))
+    return results
+
+
+@NO_MEGATRON
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_vpp2_equals_pp1_and_pp2_with_variable_length_micro_batches():
+    """Interleaved virtual stages (8 layers, pp2 x vpp2: each rank runs two chunks, the last rank's second one
+    scores) against pp1 and the non-interleaved pp2: loss, grad norm, gradients, weights after the AdamW steps and
+    the masked on-policy log-probs within 1e-5, for 2, 3, 4 and 5 micro-batches of very different lengths (the
+    spawn's timeout turns a hang into a failure); and a run resumed at another vpp size (pp2 vpp2 -> pp1, pp2 ->
+    pp2 vpp2) equals the uninterrupted one."""
+    results = run_distributed(_vpp_worker, 2, 2, timeout=500, preload=PRELOAD)
+    figures = {}
+    for family in FAMILIES:
+        for m in ("m3", "m5", "m2") + (("m4",) if family == "llama" else ()):
+            got = [r[(family, VPP_SIZES[2], m)] for r in results]
+            for ref in VPP_SIZES[:2]:
+                figures[(family, m, f"vs pp{ref[2]}")] = _compare(got, results[0][(family, ref, m)], (family, m, ref))
+    # resumed at another vpp size: steps 3-4 and the weights after them equal the uninterrupted pp1 run's
+    for family in ("qwen2", "llama"):
+        ref = results[0][(family, VPP_SIZES[0], "m3")]
+        for a, b in ((VPP_SIZES[2], VPP_SIZES[0]), (VPP_SIZES[1], VPP_SIZES[2])):
+            got = results[0][(family, "restaged", a, b)]
+            for key in ("loss", "grad_norm"):
+                rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
+                assert rel <= TOL, (family, a, b, key, got[key], ref[key])
+            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+            assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (family, a, b, weights)
+            figures[(family, f"{a}->{b}")] = weights
+    assert results[0][("qwen2", VPP_SIZES[2], "describe")] == (
+        "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 vpp=2 [stage 0: embedding + layers 0-1, layers 4-5 | stage 1: layers 2-3, "
+        "layers 6-7 + head]")
+    print(figures)
+
+
 # ----- train.py at parallel=pp2: strategy, rollouts shared over the stages, weight sync, metrics, checkpoints -----
 TRAIN = ("model.layers=4", "rollout.max_new_tokens=12")
 DIST_OPT = "parallel.distributed_optimizer=true"  # on top of test_megatron_train's TINY (3 steps)
@@ -419,6 +502,9 @@ TRAIN_KEYS = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/rol
 # lr-sized, and with it sampled tokens), and with them where the scale overflows.
 FP16 = ("trainer=cpu_fp16", "+trainer.plugins.0.init_scale=3.0e6", "+trainer.plugins.0.growth_interval=1", "seed=1",
         "trainer.max_steps=2")
+
+
+VPP_TRAIN = ("parallel.vpp_size=2", "model.layers=8")
 
 
 def _fit(output_dir, parallel: str, *extra: str, ckpt_path=None) -> dict:
@@ -467,6 +553,12 @@ def _train_worker(rank: int, tmp: str) -> dict:
     out["part"] = _fit(Path(tmp) / "part", "pp2", "trainer.max_steps=2", "checkpoint.every_n_steps=1")
     out["resumed"] = _fit(Path(tmp) / "resumed", "pp2", ckpt_path=Path(tmp) / "part/checkpoints/last.ckpt")
     out["overlap"] = _fit(Path(tmp) / "overlap", "pp2", *OVERLAP)
+    # virtual stages: 8 layers in four chunks, two per rank; checkpointed after step 2 and resumed at pp2 vpp2
+    out["vpp2"] = _fit(Path(tmp) / "vpp2", "pp2", *VPP_TRAIN)
+    out["vpp2_part"] = _fit(Path(tmp) / "vpp2_part", "pp2", *VPP_TRAIN, "trainer.max_steps=2",
+                            "checkpoint.every_n_steps=1")
+    out["vpp2_resumed"] = _fit(Path(tmp) / "vpp2_resumed", "pp2", *VPP_TRAIN,
+                               ckpt_path=Path(tmp) / "vpp2_part/checkpoints/last.ckpt")
     # fp16 at pp 2 against pp 1 on the same single replica (tp2: Megatron, one rollout for both ranks)
     out["fp16"] = _fit(Path(tmp) / "fp16", "pp2", *FP16)
     out["fp16_pp1"] = _fit(Path(tmp) / "fp16_pp1", "tp2", *FP16)
@@ -484,8 +576,10 @@ relative,
     weights gathered from both stages, the final weights within 1e-4 (see there), the HF export of a pp2 checkpoint
 holds the stages' weights bit for bit, a run with `rollout.overlap` (one update stale) and 2 PPO epochs follows
 its single-process run within 1e-5, a run checkpointed after step 2 and
-    resumed at pp2 gives the uninterrupted run's step 3, and fp16 loss scaling at pp2 follows pp 1 (`_check_fp16`)."""
-    results = run_distributed(_train_worker, 2, str(tmp_path), timeout=500, preload=PRELOAD + ("topp_rl.train",
+    resumed at pp2 gives the uninterrupted run's step 3, fp16 loss scaling at pp2 follows pp 1 (`_check_fp16`),
+    and pp2 vpp2 (virtual stages, 8 layers) follows the single-process run of the 8-layer model, with its
+    checkpoint resumed at pp2 vpp2."""
+    results = run_distributed(_train_worker, 2, str(tmp_path), timeout=900, preload=PRELOAD + ("topp_rl.train",
                                                                                                    "hydra"))
     ref = _fit(tmp_path / "none", "none")
     got = results[0]["pp2"]
@@ -521,6 +615,24 @@ its single-process run within 1e-5, a run checkpointed after step 2 and
     assert len(resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
         assert resumed[key] == pytest.approx(m[key][-1:], rel=1e-5, abs=1e-7), key
+    # virtual stages (pp2 vpp2, 8 layers) against the single-process run of the same 8-layer model
+    vpp, vpp_ref = results[0]["vpp2"], _fit(tmp_path / "none8", "none", "model.layers=8")
+    assert [r["vpp2"]["has_engine"] for r in results] == [True, False] and vpp["synced"]
+    assert max(vpp_ref["metrics"]["train/grad_norm"]) > 0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/entropy"):
+        assert vpp["metrics"][key] == pytest.approx(vpp_ref["metrics"][key], rel=TOL, abs=1e-9), ("vpp2", key)
+    assert max(vpp["metrics"]["train/rollout_logprob_abs_diff_max"]) <= TOL
+    assert min(vpp["metrics"]["train/rollout_logprob_abs_diff_unmasked"]) > 1e-3
+    vpp_weights = max(float((vpp["weights"][k] - v).abs().max()) for k, v in vpp_ref["weights"].items())
+    assert vpp["weights"].keys() == vpp_ref["weights"].keys() and vpp_weights <= 1e-4, vpp_weights
+    vpp_resumed = results[0]["vpp2_resumed"]["metrics"]
+    assert len(vpp_resumed["train/loss"]) == 1, "the resumed run trains only the 3rd step"
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+        assert vpp_resumed[key] == pytest.approx(vpp["metrics"][key][-1:], rel=1e-5, abs=1e-7), ("vpp2", key)
+    print({"vpp2": {k: max(_rel(a, b) for a, b in zip(vpp["metrics"][k], vpp_ref["metrics"][k], strict=True) if b)
+                    for k in ("train/loss", "train/grad_norm")},
+           "vpp2_mismatch_max": max(vpp["metrics"]["train/rollout_logprob_abs_diff_max"]),
+           "vpp2_weights_abs": vpp_weights})
     _check_fp16(results[0]["fp16"], results[0]["fp16_pp1"])
     trains = r["train/grad_norm"].index(max(r["train/grad_norm"]))
     print({"loss_rel": _rel(m["train/loss"][trains], r["train/loss"][trains]),

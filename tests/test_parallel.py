@@ -259,6 +259,53 @@ def test_plan_splits_the_layers_evenly_over_pipeline_stages_or_names_the_fix():
     assert pipeline_stages(3, 3) == "stage 0: embedding + layer 0 | stage 1: layer 1 | stage 2: layer 2 + head"
 
 
+def test_virtual_stages_interleave_equal_chunks_as_megatron_numbers_them_or_name_the_fix():
+    """vpp > 1: pp x vpp equal chunks, rank r holding chunks r, r + pp, ... (megatron-core's
+    `get_transformer_layer_offset`, checked against it below); refused with pp = 1 or an uneven split."""
+    from topp_rl.parallel.layout import pipeline_stages
+    from topp_rl.parallel.plan import ParallelPlan, chunk_layers
+
+    assert [chunk_layers(8, 2, 2, r) for r in (0, 1)] == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
+    assert chunk_layers(8, 2, 1, 1) == [range(4, 8)]  # vpp 1: the stage's layers
+    assert pipeline_stages(8, 2, 2) == ("stage 0: embedding + layers 0-1, layers 4-5 | stage 1: layers 2-3, "
+                                        "layers 6-7 + head")
+    with pytest.raises(ValueError, match=r"^config parallel.vpp_size=2: must be 1 with parallel.pp_size=1 .*; set "
+                                         r"parallel.pp_size >= 2, or parallel.vpp_size=1$"):
+        ParallelPlan(world=2, vpp=2)
+    with pytest.raises(ValueError, match=r"^config parallel.vpp_size=3: must be a divisor of the layers per pipeline "
+                                         r"stage \(num_hidden_layers=8 / parallel.pp_size=2 = 4: .*\); use "
+                                         r"parallel.vpp_size in \[1, 2, 4\]$"):
+        ParallelPlan(world=2, pp=2, vpp=3).check_layers(8)
+    with pytest.raises(ValueError, match=r"^config parallel.vpp_size=0: must be an integer >= 1"):
+        ParallelPlan(world=2, pp=2, vpp=0)
+    megatron = pytest.importorskip("megatron.core.transformer.transformer_layer")
+    from topp_rl.megatron.spec import transformer_config
+    from topp_rl.models import build_tiny_model
+
+    hf = build_tiny_model("llama", vocab_size=96, hidden=16, layers=12, heads=2, kv_heads=1).config
+    for pp, vpp in ((2, 2), (2, 3), (3, 2)):
+        config = transformer_config(hf, tp_size=1, cp_size=1, pp_size=pp, vpp_size=vpp)
+        for rank in range(pp):
+            offsets = [megatron.get_transformer_layer_offset(config, vp_stage=v, pp_rank=rank) for v in range(vpp)]
+            assert offsets == [r.start for r in chunk_layers(12, pp, vpp, rank)], (pp, vpp, rank)
+
+
+def test_interleaved_schedule_micro_batch_groups_megatron_accepts():
+    """megatron-core 0.16 runs groups of N micro-batches per virtual stage with pp <= N <= m and m mod N = 0 or
+    >= pp; the smallest such N (pp when m is a multiple of pp), and m < pp refused naming the fix."""
+    pytest.importorskip("megatron.core")
+    from topp_rl.megatron.pipeline import microbatch_group_size
+
+    assert [microbatch_group_size(m, 2) for m in (2, 3, 4, 5, 6, 7, 8)] == [2, 3, 2, 3, 2, 4, 2]
+    assert [microbatch_group_size(m, 4) for m in (4, 5, 6, 7, 8, 9, 10)] == [4, 5, 6, 7, 4, 5, 5]
+    for m, pp in ((5, 4), (9, 4), (10, 4), (7, 3)):
+        n = microbatch_group_size(m, pp)
+        assert pp <= n <= m and (m % n == 0 or m % n >= pp)
+    with pytest.raises(ValueError, match=r"^1 micro-batches at parallel.pp_size=2 with virtual stages: .* or set "
+                                         r"parallel.vpp_size=1$"):
+        microbatch_group_size(1, 2)
+
+
 def test_plan_checks_prompts_per_data_parallel_rank():
     from topp_rl.parallel.plan import ParallelPlan
 

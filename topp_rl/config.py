@@ -292,15 +292,15 @@ def parallel_plan(cfg: DictConfig) -> ParallelPlan:
     """The run's `ParallelPlan` (its construction checks every size and how they combine with the world size)."""
     p = cfg.parallel
     return ParallelPlan(world=world_size(cfg), tp=p.tp_size, cp=p.cp_size, ep=p.ep_size, pp=p.get("pp_size", 1),
-                        fsdp=_is_fsdp(cfg), cp_mode=p.get("cp_mode", "zigzag"))
+                        vpp=p.get("vpp_size", 1), fsdp=_is_fsdp(cfg), cp_mode=p.get("cp_mode", "zigzag"))
 
 
 def validate_parallel(cfg: DictConfig) -> None:
     validate_device_counts(cfg)
     validate_layout_keys(cfg)
     p, world = cfg.parallel, world_size(cfg)
-    for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
-        if key in p:  # pp_size may be absent from a config written before it existed: 1
+    for key in ("tp_size", "cp_size", "ep_size", "pp_size", "vpp_size"):
+        if key in p:  # pp_size / vpp_size may be absent from a config written before they existed: 1
             _positive_int(cfg, f"parallel.{key}", f"use parallel.{key}=1 to disable it")
     for key in ("tp_size", "cp_size", "ep_size", "pp_size"):
         if p.get(key, 1) > 1 and not p.get("strategy"):
@@ -345,6 +345,21 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     layers = cfg.model.get("layers")
     if isinstance(layers, int):
         parallel_plan(cfg).check_layers(layers)
+    vpp = cfg.parallel.get("vpp_size", 1)
+    if vpp > 1 and cfg.parallel.get("distributed_optimizer", False):
+        _fail("parallel.distributed_optimizer", True, f"false with parallel.vpp_size={vpp} (the sharded optimizer "
+              "wraps one model per rank in megatron's DDP; virtual stages hold a list of chunks)",
+              "set parallel.distributed_optimizer=false or parallel.vpp_size=1")
+    family = cfg.model.get("family")
+    if vpp > 1 and family is not None and "moe" in str(family):
+        _fail("parallel.vpp_size", vpp, f"1 with an MoE model (model.family={family}: each stage sends its MoE figures "
+              "once per micro-batch, and a rank with several chunks would send several)", "set parallel.vpp_size=1")
+    samples = cfg.rollout.prompts_per_step // parallel_plan(cfg).dp * cfg.rollout.n_samples
+    if vpp > 1 and samples < pp:
+        _fail("parallel.vpp_size", vpp, f"1 when a data-parallel rank draws fewer samples a step ({samples} = "
+              "rollout.prompts_per_step / data-parallel size x rollout.n_samples) than parallel.pp_size="
+              f"{pp} (megatron's interleaved schedule runs at least pp_size micro-batches)",
+              "raise rollout.prompts_per_step or rollout.n_samples, or set parallel.vpp_size=1")
 
 
 def _loss_scaled_fp16(cfg: DictConfig) -> bool:

@@ -30,7 +30,9 @@ kept equal: their gradients are summed over megatron's embedding group after eac
 distributed optimizer, in its buffers: `dist_opt.TiedCopy`), as megatron's own `finalize_model_grads` does; the
 norm counts the weight once. MoE models pipeline too: each stage replays and compares its own MoE layers' slice
 of the routes, and the last stage's `moe_stats` / `routing_agreement` combine every stage's
-(`replay.PipelineFigures`).
+(`replay.PipelineFigures`). With virtual stages (`layout.vpp_size` > 1, megatron's interleaved schedule) `model` is
+a ModuleList of this rank's chunks (`chunks`: the embedding in rank 0's first chunk, the head in the last rank's last
+chunk); MoE models run without virtual stages (the figures' exchange is one per stage and micro-batch).
 
 MoE routes (`replay.MegatronRouterReplay`): a batch carrying routes has every router's own top-k compared with
 them (`routing_agreement`, a `topp_rl.trainer.backbone.BackboneBase` capability); `routing_replay=True` also forces them. The
@@ -45,6 +47,7 @@ from torch import Tensor
 from topp_rl.data import PackedBatch
 from topp_rl.data.routes import NO_ROUTE
 from topp_rl.megatron import cpu_shims
+from topp_rl.megatron.chunks import ChunkPlace, chunk_module, chunk_places, model_chunks
 from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.export import hf_named_tensors
 from topp_rl.megatron.grads import GradSync, clip_grad_norm_
@@ -54,7 +57,7 @@ from topp_rl.megatron.pipeline import run_schedule
 from topp_rl.megatron.replay import MegatronRouterReplay, PipelineFigures, megatron_moe_routing
 from topp_rl.megatron.spec import layer_specs, transformer_config
 from topp_rl.parallel import ParallelLayout, cp_padded_lengths, cp_shard, cu_seqlens
-from topp_rl.parallel.plan import stage_layers
+from topp_rl.parallel.plan import chunk_layers, stage_layers
 from topp_rl.trainer.backbone import BackboneBase, ForwardFn, StepFn, T, batch_routes
 
 # The context-parallel splits the Megatron backbone runs: Megatron's THD RoPE and transformer-engine's CP attention
@@ -74,15 +77,23 @@ def check_layout(hf_config, layout: ParallelLayout) -> None:
             f"layout vocab_size={layout.vocab_size} != model vocab_size={hf_config.vocab_size}; build the "
             "layout with ParallelLayout.from_megatron(model.config.vocab_size)"
         )
-    stage_layers(hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank)  # refuses an uneven split
+    if layout.vpp_size > 1 and is_moe(hf_config):
+        raise ValueError(
+            f"parallel.vpp_size={layout.vpp_size} with model_type={hf_config.model_type!r}: MoE models pipeline "
+            "without virtual stages (each stage sends its MoE figures once per micro-batch, and a rank with several "
+            "chunks would send several); use parallel.vpp_size=1 for this model"
+        )
+    chunk_layers(hf_config.num_hidden_layers, layout.pp_size, layout.vpp_size, layout.pp_rank)  # refuses uneven
     if layout.cp_size > 1 and layout.cp_mode not in CP_MODES:
         raise ValueError(cp_mode_refusal(layout.cp_mode))
 
 
 def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
-                    seed: int = 0, dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0):
+                    seed: int = 0, dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: float = 0.0,
+                    place: ChunkPlace | None = None, vpp_size: int = 1):
     """A GPTModel for `hf_config` on this rank (parallel_state must be initialised with these sizes): at
-    pp_size > 1 only stage `pp_rank`'s layers, the embedding on the first stage, the head on the last."""
+    pp_size > 1 only stage `pp_rank`'s layers, the embedding on the first stage, the head on the last; with virtual
+    stages (`vpp_size` > 1), the chunk at `place` (`chunks.chunk_places`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -93,9 +104,12 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, 
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = transformer_config(hf_config, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, pp_size=pp_size,
-                                dtype=dtype)
+                                vpp_size=vpp_size, dtype=dtype)
     specs = layer_specs(config, dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
-    layers = stage_layers(config.num_layers, pp_size, pp_rank)
+    if place is None:
+        place = ChunkPlace(vp_stage=None, layers=stage_layers(config.num_layers, pp_size, pp_rank),
+                           first=pp_rank == 0, last=pp_rank == pp_size - 1, tied=False)
+    layers = place.layers
     specs = TransformerBlockSubmodules(layer_specs=specs.layer_specs[layers.start:layers.stop],
                                        layer_norm=specs.layer_norm)
     model = GPTModel(
@@ -107,8 +121,9 @@ def build_gpt_model(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, 
         # all-reduces the copies at construction with a `.cuda()` call.
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and pp_size == 1,
         position_embedding_type="rope",  # inv_freq is replaced by HF's own below (exact llama3 scaling)
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
+        pre_process=place.first,
+        post_process=place.last,
+        vp_stage=place.vp_stage,  # the layer offset megatron numbers the chunk's layers from
     )
     if cpu_shims.needs_cpu_shims():
         cpu_shims.keep_rotary_on_cpu(model.rotary_pos_emb, inv_freq=hf_inv_freq(hf_config))
@@ -165,17 +180,23 @@ class MegatronBackbone(BackboneBase):
             )
         self.hf_config = hf_config
         self._layout = layout
-        self.model = build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size,
-                                     ep_size=layout.ep_size, pp_size=layout.pp_size, pp_rank=layout.pp_rank,
-                                     seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
-        self.stage_layers = stage_layers(hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank)
-        first, last = layout.pp_rank == 0, layout.is_last_stage
+        # this rank's model chunks (one at vpp = 1: its stage), see `chunks`
+        self.places = chunk_places(hf_config.num_hidden_layers, layout, tie_word_embeddings=hf_config.tie_word_embeddings)
+        self.model = chunk_module([
+            build_gpt_model(hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size, ep_size=layout.ep_size,
+                            pp_size=layout.pp_size, pp_rank=layout.pp_rank, seed=seed, dtype=dtype,
+                            moe_aux_loss_coeff=moe_aux_loss_coeff, place=place, vpp_size=layout.vpp_size)
+            for place in self.places])
+        self.chunks = model_chunks(self.model)
         # a tied embedding split over stages: this stage's copy, summed with the other's after each schedule
         self.tied_copy = None
-        if hf_config.tie_word_embeddings and layout.pp_size > 1:
-            self.tied_copy = self.model.embedding.word_embeddings.weight if first else self.model.output_layer.weight
-        self.stage = dict(layers=self.stage_layers, first=first, last=last,
-                          tied=bool(hf_config.tie_word_embeddings) and layout.pp_size > 1)
+        if hf_config.tie_word_embeddings and layout.pp_size > 1 and self.places[0].first:
+            self.tied_copy = self.chunks[0].embedding.word_embeddings.weight
+        elif hf_config.tie_word_embeddings and layout.pp_size > 1 and self.places[-1].last:
+            self.tied_copy = self.chunks[-1].output_layer.weight
+        # the stage's layers and `convert.stage_state` arguments: one stage's, so None with virtual stages (`places`)
+        self.stage_layers = self.places[0].layers if layout.vpp_size == 1 else None
+        self.stage = self.places[0].stage_args() if layout.vpp_size == 1 else None
         self._grad_syncs: list[GradSync] = []  # the strategy's data-parallel sums, run around the pipeline schedule
         sum_qk_norm_grads_over_tp(self.model, layout.tp_group)
         self.routing = megatron_moe_routing(hf_config)
@@ -199,10 +220,16 @@ class MegatronBackbone(BackboneBase):
         dtype = next(hf_model.parameters()).dtype
         backbone = cls(hf_model.config, layout=layout, seed=seed, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff,
                        routing_replay=routing_replay)
-        load_hf_into(backbone.model, hf_model.state_dict(), hf_model.config, tp_size=layout.tp_size,
-                     tp_rank=layout.tp_rank, ep_size=layout.ep_size, ep_rank=layout.ep_rank, stage=backbone.stage)
+        backbone.load_hf_state(hf_model.state_dict())
         backbone.train(hf_model.training)
         return backbone
+
+    def load_hf_state(self, hf_state) -> None:
+        """Copy a full HF state dict into this rank's model chunks (each takes its own layers and ends)."""
+        layout = self._layout
+        for model, place in zip(self.chunks, self.places, strict=True):
+            load_hf_into(model, hf_state, self.hf_config, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
+                         ep_size=layout.ep_size, ep_rank=layout.ep_rank, stage=place.stage_args())
 
     @property
     def layout(self) -> ParallelLayout:
@@ -250,7 +277,8 @@ class MegatronBackbone(BackboneBase):
         """An fp16 loss scale (`LossScaledFP16`'s `GradScaler.scale`) for the pipeline schedule, which multiplies
         the last stage's loss by it before its backward (megatron's `grad_scale_func`); at pp = 1 the module's
         `manual_backward` scales the loss instead."""
-        self.model.config.grad_scale_func = scale
+        for chunk in self.chunks:  # the schedule reads the first chunk's config; kept equal
+            chunk.config.grad_scale_func = scale
 
     def forward_backward(self, micro_batches, step_fn: StepFn[T], *, backward=Tensor.backward) -> list[T]:
         """pp = 1: `BackboneBase`'s loop. pp > 1: megatron-core's 1F1B schedule (`pipeline.run_schedule`),
@@ -292,10 +320,11 @@ class MegatronBackbone(BackboneBase):
         return moe_stats(self.model) if self._stats is None else self._stats
 
     def output_weight(self) -> Tensor:
-        """This rank's output-layer weight shard [V / tp, H] (the embedding when tied)."""
-        if self.model.share_embeddings_and_output_weights:
-            return self.model.shared_embedding_or_output_weight()
-        return self.model.output_layer.weight
+        """This rank's output-layer weight shard [V / tp, H] (the embedding when tied); the last chunk's."""
+        model = self.chunks[-1]
+        if model.share_embeddings_and_output_weights:
+            return model.shared_embedding_or_output_weight()
+        return model.output_layer.weight
 
     def forward_hidden(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         """(hidden [T_local, H], weight shard [V_local, H]) for a `PackedBatch`; rows in the layout's CP order.
@@ -326,29 +355,29 @@ class MegatronBackbone(BackboneBase):
         counts, which leaves the ratio unchanged; CP and data-parallel ranks hold disjoint tokens)."""
         return self._agreement
 
-    def stage_output(self, batch: PackedBatch) -> Tensor:
-        """This pipeline stage's output [T_local, 1, H] for a micro-batch (its input comes from the previous stage
-        through megatron's `set_input_tensor`, which the schedule calls); the last stage's is the final-norm
-        hidden states."""
+    def stage_output(self, batch: PackedBatch, chunk: int = 0) -> Tensor:
+        """This pipeline stage's (its model chunk `chunk`'s, with virtual stages) output [T_local, 1, H] for a
+        micro-batch (its input comes from the previous stage through megatron's `set_input_tensor`, which the
+        schedule calls); the last stage's is the final-norm hidden states."""
         layout = self._layout
         positions = layout.local_positions(batch.seq_lengths)
         params = packed_seq_params(batch.seq_lengths, cp_size=layout.cp_size, cp_group=layout.cp_group)
         tokens = cp_shard(batch.tokens, positions)
         if self._figures is None:
-            return self.hidden_states(tokens, params)
+            return self.hidden_states(tokens, params, chunk=chunk)
         routes = batch_routes(batch, self.routing, replay=self.routing_replay, model=self.hf_config.model_type)
         agreement = None
         with self.replay.using(None if routes is None else cp_shard(routes.long(), positions, fill=NO_ROUTE)):
-            output = self.hidden_states(tokens, params)
+            output = self.hidden_states(tokens, params, chunk=chunk)
             if routes is not None:
                 agreement = tuple(map(float, self.replay.stage_agreement()))
         self._stats, self._agreement = self._figures.exchange(moe_stats(self.model), agreement)
         return output
 
-    def hidden_states(self, tokens: Tensor, params) -> Tensor:
-        """This stage's output [T_local, 1, H] of local packed tokens [T_local]: the final-norm hidden states on
-        the last stage (pp = 1: the whole model)."""
-        model = self.model
+    def hidden_states(self, tokens: Tensor, params, chunk: int = 0) -> Tensor:
+        """This stage's (model chunk's) output [T_local, 1, H] of local packed tokens [T_local]: the final-norm hidden
+        states on the last stage (pp = 1: the whole model)."""
+        model = self.chunks[chunk]
         position_ids = torch.zeros_like(tokens)[None]  # unused by RoPE models; RoPE reads cu_seqlens
         decoder_input, rotary_pos_emb, *_ = model._preprocess(
             input_ids=tokens[None], position_ids=position_ids, packed_seq_params=params

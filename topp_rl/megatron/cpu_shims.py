@@ -12,8 +12,9 @@ this. Each shim names the CUDA assumption it replaces:
 - `cuda_as_cpu`: megatron's gradient buffers and distributed optimizer allocate on `'cuda'` /
   `torch.cuda.current_device()` and check `'torch.cuda.FloatTensor'`-style type names; inside it they allocate
   on CPU and see the CUDA name of the same dtype (the same megatron code runs, on CPU tensors).
-- `pipeline_on_cpu`: megatron's pipeline schedule (`pipeline_parallel/schedules.py`,
-  `forward_backward_pipelining_without_interleaving`: `total_num_tokens = torch.zeros(..., device="cuda")`) and
+- `pipeline_on_cpu`: megatron's pipeline schedules (`pipeline_parallel/schedules.py`,
+  `forward_backward_pipelining_without_interleaving` and, for virtual stages, `..._with_interleaving`: each has
+  `total_num_tokens = torch.zeros(..., device="cuda")`, its only CUDA-only line) and
   its p2p layer (`p2p_communication.py`, `P2PCommunicator._communicate_shapes` / `_communicate`: shape and receive
   buffers on `torch.cuda.current_device()`, then `torch.cuda.synchronize()` after `batch_isend_irecv`) assume
   CUDA; inside it they allocate on CPU and the synchronize is a no-op (gloo's `wait()` has already completed the

@@ -5,7 +5,8 @@ call these functions, also those that hold no engine), then `convert.megatron_to
 The result is bit-exact (pure indexing). Engines receive it as `Backbone.hf_named_tensors()`, which `WeightSync`
 hands to their `update_weights` (the embedded engine copies in memory; the SGLang engine writes safetensors for
 `/update_weights_from_disk`).
-Pipeline stages (pp > 1): each stage exports its own layers (renumbered to the model's global indices) and its
+Pipeline stages (pp > 1): each stage exports its own layers (every model chunk's with virtual stages, renumbered
+to the model's global indices) and its
 embedding or head, and every stage receives every other stage's share over the pipeline group, one stage at a time
 (a collective over the pipeline group too), so every rank sees the whole model, as at pp = 1. A tied embedding's
 second copy on the last stage is not exported (the first stage's embedding is the weight).
@@ -76,18 +77,20 @@ def hf_named_tensors(backbone, *, tp_group: dist.ProcessGroup | None = None,
 
 
 def _stage_named_tensors(backbone, *, tp_group, grads: bool) -> Iterator[tuple[str, Tensor]]:
-    """`hf_named_tensors` of this pipeline stage's own weights (all of them at pp = 1)."""
-    model, hf_config = backbone.model, backbone.hf_config
+    """`hf_named_tensors` of this pipeline stage's own weights (all of them at pp = 1; every model chunk's, under
+    its global layer indices, with virtual stages)."""
+    hf_config = backbone.hf_config
     ep_group = backbone.layout.ep_group
-    te = _te_names(model)
-    offset = backbone.stage_layers.start
+    te = _te_names(backbone.model)
 
     def value(p: torch.nn.Parameter) -> Tensor:
         if not grads:
             return p.detach()
         return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
 
-    params = {_global_name(n, offset): value(p) for n, p in model.named_parameters()}
+    params = {_global_name(n, place.layers.start): value(p)
+              for model, place in zip(backbone.chunks, backbone.places, strict=True)
+              for n, p in model.named_parameters()}
     if backbone.layout.pp_size > 1 and hf_config.tie_word_embeddings:
         params.pop("output_layer.weight", None)  # the tied embedding's second copy (last stage)
     by_layer: dict[int, dict[str, Tensor]] = {}

@@ -83,9 +83,9 @@ def _moe_fields(hf_config, *, ep_size: int, te: bool) -> dict:
 
 
 def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 1, pp_size: int = 1,
-                       dtype: torch.dtype = torch.float32):
+                       vpp_size: int = 1, dtype: torch.dtype = torch.float32):
     """megatron-core TransformerConfig equivalent to `hf_config` (dropout 0); at pp_size > 1 with the pipeline
-    schedule's fields (`pipeline.pipeline_config_fields`)."""
+    schedule's fields (`pipeline.pipeline_config_fields`, vpp_size > 1: the interleaved schedule's)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_type(hf_config)
@@ -101,7 +101,7 @@ def transformer_config(hf_config, *, tp_size: int, cp_size: int, ep_size: int = 
         )
     # The pure-torch attention path (CPU, or GPU without transformer-engine) runs with no fused CUDA kernels.
     extra = {} if te else dict(cpu_shims.CPU_CONFIG_OVERRIDES)
-    fields = pipeline_config_fields(pp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)
+    fields = pipeline_config_fields(pp_size, vpp_size) | _moe_fields(hf_config, ep_size=ep_size, te=te)
     # An MoE model pipelined on the all-gather dispatcher (CPU): megatron refuses it with variable_seq_lengths,
     # since its dispatcher gathers equal row counts over TP x EP; `moe.TopPMoELayer` pads every forward's rows to
     # the group's largest count, so the flag (the shapes sent between stages) is set after that check.

@@ -31,10 +31,13 @@ buffers and its reduce-scatter runs once per step after the schedule (the tied e
 buffers, `dist_opt.TiedCopy`); its sharded state restores at the saved (world, tp, cp, pp) only. An fp16 loss
 scale (`LossScaledFP16`) reaches the schedule as megatron's `grad_scale_func` (`MegatronBackbone.use_loss_scale`),
 which scales the last stage's loss before its backward; the plugin makes every rank skip an overflowing step
-together.
+together. Virtual (interleaved) pipeline stages (`vpp_size` > 1): megatron's interleaved schedule over vpp model
+chunks per rank (`topp_rl.megatron.chunks`); the data module then packs at least pp micro-batches a step
+(`min_micro_batches`, what that schedule needs); the optimizer state's names are global, so it restores at another
+vpp too; the distributed optimizer is refused with them (megatron's DDP would wrap each chunk).
 
-Departures from NeMo's MegatronStrategy: no virtual (interleaved) pipeline stages, no `dist_checkpointing` (CUDA-only in
-megatron-core 0.16); gradient clipping goes through the backbone's TP-aware `clip_grad_norm_`.
+Departures from NeMo's MegatronStrategy: no `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient
+clipping goes through the backbone's TP-aware `clip_grad_norm_`.
 
 Seams: the module reaches the backbone only through the `Backbone` protocol; its `hf_named_tensors()` (for
 `WeightSync`) and `clip_grad_norm_` gather / reduce over TP, so every rank must call them; `RolloutDataModule`
@@ -50,14 +53,13 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from topp_rl.megatron.backbone import CP_MODES, MegatronBackbone, cp_mode_refusal
-from topp_rl.megatron.convert import load_hf_into
 from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.megatron.stage_state import global_param_names, restage
 from topp_rl.parallel import ParallelLayout
 from topp_rl.parallel.capabilities import StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
-from topp_rl.parallel.plan import ParallelPlan, check_sizes
+from topp_rl.parallel.plan import ParallelPlan, check_sizes, check_virtual_stages
 from topp_rl.trainer.backbone import HFBackbone
 from topp_rl.trainer.precision import LossScaledFP16
 
@@ -68,24 +70,33 @@ WEIGHTS_ONLY_WAY_OUT = ("to go on from its weights alone at this layout, export 
                         "<ckpt> OUT) and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
 
 
+VPP_DIST_OPT_REFUSAL = (
+    "parallel.distributed_optimizer=true with parallel.vpp_size={vpp}: the sharded optimizer wraps one model per "
+    "rank in megatron's DDP, and virtual stages hold a list of chunks (not wired yet); set "
+    "parallel.distributed_optimizer=false or parallel.vpp_size=1")
+
+
 class MegatronStrategy(StrategyCapabilities, DDPStrategy):
     """DDPStrategy + megatron-core TP x CP (see module docstring)."""
 
     strategy_name = "megatron"
     cp_modes = CP_MODES
 
-    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
+    def __init__(self, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, pp_size: int = 1, vpp_size: int = 1,
                  cp_mode: str = "zigzag", moe_aux_loss_coeff: float = 0.0, distributed_optimizer: bool = False,
                  seed: int = 0, **kwargs: Any) -> None:
         check_sizes(tp=tp_size, cp=cp_size, ep=ep_size, pp=pp_size)  # the rest once the world size is known
+        check_virtual_stages(pp_size, vpp_size)
         if cp_size > 1 and cp_mode not in self.cp_modes:
             raise ValueError(cp_mode_refusal(cp_mode))
         if not isinstance(distributed_optimizer, bool):
             raise ValueError(f"MegatronStrategy distributed_optimizer={distributed_optimizer!r} must be true or false")
+        if vpp_size > 1 and distributed_optimizer:
+            raise ValueError(VPP_DIST_OPT_REFUSAL.format(vpp=vpp_size))
         super().__init__(**kwargs)
         self.distributed_optimizer = distributed_optimizer
         self.tp_size, self.cp_size, self.ep_size, self.cp_mode, self.seed = tp_size, cp_size, ep_size, cp_mode, seed
-        self.pp_size = pp_size
+        self.pp_size, self.vpp_size = pp_size, vpp_size
         self.plan: ParallelPlan | None = None  # the sizes checked against the world size, in setup_distributed
         self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
@@ -97,12 +108,13 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         from megatron.core import parallel_state as ps
 
         self.plan = ParallelPlan(world=dist.get_world_size(), tp=self.tp_size, cp=self.cp_size, ep=self.ep_size,
-                                 pp=self.pp_size, cp_mode=self.cp_mode)
+                                 pp=self.pp_size, vpp=self.vpp_size, cp_mode=self.cp_mode)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size, context_parallel_size=self.cp_size,
                                      expert_model_parallel_size=self.ep_size,
-                                     pipeline_model_parallel_size=self.pp_size)
+                                     pipeline_model_parallel_size=self.pp_size,
+                                     virtual_pipeline_model_parallel_size=self.vpp_size if self.vpp_size > 1 else None)
         self._replica_group = _replica_group(self.plan) if self.pp_size > 1 else None
 
     @property
@@ -115,6 +127,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_rank(with_context_parallel=False)
+
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches a step may pack: megatron's interleaved schedule (virtual stages) runs at least
+        pp_size (`pipeline.microbatch_group_size`); 1 otherwise."""
+        return self.pp_size if self.vpp_size > 1 else 1
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -237,9 +255,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             hf_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             if backbone.hf_config.tie_word_embeddings:
                 hf_state.setdefault("lm_head.weight", hf_state["model.embed_tokens.weight"])
-            load_hf_into(backbone.model, hf_state, backbone.hf_config, tp_size=self.tp_size,
-                         tp_rank=self.layout.tp_rank, ep_size=self.ep_size, ep_rank=self.layout.ep_rank,
-                         stage=backbone.stage)
+            backbone.load_hf_state(hf_state)  # the layout's TP / EP shards, every model chunk
 
     def _layout_key(self) -> tuple[int, int, int, int]:
         return dist.get_world_size(), self.tp_size, self.cp_size, self.pp_size
@@ -254,7 +270,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             per_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, local)
             return {"megatron_distributed_optimizer": self._layout_key(), "per_rank": per_rank}
-        sizes = {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size": self.pp_size}
+        sizes = {"megatron_tp_size": self.tp_size, "megatron_ep_size": self.ep_size, "megatron_pp_size": self.pp_size,
+                 "megatron_vpp_size": self.vpp_size}
         # with each state, its parameters' names (global layer indices): it restores at another pp size (`restage`)
         local = (self._optimizer_names(local), local)
         if self.pp_size > 1:  # every (PP, EP, TP) rank's state, to every rank (EP ranks hold different experts)
@@ -277,7 +294,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
 
     def _optimizer_names(self, state: dict[str, Any]) -> list[str]:
         policy = self.lightning_module.policy
-        names = global_param_names(policy, first_layer=policy.stage_layers.start)
+        names = global_param_names(policy)
         if [len(names)] != [len(g["params"]) for g in state["param_groups"]]:
             raise RuntimeError(f"the optimizer holds {[len(g['params']) for g in state['param_groups']]} parameters, "
                                f"the policy {len(names)} trainable ones: PolicyModule.configure_optimizers changed")
@@ -290,7 +307,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                 wrapped.append(self._sharded_state(state))
                 continue
             saved = (state.get("megatron_tp_size"), state.get("megatron_ep_size", 1), state.get("megatron_pp_size", 1))
-            if saved[:2] == (self.tp_size, self.ep_size) and saved[2] != self.pp_size and "param_names" in state:
+            pipeline_changed = saved[2] != self.pp_size or state.get("megatron_vpp_size", 1) != self.vpp_size
+            if saved[:2] == (self.tp_size, self.ep_size) and pipeline_changed and "param_names" in state:
                 wrapped.append(self._restaged(state, saved_pp=saved[2]))
                 continue
             if saved != (self.tp_size, self.ep_size, self.pp_size):
@@ -301,6 +319,12 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
                 raise ValueError(
                     f"optimizer state was saved at (tp_size, ep_size, pp_size)={saved}, this run has "
                     f"{(self.tp_size, self.ep_size, self.pp_size)}; resume at {what}, or {WEIGHTS_ONLY_WAY_OUT}"
+                )
+            if pipeline_changed:  # vpp alone, without names: a rank's parameters are other layers
+                raise ValueError(
+                    f"optimizer state was saved at parallel.vpp_size={state.get('megatron_vpp_size', 1)}, this run has "
+                    f"{self.vpp_size}; resume at the saved vpp_size (this checkpoint predates the parameter names "
+                    f"that let its optimizer state restore at another one), or {WEIGHTS_ONLY_WAY_OUT}"
                 )
             if self.pp_size > 1:
                 wrapped.append(state["per_pp_tp_rank"][self._stage_entry(self.layout.pp_rank)])
@@ -319,7 +343,7 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
             entries, states = [layout.ep_rank * tp + layout.tp_rank], state["per_tp_rank"]
         saved = [(state["param_names"][i], states[i]) for i in entries]
         policy = self.lightning_module.policy
-        return restage(saved, global_param_names(policy, first_layer=policy.stage_layers.start))
+        return restage(saved, global_param_names(policy))
 
     def _stage_entry(self, pp_rank: int) -> int:
         """Index in a pipelined checkpoint's `per_pp_tp_rank` (ordered by PP, EP, TP rank) of stage `pp_rank`'s

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from topp_rl.parallel.context import CP_MODES, CPMode, cp_local_positions
+from topp_rl.parallel.plan import chunk_layers
 
 DIMS = ("tp", "cp", "ep", "pp")  # the factors with a rank and a group
 
@@ -29,7 +30,8 @@ class ParallelLayout:
 
     `tp_group` / `cp_group` / `ep_group` / `pp_group` may be None only when the matching size is 1. Pipeline
     parallelism (`pp_*`) splits the decoder layers into stages; only the last stage holds the final hidden states
-    and the output layer, so only it scores tokens (`is_last_stage`). Expert parallelism
+    and the output layer, so only it scores tokens (`is_last_stage`); with `vpp_size` > 1 virtual stages each rank
+    holds vpp_size model chunks (megatron's interleaved schedule, `plan.chunk_layers`). Expert parallelism
     (`ep_*`) splits an MoE layer's experts over EP ranks, which span data / context-parallel ranks (megatron's
     expert grid: expert TP = TP, so EP must divide DP x CP); the ops never reduce over it. `vocab_size` is the full
     (TP-unsharded, already padded) vocabulary, i.e. `tp_size` times the width of this rank's logits.
@@ -45,6 +47,7 @@ class ParallelLayout:
     ep_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    vpp_size: int = 1  # virtual pipeline stages: model chunks per pipeline rank (1: one contiguous stage)
     fsdp_size: int = 1  # ranks the weights are sharded over by FSDP2 (all data-parallel; 1 = unsharded)
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
@@ -52,12 +55,15 @@ class ParallelLayout:
     pp_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "tp_size", "cp_size", "ep_size", "pp_size", "fsdp_size"):
+        for name in ("vocab_size", "tp_size", "cp_size", "ep_size", "pp_size", "vpp_size", "fsdp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout {name}={value!r} must be an int >= 1; pass a positive size")
         for dim in DIMS:
             _check_rank(dim, getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank"))
+        if self.vpp_size > 1 and self.pp_size == 1:
+            raise ValueError(f"ParallelLayout vpp_size={self.vpp_size} needs pp_size > 1 (virtual stages interleave "
+                             "the chunks of several pipeline ranks); pass vpp_size=1")
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"ParallelLayout cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
         if self.vocab_size % self.tp_size:
@@ -105,6 +111,7 @@ class ParallelLayout:
             cp_group=ps.get_context_parallel_group(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
+            vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
             ep_group=ps.get_expert_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
         )
@@ -126,7 +133,9 @@ class ParallelLayout:
     def describe(self, *, world_size: int, num_layers: int | None = None) -> str:
         """One line for the run log, e.g. `world=4 dp=1 tp=2 cp=2 (zigzag) ep=1`; `fsdp=4` when sharded; when
         pipelined, `pp=2` and, given the model's `num_layers`, each stage's layers (embedding on the first stage,
-        head and scoring on the last), e.g. `pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]`."""
+        head and scoring on the last), e.g. `pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]`;
+        with virtual stages `pp=2 vpp=2` and each stage's chunks, e.g. `[stage 0: embedding + layers 0-1, layers
+        4-5 | stage 1: layers 2-3, layers 6-7 + head]`."""
         model_parallel = self.tp_size * self.cp_size * self.pp_size
         if world_size % model_parallel:
             raise ValueError(
@@ -141,8 +150,9 @@ class ParallelLayout:
             )
         mode = f" ({self.cp_mode})" if self.cp_size > 1 else ""
         pp = f" pp={self.pp_size}" if self.pp_size > 1 else ""
+        pp += f" vpp={self.vpp_size}" if self.vpp_size > 1 else ""
         if pp and num_layers is not None:
-            pp += f" [{pipeline_stages(num_layers, self.pp_size)}]"
+            pp += f" [{pipeline_stages(num_layers, self.pp_size, self.vpp_size)}]"
         fsdp = f" fsdp={self.fsdp_size}" if self.fsdp_size > 1 else ""
         return f"world={world_size} dp={dp} tp={self.tp_size} cp={self.cp_size}{mode} ep={self.ep_size}{pp}{fsdp}"
 
@@ -151,13 +161,14 @@ class ParallelLayout:
         return cp_local_positions(seq_lengths, cp_size=self.cp_size, cp_rank=self.cp_rank, mode=self.cp_mode)
 
 
-def pipeline_stages(num_layers: int, pp_size: int) -> str:
-    """`stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head` (megatron-core's even split)."""
-    per = num_layers // pp_size
+def pipeline_stages(num_layers: int, pp_size: int, vpp_size: int = 1) -> str:
+    """`stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head` (megatron-core's even split); with virtual
+    stages each stage's chunks, comma-separated (`plan.chunk_layers`)."""
     stages = []
     for s in range(pp_size):
-        text = f"layers {s * per}-{(s + 1) * per - 1}" if per > 1 else f"layer {s * per}"
-        text = ("embedding + " if s == 0 else "") + text + (" + head" if s == pp_size - 1 else "")
+        chunks = [f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"
+                  for r in chunk_layers(num_layers, pp_size, vpp_size, s)]
+        text = ("embedding + " if s == 0 else "") + ", ".join(chunks) + (" + head" if s == pp_size - 1 else "")
         stages.append(f"stage {s}: {text}")
     return " | ".join(stages)
 

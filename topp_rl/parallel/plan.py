@@ -6,7 +6,9 @@ themselves (the per-rank groups and coordinates are `ParallelLayout`'s, built fr
 Rules (megatron-core's): world = dp x pp x cp x tp; the experts spread over the data x context ranks of a
 stage (ep divides dp x cp), with expert TP = tp. FSDP shards the HF model over data-parallel ranks only, so it
 combines with none of tp / cp / ep / pp. Pipeline parallelism (pp) splits the decoder layers into pp equal stages
-(`stage_layers`), so the model's layer count must divide by pp (`check_layers`, once the model is known).
+(`stage_layers`), so the model's layer count must divide by pp (`check_layers`, once the model is known). Virtual
+stages (vpp > 1, megatron's interleaved schedule) split them into pp x vpp equal chunks instead, rank r holding
+chunks r, r + pp, r + 2 pp, ... (`chunk_layers`); they need pp > 1.
 """
 
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from topp_rl.parallel.context import CP_MODES
 
 SIZES = ("tp", "cp", "ep", "pp")
 CONFIG_KEY = {"tp": "parallel.tp_size", "cp": "parallel.cp_size", "ep": "parallel.ep_size", "pp": "parallel.pp_size",
+              "vpp": "parallel.vpp_size",
               "world": "trainer.devices * trainer.num_nodes", "cp_mode": "parallel.cp_mode",
               "tp * cp * pp": "parallel.tp_size * parallel.cp_size * parallel.pp_size"}
 
@@ -31,12 +34,26 @@ def check_sizes(**sizes: int) -> None:
                   if name != "world" else "set trainer.devices and trainer.num_nodes to 1 or more")
 
 
-def check_layers(num_layers: int, pp: int) -> None:
-    """Every pipeline stage holds the same number of decoder layers (megatron-core's even split)."""
+def check_layers(num_layers: int, pp: int, vpp: int = 1) -> None:
+    """Every pipeline stage (every virtual stage's chunk at vpp > 1) holds the same number of decoder layers
+    (megatron-core's even split)."""
     if num_layers % pp:
         divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
         _fail("pp", pp, f"a divisor of the model's layer count (num_hidden_layers={num_layers}: every pipeline "
               "stage holds the same number of layers)", f"use parallel.pp_size in {divisors}")
+    if (num_layers // pp) % vpp:
+        divisors = [d for d in range(1, num_layers // pp + 1) if (num_layers // pp) % d == 0]
+        _fail("vpp", vpp, f"a divisor of the layers per pipeline stage (num_hidden_layers={num_layers} / "
+              f"parallel.pp_size={pp} = {num_layers // pp}: the model splits into pp x vpp equal chunks)",
+              f"use parallel.vpp_size in {divisors}")
+
+
+def check_virtual_stages(pp: int, vpp: int) -> None:
+    """Virtual stages interleave the chunks of several pipeline ranks: they need pp > 1."""
+    check_sizes(vpp=vpp)
+    if vpp > 1 and pp == 1:
+        _fail("vpp", vpp, "1 with parallel.pp_size=1 (virtual stages interleave the layer chunks of several "
+              "pipeline ranks)", "set parallel.pp_size >= 2, or parallel.vpp_size=1")
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
@@ -44,6 +61,17 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     check_layers(num_layers, pp)
     per = num_layers // pp
     return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[range]:
+    """The (global, 0-based) decoder layers of each of pipeline rank `pp_rank`'s vpp model chunks: the model splits
+    into pp x vpp equal chunks and the rank holds chunks pp_rank, pp_rank + pp, ... (megatron-core's
+    `get_transformer_layer_offset`: vp_stage * num_layers / vpp + pp_rank * num_layers / (pp * vpp)). vpp = 1: the
+    stage's layers."""
+    check_virtual_stages(pp, vpp)
+    check_layers(num_layers, pp, vpp)
+    per = num_layers // (pp * vpp)
+    return [range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per) for v in range(vpp)]
 
 
 @dataclass(frozen=True)
@@ -55,11 +83,13 @@ class ParallelPlan:
     cp: int = 1
     ep: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual (interleaved) pipeline stages: model chunks per pipeline rank
     fsdp: bool = False
     cp_mode: str = "zigzag"
 
     def __post_init__(self) -> None:
         check_sizes(world=self.world, tp=self.tp, cp=self.cp, ep=self.ep, pp=self.pp)
+        check_virtual_stages(self.pp, self.vpp)
         if self.cp_mode not in CP_MODES:
             _fail("cp_mode", self.cp_mode, f"one of {', '.join(CP_MODES)}", "use parallel.cp_mode=zigzag")
         if self.fsdp:
@@ -87,8 +117,9 @@ class ParallelPlan:
         return self.world // self.model_parallel
 
     def check_layers(self, num_layers: int) -> None:
-        """The decoder layers split evenly over the pipeline stages (megatron-core's even split)."""
-        check_layers(num_layers, self.pp)
+        """The decoder layers split evenly over the pipeline stages and their virtual stages (megatron-core's even
+        split)."""
+        check_layers(num_layers, self.pp, self.vpp)
 
     def check_prompts(self, prompts_per_step: int) -> None:
         """Every data-parallel rank gets whole prompt groups."""

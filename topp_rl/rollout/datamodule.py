@@ -123,6 +123,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.seed = seed
         self._dp = (dp_rank, dp_size)
         self._collectives: DataParallelCollectives | None = None  # built at setup, or at first use without one
+        self.min_micro_batches = 1  # the fewest a step packs: the strategy's (megatron's interleaved schedule), at setup
         self.step = 0  # next rollout step to generate
         self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
 
@@ -153,6 +154,7 @@ class RolloutDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         strategy = self.trainer.strategy if self.trainer is not None else None
         self.peers = strategy.rollout_peers() if isinstance(strategy, SharesRollouts) else RolloutPeers()
+        self.min_micro_batches = getattr(strategy, "min_micro_batches", 1)  # MegatronStrategy with virtual stages
         if self.peers.is_source:
             self.ensure_engine()
             if strategy is not None:  # a reward model scores on the trainer's device (it runs on this rank)
@@ -255,7 +257,8 @@ class RolloutDataModule(L.LightningDataModule):
         if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
             _fail_without_samples(step, samples)
         micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]),
-                             num_sequences_global=int(totals[1]), most=dp.max)
+                             num_sequences_global=int(totals[1]),
+                             most=lambda count: max(dp.max(count), self.min_micro_batches))
         return micro, dropped, groups
 
     # ----- checkpoint state -----

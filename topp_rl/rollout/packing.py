@@ -45,9 +45,11 @@ def plan_micro_batches(seq_lengths: list[int], *, max_tokens: int, min_count: in
         j = max(range(len(groups)), key=lambda k: len(groups[k]))
         if len(groups[j]) < 2:
             raise ValueError(
-                f"{len(seq_lengths)} samples cannot fill the {min_count} micro-batches another data-parallel rank "
-                "packed this step (every rank must run as many); raise data.max_tokens_per_micro_batch so that "
-                "fewer micro-batches are needed"
+                f"{len(seq_lengths)} samples cannot fill the {min_count} micro-batches this step needs (every "
+                "data-parallel rank runs as many as the one that packed the most; the interleaved pipeline schedule "
+                "at least parallel.pp_size); raise data.max_tokens_per_micro_batch so that fewer micro-batches are "
+                "needed (with virtual pipeline stages: draw at least parallel.pp_size samples per data-parallel "
+                "rank, or set parallel.vpp_size=1)"
             )
         half = len(groups[j]) // 2
         groups[j : j + 1] = [groups[j][:half], groups[j][half:]]
