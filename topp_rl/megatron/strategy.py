@@ -34,7 +34,8 @@ which scales the last stage's loss before its backward; the plugin makes every r
 together. Virtual (interleaved) pipeline stages (`vpp_size` > 1): megatron's interleaved schedule over vpp model
 chunks per rank (`topp_rl.megatron.chunks`); the data module then packs at least pp micro-batches a step
 (`min_micro_batches`, what that schedule needs); the optimizer state's names are global, so it restores at another
-vpp too; the distributed optimizer and MoE models are refused with them (megatron's DDP would wrap each chunk; the MoE figures cross once per stage and micro-batch).
+vpp too; the distributed optimizer and MoE models are refused with them (megatron's DDP would wrap each chunk;
+the MoE figures cross once per stage and micro-batch).
 
 Departures from NeMo's MegatronStrategy: no `dist_checkpointing` (CUDA-only in megatron-core 0.16); gradient
 clipping goes through the backbone's TP-aware `clip_grad_norm_`.
