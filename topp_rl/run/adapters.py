@@ -40,9 +40,10 @@ def write_adapter_dir(model: nn.Module, out_dir: str | os.PathLike, *, info: Map
         for part in ("lora_A", "lora_B"):
             weight = full(getattr(layer, part)[ADAPTER].weight.detach())
             state[f"base_model.model.{path}.{part}.weight"] = weight.to("cpu").contiguous()
-    target = check_target(out_dir, name="export.adapter_dir")
     if not write:
-        return target
+        # only the writing rank reads the target: it may be swapping in a previous export's dir right now
+        return Path(out_dir).resolve()
+    target = check_target(out_dir, name="export.adapter_dir")
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_exports(target)
     staged = temp_path(target)
