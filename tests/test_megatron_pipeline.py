@@ -261,6 +261,17 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def _check_restaged(got: dict, ref: dict, case) -> float:
+    """A run resumed after STEPS // 2 steps at another pipeline layout (`got`) against the uninterrupted run
+    (`ref`): its steps' loss and grad norm (1e-5 relative) and the weights after them (1e-5 absolute, returned)."""
+    for key in ("loss", "grad_norm"):
+        rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
+        assert rel <= TOL, (case, key, got[key], ref[key])
+    weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
+    assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (case, weights)
+    return weights
+
+
 def _check(results: list[dict], world: int) -> dict:
     figures = {}
     for family in FAMILIES:
@@ -389,15 +400,9 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
     # 3-4 and the weights after them equal the uninterrupted pp1 run's (a Qwen2 tied embedding: one parameter at pp 1,
     # two copies with the same moments at pp 2).
     for family in ("qwen2", "llama"):
-        ref = results[0][(family, (1, 1, 1))]
         for a, b in ((2, 1), (1, 2)):
-            got = results[0][(family, "restaged", a, b)]
-            for key in ("loss", "grad_norm"):
-                rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
-                assert rel <= TOL, (family, a, b, key, got[key], ref[key])
-            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
-            assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (family, a, b, weights)
-            figures[(family, f"pp{a}->pp{b}")] = weights
+            figures[(family, f"pp{a}->pp{b}")] = _check_restaged(results[0][(family, "restaged", a, b)],
+                                                                 results[0][(family, (1, 1, 1))], (family, a, b))
     print(figures)
     assert figures["bf16"]["loss"] <= 1e-4 and figures["bf16"]["grad_norm"] <= 1e-4, figures["bf16"]  # 3.4e-6 here
 
@@ -472,15 +477,9 @@ def test_pp2_vpp2_equals_pp1_and_pp2_with_variable_length_micro_batches():
                 figures[(family, m, f"vs pp{ref[2]}")] = _compare(got, results[0][(family, ref, m)], (family, m, ref))
     # resumed at another vpp size: steps 3-4 and the weights after them equal the uninterrupted pp1 run's
     for family in ("qwen2", "llama"):
-        ref = results[0][(family, VPP_SIZES[0], "m3")]
         for a, b in ((VPP_SIZES[2], VPP_SIZES[0]), (VPP_SIZES[1], VPP_SIZES[2])):
-            got = results[0][(family, "restaged", a, b)]
-            for key in ("loss", "grad_norm"):
-                rel = max(_rel(x, y) for x, y in zip(got[key], ref[key][STEPS // 2:], strict=True))
-                assert rel <= TOL, (family, a, b, key, got[key], ref[key])
-            weights = max(float((got["weights"][k] - v).abs().max()) for k, v in ref["weights"].items())
-            assert got["weights"].keys() == ref["weights"].keys() and weights <= TOL, (family, a, b, weights)
-            figures[(family, f"{a}->{b}")] = weights
+            figures[(family, f"{a}->{b}")] = _check_restaged(results[0][(family, "restaged", a, b)],
+                                                             results[0][(family, VPP_SIZES[0], "m3")], (family, a, b))
     assert results[0][("qwen2", VPP_SIZES[2], "describe")] == (
         "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 vpp=2 [stage 0: embedding + layers 0-1, layers 4-5 | stage 1: layers 2-3, "
         "layers 6-7 + head]")
