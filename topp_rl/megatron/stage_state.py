@@ -22,20 +22,19 @@ _LAYER = re.compile(r"^model\.decoder\.layers\.(\d+)\.")
 _TIED_COPY, _EMBEDDING = "model.output_layer.weight", "model.embedding.word_embeddings.weight"
 
 
-def global_param_names(backbone: nn.Module, first_layer: int | None = None) -> list[str]:
-    """The names of `backbone`'s trainable parameters in optimizer order (`PolicyModule.configure_optimizers`
-    hands it `parameters()` that require grad), decoder layers numbered from `first_layer`, the stage's first;
-    None: each model chunk's own first layer (`MegatronBackbone.places`; with virtual stages a rank holds several
-    chunks, named as at pp = 1, so the state also restores at another vpp_size)."""
+def global_param_names(backbone: nn.Module) -> list[str]:
+    """The names of a `MegatronBackbone`'s trainable parameters in optimizer order (`PolicyModule.configure_optimizers`
+    hands it `parameters()` that require grad), each model chunk's decoder layers numbered from its first global
+    layer (`backbone.places`; with virtual stages a rank holds several chunks, named as at pp = 1, so the state also
+    restores at another vpp_size)."""
 
     def renumber(name: str, first: int) -> str:
         return _LAYER.sub(lambda m: f"model.decoder.layers.{int(m[1]) + first}.", f"model.{name}")
 
-    # named by the GPTModel: the backbone also holds a tied copy as its own attribute (`tied_copy`), which would
-    # name the first stage's embedding and the last stage's output layer alike
-    chunks = ([(backbone.model, first_layer)] if first_layer is not None
-              else [(chunk, place.layers.start) for chunk, place in zip(backbone.chunks, backbone.places, strict=True)])
-    names = {id(p): renumber(n, first) for chunk, first in chunks for n, p in chunk.named_parameters()}
+    # named by the GPTModel chunks: the backbone also holds a tied copy as its own attribute (`tied_copy`), which
+    # would name the first stage's embedding and the last stage's output layer alike
+    chunks = zip(backbone.chunks, backbone.places, strict=True)
+    names = {id(p): renumber(n, place.layers.start) for chunk, place in chunks for n, p in chunk.named_parameters()}
     return [names[id(p)] for p in backbone.parameters() if p.requires_grad]
 
 
