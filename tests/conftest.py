@@ -2,6 +2,7 @@
 SGLang server for tiny training runs. Plain helpers (the tiny config, metrics.csv) are in helpers.py."""
 
 import os
+import platform
 
 import pytest
 import torch
@@ -11,6 +12,22 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the kernels torch picks for it: 16-bit rounding differs between CPU kinds (an Intel
+    Xeon with AMX and an AMD EPYC give other bf16 figures), so the figures a run prints name the CPU they came from."""
+    name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # also under -q, which hides the report header
+    terminalreporter.write_line(f"cpu: {cpu_model()}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -393,7 +393,12 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
     assert results[0][("qwen2", (1, 1, 2), "describe")] == (
         "world=2 dp=1 tp=1 cp=1 ep=1 pp=2 [stage 0: embedding + layers 0-1 | stage 1: layers 2-3 + head]")
     # bf16 autocast: the stage outputs cross in the model's dtype (a 16-bit activation in a float32 receive
-    # buffer gave a grad norm of 6478 against 1.5)
+    # buffer gave a grad norm of 6478 against 1.5). At pp 2 the tensor crossing the boundary (forward the
+    # activation, backward its gradient) is rounded to bf16 once more than at pp 1: every element within one unit
+    # round-off u = 2^-8 (relative), and the loss and the grad norm move by at most about u with it (to first order;
+    # the backward is linear in the gradient that crossed). The kernels decide where under u it lands: 3.4e-6 with
+    # AVX2 kernels (ONEDNN_MAX_CPU_ISA=AVX2), 1.34e-4 with AVX-512 bf16 / AMX kernels, an Intel Xeon and an AMD
+    # EPYC alike; a crossed dtype is 10^6 u away.
     bf16 = {pp: results[0][("llama", (1, 1, pp), "bf16")] for pp in (1, 2)}
     figures["bf16"] = {k: _rel(bf16[2][k][0], bf16[1][k][0]) for k in ("loss", "grad_norm")}
     # Resumed at another pp size (the optimizer state of 2 steps regrouped by parameter name, `stage_state`): steps
@@ -404,7 +409,8 @@ def test_pp2_equals_pp1_with_variable_length_micro_batches():
             figures[(family, f"pp{a}->pp{b}")] = _check_restaged(results[0][(family, "restaged", a, b)],
                                                                  results[0][(family, (1, 1, 1))], (family, a, b))
     print(figures)
-    assert figures["bf16"]["loss"] <= 1e-4 and figures["bf16"]["grad_norm"] <= 1e-4, figures["bf16"]  # 3.4e-6 here
+    bf16_u = torch.finfo(torch.bfloat16).eps / 2
+    assert figures["bf16"]["loss"] <= bf16_u and figures["bf16"]["grad_norm"] <= bf16_u, figures["bf16"]
 
 
 @NO_MEGATRON
@@ -654,13 +660,15 @@ def _check_fp16(got: dict, ref: dict) -> None:
         assert all(_rel(a, b) <= 2e-2 for a, b in pairs), (key, pairs)
     # AdamW's first update is about lr * sign(gradient) per weight (lr 3e-3): fp16 round-off flips the sign of
     # near-zero gradients, so single weights differ by up to 2 lr (6.0e-3 measured) at any layout; the mean over
-    # all weights is the figure (0.1% of lr: a wrong scale or a missed stage would move every weight by ~lr)
+    # all weights is 2 lr times the share of flipped signs (2.0e-6: 0.03% flipped, with AVX2 and AVX-512 kernels
+    # alike). A missed stage or a wrong scale moves a stage's weights by ~lr each, a mean of ~lr / 2: 1% of lr
+    # (a 0.5% share flipped) keeps both 15x and more away from the bound.
     diffs = torch.cat([(got["weights"][k] - v).abs().flatten() for k, v in ref["weights"].items()])
     mean, worst = float(diffs.mean()), float(diffs.max())
     print({"fp16_loss_scale": m["train/loss_scale"], "fp16_skipped": skipped, "fp16_weights_mean_abs": mean,
            "fp16_weights_max_abs": worst, "fp16_grad_norm_rel": max(
                _rel(a, b) for a, b, s in zip(m["train/grad_norm"], r["train/grad_norm"], skipped, strict=True) if not s)})
-    assert mean <= 3e-6 and worst <= 2 * 3e-3 * 1.01, (mean, worst)
+    assert mean <= 3e-3 / 100 and worst <= 2 * 3e-3 * 1.01, (mean, worst)
 
 
 def _train_worker4(rank: int, tmp: str) -> dict:
