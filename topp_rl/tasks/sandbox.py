@@ -86,7 +86,7 @@ class SandboxResult:
     outcome: Outcome
     stdout: str  # cut at output_bytes (then ends with a marker)
     stderr: str  # its last output_bytes (then starts with a marker): the end of a traceback
-    exit_code: int | None  # None when the sandbox killed it (timeout, CPU, output limit)
+    exit_code: int | None  # None when killed for a limit (wall, CPU, memory, output)
     wall_s: float
     confinement: str  # "bwrap" or "unconfined"
 
@@ -139,7 +139,7 @@ async def run_python(code: str, limits: SandboxLimits, *, unconfined: bool = Fal
             return await _run(code, limits, cgroup=None, scratch=scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    cgroup = _CallCgroup.create(limits)
+    cgroup = await asyncio.to_thread(_CallCgroup.create, limits)  # a v1 memory cgroup's mkdir can take 0.1 s
     try:
         return await _run(code, limits, cgroup=cgroup, scratch=_SCRATCH)
     finally:
