@@ -12,6 +12,11 @@ case "${1:-}" in
   --gpu) pins=constraints-gpu.txt ;;
   *) echo "setup.sh: unknown option '$1'; use no option (CPU) or --gpu" >&2; exit 2 ;;
 esac
+# task=python_tool runs tool code in bubblewrap (docs/agents.md): installed where this runs as root with apt-get.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get install -y -qq bubblewrap || { apt-get update -qq && apt-get install -y -qq bubblewrap; }; } >/dev/null 2>&1 \
+    || echo "[setup] could not install bubblewrap; task=python_tool needs it: apt-get install bubblewrap" >&2
+fi
 venv=${TOPP_RL_VENV:-$root/.venv}
 stamp="$venv/.topp_rl-setup"
 want=$(cat pyproject.toml "$pins" scripts/setup.sh | sha256sum | cut -c1-16)

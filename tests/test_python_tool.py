@@ -8,6 +8,8 @@ import threading
 
 import pytest
 from helpers import column, compose_config, read_metrics
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 
 from topp_rl.data.prompt import PromptRecord
 from topp_rl.models import load_smollm2
@@ -167,6 +169,33 @@ def test_bad_settings_are_refused():
         PythonToolEnvironment(tool_credit=1.0)
     with pytest.raises(ValueError, match=r"the record has no 'chat' strings"):
         PythonToolEnvironment().start(PromptRecord(index=0, text="", prompt_ids=[1], answer="1"))
+
+
+def test_a_call_past_its_total_memory_is_told_and_counted():
+    """Two processes of 100 MB each: each fits the per-process bound, together they pass memory_mb."""
+    code = ("import os, time\nfor _ in range(2):\n    if os.fork() == 0:\n        blob = b'x' * (100 * 2**20)\n"
+            "        time.sleep(60)\n        os._exit(0)\nos.wait()")
+    outs, reward = play(PythonToolEnvironment(memory_mb=160, wall_s=20.0), [call(code), "85"])
+    assert outs[0] == tool_message("Error: the code used more than 160 MB of memory and was stopped")
+    assert (reward["tool/exception"], reward["tool/ok"], reward["score"]) == (1.0, 0.0, 1.0)
+
+
+def test_without_bwrap_the_run_is_refused_at_start_unless_unconfined(tmp_path, monkeypatch):
+    """The environment is built when the run starts: without bwrap it is refused there, naming the install line
+    and the key that opts into running the code unconfined; with that key the tool works."""
+    cfg = compose_config(tmp_path, "experiment=smollm2_python_tool")
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without bwrap on it
+    with pytest.raises(InstantiationException, match=r"needs bubblewrap \(bwrap\), which is not on PATH: apt-get "
+                       r"install bubblewrap.*; or set rollout.step.environment.unconfined_sandbox=true") as refused:
+        instantiate(cfg.rollout.step.environment)
+    assert isinstance(refused.value.__cause__, ValueError)
+    cfg.rollout.step.environment.unconfined_sandbox = True
+    env = instantiate(cfg.rollout.step.environment)
+    assert (env.limits.processes, env.limits.scratch_mb) == (16, 16)
+    outs, reward = play(env, [call("print(37 + 48)"), "85"])
+    assert outs[0] == tool_message("85\n") and reward["tool/ok"] == 1.0
+    with pytest.raises(ValueError, match=r"rollout.step.environment.unconfined_sandbox='yes' must be true or false"):
+        PythonToolEnvironment(unconfined_sandbox="yes")
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from topp_rl.data.prompt import Messages, PromptRecord
 from topp_rl.tasks.checkers import math_answer
 from topp_rl.tasks.environment import ModelTurn
 from topp_rl.tasks.generated import ArithmeticTask
-from topp_rl.tasks.sandbox import Outcome, SandboxLimits, SandboxResult, run_python
+from topp_rl.tasks.sandbox import Outcome, SandboxLimits, SandboxResult, check_confinement, run_python
 
 TOOL = {"name": "python", "description": "Runs Python code and returns what it prints.",
         "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python code"}},
@@ -154,16 +154,23 @@ def _bad(why: str) -> ToolCall:
 
 
 class PythonToolEnvironment:
-    """Runs the model's tool calls in `topp_rl.tasks.sandbox` (limits: `SandboxLimits`' fields). At most
-    `max_parallel` sandboxes run at once (per event loop: each rollout step has its own); at most
-    `max_calls_per_turn` calls of one turn run, later ones are answered with an error. `network`: "netns" or
-    "audit_hook" (default: what this machine gives). The per-call wall timeout must sit well inside
-    `rollout.step.env_timeout_s`, which bounds a whole turn's answer including the wait for a free sandbox."""
+    """Runs the model's tool calls in `topp_rl.tasks.sandbox` (limits: `SandboxLimits`' fields), confined in
+    bubblewrap: where this machine cannot (no bwrap), building it fails with the install line, unless
+    `unconfined_sandbox=True` asks to run the code without any boundary. At most `max_parallel` sandboxes run at
+    once (per event loop: each rollout step has its own); at most `max_calls_per_turn` calls of one turn run, later
+    ones are answered with an error. The per-call wall timeout must sit well inside `rollout.step.env_timeout_s`,
+    which bounds a whole turn's answer including the wait for a free sandbox."""
 
     def __init__(self, *, cpu_s: int = 2, memory_mb: int = 512, wall_s: float = 5.0, output_bytes: int = 1024,
-                 max_parallel: int = 4, max_calls_per_turn: int = 2, tool_credit: float = 0.0,
-                 network: str | None = None) -> None:
-        self.limits = SandboxLimits(cpu_s=cpu_s, memory_mb=memory_mb, wall_s=wall_s, output_bytes=output_bytes)
+                 processes: int = 16, scratch_mb: int = 16, max_parallel: int = 4, max_calls_per_turn: int = 2,
+                 tool_credit: float = 0.0, unconfined_sandbox: bool = False) -> None:
+        self.limits = SandboxLimits(cpu_s=cpu_s, memory_mb=memory_mb, wall_s=wall_s, output_bytes=output_bytes,
+                                    processes=processes, scratch_mb=scratch_mb)
+        if not isinstance(unconfined_sandbox, bool):
+            raise ValueError(f"rollout.step.environment.unconfined_sandbox={unconfined_sandbox!r} must be true or "
+                             "false")
+        check_confinement(unconfined=unconfined_sandbox, opt_out="rollout.step.environment.unconfined_sandbox=true")
+        self.unconfined_sandbox = unconfined_sandbox
         for name, value in (("max_parallel", max_parallel), ("max_calls_per_turn", max_calls_per_turn)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.step.environment.{name}={value!r} must be an integer >= 1")
@@ -171,7 +178,6 @@ class PythonToolEnvironment:
             raise ValueError(f"rollout.step.environment.tool_credit={tool_credit!r} must be in [0, 1): a right "
                              "answer earns 1")
         self.max_parallel, self.max_calls_per_turn, self.tool_credit = max_parallel, max_calls_per_turn, tool_credit
-        self.network = network
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its semaphore
 
     def start(self, record: PromptRecord) -> PythonToolEpisode:
@@ -184,7 +190,7 @@ class PythonToolEnvironment:
         loop = asyncio.get_running_loop()
         slots = self._slots.get(loop) or self._slots.setdefault(loop, asyncio.Semaphore(self.max_parallel))
         async with slots:
-            return await run_python(code, self.limits, network=self.network)
+            return await run_python(code, self.limits, unconfined=self.unconfined_sandbox)
 
 
 @dataclass(eq=False)
@@ -220,7 +226,8 @@ class PythonToolEpisode:
         """The tool message for a sandbox result, counted by its outcome."""
         limits = self.env.limits
         kind = {Outcome.OK: "tool/ok", Outcome.ERROR: "tool/exception", Outcome.TIMEOUT: "tool/timeout",
-                Outcome.CPU_LIMIT: "tool/timeout", Outcome.OUTPUT_LIMIT: "tool/output_limit"}[result.outcome]
+                Outcome.CPU_LIMIT: "tool/timeout", Outcome.MEMORY_LIMIT: "tool/exception",
+                Outcome.OUTPUT_LIMIT: "tool/output_limit"}[result.outcome]
         self.counts[kind] += 1
         if result.outcome == Outcome.OK:
             return result.stdout or "(the code printed nothing: print the result)"
@@ -230,6 +237,8 @@ class PythonToolEpisode:
             return f"{result.stdout}Error: the code ran past {limits.wall_s:g} s and was stopped"
         if result.outcome == Outcome.CPU_LIMIT:
             return f"{result.stdout}Error: the code used up its {limits.cpu_s} s of CPU time and was stopped"
+        if result.outcome == Outcome.MEMORY_LIMIT:
+            return f"{result.stdout}Error: the code used more than {limits.memory_mb} MB of memory and was stopped"
         return f"{result.stdout}\nError: the code printed more than {limits.output_bytes} bytes and was stopped"
 
     def reward(self) -> dict[str, float]:

@@ -1,28 +1,33 @@
-"""Run a piece of Python code in a process of its own, limited (the `python` tool of `task=python_tool`).
+"""Run a piece of Python code in a sandbox (the `python` tool of `task=python_tool`).
 
-`run_python(code, limits)` starts `sandbox_child.py` in a new session (its own process group) under the
-interpreter running this process, hands it the code on stdin, and returns a `SandboxResult`:
-- CPU seconds (RLIMIT_CPU) and address space (RLIMIT_AS) limits, a file-size limit, set in the child and
-  inherited by anything it forks;
-- a wall timeout: on expiry the whole process group is killed (SIGKILL), and it is killed in any case once the
-  child exits, so processes it left behind do not outlive the call;
-- no network: a network namespace of its own (`unshare(CLONE_NEWUSER | CLONE_NEWNET)`, unprivileged where
-  user namespaces are allowed) when this machine allows it, else an audit hook refusing socket calls
-  (`network_isolation()` says which this machine gives);
-- writes confined to a scratch dir made for the call (its cwd; removed afterwards) by an audit hook;
-- stdout cut at `output_bytes` (the group is killed when it passes it), stderr cut to its last `output_bytes` (the
-  end of a traceback), each cut marked.
+`run_python(code, limits)` runs `sandbox_child.py` (handed in as `-c` source: nothing of the repository is mounted)
+under the base interpreter (the one the venv was made from; the standard library only) and returns a
+`SandboxResult`. Confined (the default), the call runs in bubblewrap (`bwrap`):
+- its own user, mount, PID, network, IPC, UTS and cgroup namespaces, no capabilities, a new terminal session;
+  `--die-with-parent`, and the PID namespace ends with the call, so no process of it outlives it;
+- a read-only root made of /usr (and /bin, /lib*), the interpreter's install prefix and two files of /etc;
+  nothing else of the machine (no home, repository, run dir, /dev/shm or /run) is there; the cwd, HOME and TMPDIR
+  are /tmp, a tmpfs of `scratch_mb`, the only writable place, gone with the call; /dev is read-only;
+- a cgroup made for the call (`_CallCgroup`: v2, or v1 memory + pids + cpuacct) bounding, for all of its processes
+  together, the memory (`memory_mb`, the scratch's files included), the processes and threads (`processes`), and the
+  CPU time (`cpu_s`, read every `_CPU_POLL_S` and the call killed past it); removed after the call.
+Unconfined (`unconfined=True`, an explicit opt-in): a plain child process in a session of its own, per-process
+rlimits (CPU seconds, address space, file size), a scratch dir as its cwd: no boundary at all.
 
-It is not a security boundary for hostile code (docs/agents.md: what it does not protect against, and where a
-container or a remote sandbox plugs in).
+Both: a wall timeout (past it every process of the call is killed), stdout cut at `output_bytes` (the call is
+killed when it passes it), stderr cut to its last `output_bytes` (the end of a traceback), each cut marked.
+docs/agents.md states what the boundary is and is not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -35,33 +40,45 @@ from pathlib import Path
 
 from topp_rl.tasks import sandbox_child
 
-CHILD = Path(sandbox_child.__file__)
+CHILD_SOURCE = Path(sandbox_child.__file__).read_text()
+INSTALL = "apt-get install bubblewrap (bash scripts/setup.sh runs it where it runs as root with apt-get)"
 _CHUNK = 65536
+_CPU_POLL_S = 0.05  # how often the call's CPU time is read: it may pass cpu_s by this times the cores, no more
+_BWRAP_PROCESSES = 2  # bwrap's own processes in the call's cgroup (the outer one and the namespace's init)
+_SCRATCH = "/tmp"  # inside the sandbox
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1"}
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_names = itertools.count()
 
 
 class Outcome(StrEnum):
     OK = "ok"  # exited 0 within every limit
-    ERROR = "error"  # an exception in the code, a non-zero exit, or killed by a signal other than the CPU limit's
-    TIMEOUT = "timeout"  # ran past the wall timeout: the group was killed
-    CPU_LIMIT = "cpu_limit"  # used up its CPU seconds (SIGXCPU / SIGKILL from RLIMIT_CPU)
-    OUTPUT_LIMIT = "output_limit"  # printed more than output_bytes: the group was killed, the output cut
+    ERROR = "error"  # an exception in the code, a non-zero exit, or killed by a signal other than the limits'
+    TIMEOUT = "timeout"  # ran past the wall timeout: every process of the call was killed
+    CPU_LIMIT = "cpu_limit"  # used up its CPU seconds: killed
+    MEMORY_LIMIT = "memory_limit"  # its processes together passed memory_mb: the kernel killed one (OOM)
+    OUTPUT_LIMIT = "output_limit"  # printed more than output_bytes: killed, the output cut
 
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
-    cpu_s: int = 2  # CPU seconds (RLIMIT_CPU)
-    memory_mb: int = 512  # address space (RLIMIT_AS); the interpreter itself takes about 30 MB of it
-    wall_s: float = 5.0  # wall-clock seconds, from the start of the process
+    """Confined, each bound holds for the whole call (all of its processes together); unconfined, per process."""
+
+    cpu_s: int = 2  # CPU seconds
+    memory_mb: int = 512  # memory, the scratch's files included; also each process's address space (RLIMIT_AS)
+    wall_s: float = 5.0  # wall-clock seconds, from the start
     output_bytes: int = 2048  # per stream
-    file_mb: int = 16  # the largest file the code may write (RLIMIT_FSIZE)
+    processes: int = 16  # processes and threads at once, the interpreter included (confined only)
+    scratch_mb: int = 16  # the writable /tmp (unconfined: the largest file, RLIMIT_FSIZE)
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "memory_mb", "output_bytes", "file_mb"):
+        for name in ("cpu_s", "memory_mb", "output_bytes", "processes", "scratch_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sandbox {name}={value!r} must be an integer >= 1")
-        if not self.wall_s > 0:
-            raise ValueError(f"sandbox wall_s={self.wall_s!r} must be > 0 (seconds)")
+        if not 0 < self.wall_s < float("inf"):
+            raise ValueError(f"sandbox wall_s={self.wall_s!r} must be a finite number > 0 (seconds)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,43 +86,114 @@ class SandboxResult:
     outcome: Outcome
     stdout: str  # cut at output_bytes (then ends with a marker)
     stderr: str  # its last output_bytes (then starts with a marker): the end of a traceback
-    exit_code: int | None  # None when the sandbox killed it (timeout, output limit)
+    exit_code: int | None  # None when killed for a limit (wall, CPU, memory, output)
     wall_s: float
-    network: str  # "netns" or "audit_hook"
+    confinement: str  # "bwrap" or "unconfined"
+
+
+def bwrap_binary() -> str | None:
+    return shutil.which("bwrap")
+
+
+def check_confinement(*, unconfined: bool, opt_out: str = "unconfined=True") -> str:
+    """"bwrap" when this machine can run confined calls, "unconfined" when asked to; otherwise a ValueError naming
+    what is missing, the fix, and `opt_out` (the key that runs the code unconfined)."""
+    if unconfined:
+        return "unconfined"
+    problem = _confinement_problem(bwrap_binary())
+    if problem:
+        raise ValueError(f"{problem}; or set {opt_out} to run tool code without any boundary (it can then read, "
+                         "write and kill whatever the training process can)")
+    return "bwrap"
 
 
 @functools.cache
-def network_isolation() -> str:
-    """"netns" when a child can enter a user + network namespace of its own on this machine, else "audit_hook"."""
-    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) != 0)"
-    done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, timeout=30)
-    return "netns" if done.returncode == 0 else "audit_hook"
-
-
-async def run_python(code: str, limits: SandboxLimits, *, network: str | None = None) -> SandboxResult:
-    """Run `code` under `limits`. `network`: "netns" or "audit_hook" (default: what `network_isolation()` finds;
-    "netns" where the machine cannot give one fails the call rather than run without it)."""
-    network = network or network_isolation()
-    if network not in ("netns", "audit_hook"):
-        raise ValueError(f"network={network!r} must be 'netns' or 'audit_hook'")
-    scratch = tempfile.mkdtemp(prefix="topp_rl_sandbox_")
+def _confinement_problem(bwrap: str | None) -> str | None:
+    """Why a confined call cannot run here (None: it can): probed once per bwrap binary."""
+    if bwrap is None:
+        return f"the sandbox for tool code needs bubblewrap (bwrap), which is not on PATH: {INSTALL}"
     try:
-        return await _run(code, limits, network=network, scratch=scratch)
+        cgroup = _CallCgroup.create(SandboxLimits())
+    except OSError as e:
+        return (f"the sandbox bounds each call's total memory, processes and CPU time with a cgroup of its own, and "
+                f"none can be made here ({e}): run as root, or in a cgroup v2 subtree delegated to this user with "
+                "the memory and pids controllers")
+    try:
+        probe = subprocess.run(cgroup.enter([*_bwrap_argv(bwrap, SandboxLimits()), _interpreter(), "-I", "-c", "pass"]),
+                               capture_output=True, timeout=60)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        cgroup.kill()
+        cgroup.remove_when_empty(deadline_s=10)
+    if probe.returncode != 0:
+        return (f"bubblewrap ({bwrap}) cannot make the sandbox's namespaces here (exit {probe.returncode}: "
+                f"{probe.stderr.decode(errors='replace').strip()}); unprivileged user namespaces may be disabled "
+                "(sysctl kernel.unprivileged_userns_clone=1), or run as root")
+    return None
 
 
-async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) -> SandboxResult:
-    settings = {"scratch": scratch, "network": network, "cpu_s": limits.cpu_s,
-                "memory_bytes": limits.memory_mb * 2**20, "file_bytes": limits.file_mb * 2**20}
-    env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+async def run_python(code: str, limits: SandboxLimits, *, unconfined: bool = False) -> SandboxResult:
+    """Run `code` under `limits`, confined in bwrap unless `unconfined` (ValueError where bwrap cannot run)."""
+    if check_confinement(unconfined=unconfined) == "unconfined":
+        scratch = tempfile.mkdtemp(prefix="topp_rl_sandbox_")
+        try:
+            return await _run(code, limits, cgroup=None, scratch=scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    cgroup = await asyncio.to_thread(_CallCgroup.create, limits)  # a v1 memory cgroup's mkdir can take 0.1 s
+    try:
+        return await _run(code, limits, cgroup=cgroup, scratch=_SCRATCH)
+    finally:
+        cgroup.kill()
+        await asyncio.to_thread(cgroup.remove_when_empty, deadline_s=limits.wall_s + 10)
+
+
+def _bwrap_argv(bwrap: str, limits: SandboxLimits) -> list[str]:
+    """bwrap's command line up to the command it runs (the caller appends that)."""
+    binds = [arg for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", *_interpreter_paths(),
+                              "/etc/ld.so.cache", "/etc/localtime") for arg in _same_path(path)]
+    env = [arg for name, value in {**_ENV, "HOME": _SCRATCH, "TMPDIR": _SCRATCH}.items()
+           for arg in ("--setenv", name, value)]
+    return [bwrap, "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL", *binds, "--proc", "/proc", "--dev", "/dev",
+            "--remount-ro", "/dev", "--size", str(limits.scratch_mb * 2**20), "--tmpfs", _SCRATCH,
+            "--remount-ro", "/", "--chdir", _SCRATCH, "--clearenv", *env, "--"]
+
+
+def _same_path(path: str) -> list[str]:
+    """bwrap's arguments showing `path` of the machine at the same place, read-only: a link as a link (merged /usr:
+    /bin -> usr/bin), nothing when it does not exist."""
+    if os.path.islink(path):
+        return ["--symlink", os.readlink(path), path]
+    return ["--ro-bind", path, path] if os.path.exists(path) else []
+
+
+def _interpreter() -> str:
+    """The base interpreter: a venv's python is a link into the venv, whose directory must stay hidden."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def _interpreter_paths() -> list[str]:
+    """What the base interpreter needs mounted (its install prefix), less what /usr already gives."""
+    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    if not any(_interpreter().startswith(p + os.sep) for p in paths):
+        paths.add(_interpreter())
+    return sorted(p for p in paths if not (p == "/usr" or p.startswith("/usr/")))
+
+
+async def _run(code: str, limits: SandboxLimits, *, cgroup: _CallCgroup | None, scratch: str) -> SandboxResult:
+    settings = {"cwd": scratch, "memory_bytes": limits.memory_mb * 2**20}
+    if cgroup is None:  # per-process bounds: nothing totals them
+        settings |= {"cpu_s": limits.cpu_s, "file_bytes": limits.scratch_mb * 2**20}
+    argv = [_interpreter(), "-I", "-B", "-c", CHILD_SOURCE, json.dumps(settings)]
+    if cgroup is None:
+        env = {**_ENV, "HOME": scratch, "TMPDIR": scratch}
+    else:  # bwrap sets the environment inside
+        argv, env = cgroup.enter([*_bwrap_argv(bwrap_binary() or "bwrap", limits), *argv]), {}
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-B", str(CHILD), json.dumps(settings), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=scratch, env=env,
-        start_new_session=True)
-    group = _Group(proc.pid)
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=scratch if cgroup is None else "/", env=env, start_new_session=True)
+    call = _Call(proc.pid, cgroup)
     try:
         proc.stdin.write(code.encode("utf-8", errors="replace"))
         await proc.stdin.drain()
@@ -113,16 +201,18 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
     except (BrokenPipeError, ConnectionResetError):  # it exited before reading all of the code
         pass
     stdout, stderr = _Stream(), _Stream()
-    readers = {asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes, stdout, on_overflow=group.kill)),
+    readers = {asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes, stdout, on_overflow=call.kill)),
                asyncio.ensure_future(_read_tail(proc.stderr, limits.output_bytes, stderr))}
+    watcher = asyncio.ensure_future(_watch_cpu(call, limits.cpu_s))
     timed_out = False
     try:
         await asyncio.wait_for(_exited(proc), limits.wall_s)
     except TimeoutError:
         timed_out = True
     finally:
-        group.kill()  # also once it exited: whatever it forked goes with it
-    # The group is dead, so the pipes reach EOF, unless a process escaped it (setsid) and holds them: bounded.
+        watcher.cancel()
+        call.kill()  # also once it exited: whatever it started goes with it
+    # Every process of the call is dead, so the pipes reach EOF, unless (unconfined) one left the session: bounded.
     grace = max(limits.wall_s - (time.monotonic() - start), 1.0)
     _, pending = await asyncio.wait(readers, timeout=grace)
     for task in pending:
@@ -130,12 +220,15 @@ async def _run(code: str, limits: SandboxLimits, *, network: str, scratch: str) 
     if pending:  # asyncio's wait() returns only once the pipes closed too: close them
         proc._transport.close()
     await proc.wait()
-    outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=stdout.overflow)
+    oom = cgroup is not None and await asyncio.to_thread(cgroup.oom_killed)
+    outcome = _outcome(proc.returncode, timed_out=timed_out, overflow=stdout.overflow, cpu=call.cpu_exceeded,
+                       oom=oom, confined=cgroup is not None)
+    killed = outcome in (Outcome.TIMEOUT, Outcome.OUTPUT_LIMIT, Outcome.CPU_LIMIT, Outcome.MEMORY_LIMIT)
     return SandboxResult(outcome=outcome, stdout=_text(bytes(stdout.data), limits.output_bytes),
                          stderr=(f"[output cut: its first {stderr.dropped} bytes dropped]\n" if stderr.dropped else "")
                          + stderr.data.decode("utf-8", errors="replace"),
-                         exit_code=None if outcome in (Outcome.TIMEOUT, Outcome.OUTPUT_LIMIT) else proc.returncode,
-                         wall_s=time.monotonic() - start, network=network)
+                         exit_code=None if killed else proc.returncode, wall_s=time.monotonic() - start,
+                         confinement="unconfined" if cgroup is None else "bwrap")
 
 
 async def _exited(proc: asyncio.subprocess.Process) -> None:
@@ -157,17 +250,138 @@ async def _exited(proc: asyncio.subprocess.Process) -> None:
         os.close(pidfd)
 
 
-class _Group:
-    """The child's process group (its pid: it leads a new session)."""
+async def _watch_cpu(call: _Call, cpu_s: int) -> None:
+    """Kills the call once its processes together used `cpu_s` CPU seconds (confined; unconfined has RLIMIT_CPU)."""
+    if call.cgroup is None:
+        return
+    while call.cgroup.cpu_seconds() < cpu_s:
+        await asyncio.sleep(_CPU_POLL_S)
+    call.cpu_exceeded = True
+    call.kill()
 
-    def __init__(self, pgid: int) -> None:
-        self.pgid = pgid
+
+@dataclass
+class _Call:
+    """The processes of one call: the child's process group (it leads a new session) and, confined, its cgroup."""
+
+    pgid: int
+    cgroup: _CallCgroup | None
+    cpu_exceeded: bool = False
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
             os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:  # the group is gone already
-            pass
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+
+class _CallCgroup:
+    """A cgroup made for one call, below the one this process runs in: cgroup v2 (memory.max, pids.max, cpu.stat)
+    when this process's cgroup can have children with the memory and pids controllers, else v1 (the memory, pids and
+    cpuacct hierarchies). `enter(argv)` wraps a command so that it moves itself in before it starts; every process
+    it starts stays in it (a process cannot leave a cgroup without write access to another)."""
+
+    def __init__(self, dirs: dict[str, Path], version: int) -> None:
+        self.dirs, self.version = dirs, version  # v1: one dir per controller; v2: {"": the dir}
+
+    @classmethod
+    def create(cls, limits: SandboxLimits) -> _CallCgroup:
+        """OSError when this process cannot make one (not root, no delegated cgroup)."""
+        name = f"topp_rl_sandbox_{os.getpid()}_{next(_names)}"
+        own = _own_cgroups()
+        if (_CGROUP_ROOT / "cgroup.controllers").exists():  # cgroup v2 mounted at the standard place
+            parent = _CGROUP_ROOT / own[""].lstrip("/")
+            with contextlib.suppress(OSError):  # refused while the parent holds processes (unless it is the root)
+                (parent / "cgroup.subtree_control").write_text("+memory +pids")
+            cgroup = cls({"": _mkdir(parent / name)}, 2)
+        else:
+            cgroup = cls({c: _mkdir(_CGROUP_ROOT / c / own[c].lstrip("/") / name)
+                          for c in ("memory", "pids", "cpuacct")}, 1)
+        try:
+            cgroup._limit(limits)
+        except OSError:
+            cgroup.remove_when_empty(deadline_s=0)
+            raise
+        return cgroup
+
+    def _limit(self, limits: SandboxLimits) -> None:
+        memory, processes = limits.memory_mb * 2**20, limits.processes + _BWRAP_PROCESSES
+        if self.version == 2:
+            controllers = self._read("", "cgroup.controllers").split()
+            if not {"memory", "pids"} <= set(controllers):
+                raise OSError(f"the cgroup {self.dirs['']} lacks the memory or pids controller (it has "
+                              f"{controllers or 'none'})")
+            self._write("", "memory.max", memory)
+            self._write("", "memory.swap.max", 0, missing_ok=True)
+            self._write("", "pids.max", processes)
+        else:
+            self._write("memory", "memory.limit_in_bytes", memory)
+            self._write("memory", "memory.memsw.limit_in_bytes", memory, missing_ok=True)  # no swapping past it
+            self._write("pids", "pids.max", processes)
+
+    def enter(self, argv: list[str]) -> list[str]:
+        """`argv` run by a shell that first writes its own pid into the cgroup (then execs, keeping the pid)."""
+        moves = "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}; " for d in self.dirs.values())
+        return ["/bin/sh", "-c", f"set -e; {moves}exec \"$@\"", "sh", *argv]
+
+    def cpu_seconds(self) -> float:
+        if self.version == 2:
+            stat = dict(line.split() for line in self._read("", "cpu.stat").splitlines())
+            return int(stat["usage_usec"]) / 1e6
+        return int(self._read("cpuacct", "cpuacct.usage")) / 1e9
+
+    def oom_killed(self) -> bool:
+        events = self._read("", "memory.events") if self.version == 2 else self._read("memory", "memory.oom_control")
+        return int(dict(line.split() for line in events.splitlines()).get("oom_kill", 0)) > 0
+
+    def pids(self) -> list[int]:
+        with contextlib.suppress(FileNotFoundError):
+            return [int(p) for p in self._read(next(iter(self.dirs)), "cgroup.procs").split()]
+        return []
+
+    def kill(self) -> None:
+        if self.version == 2 and (self.dirs[""] / "cgroup.kill").exists():
+            with contextlib.suppress(FileNotFoundError):
+                self._write("", "cgroup.kill", 1)
+            return
+        for pid in self.pids():  # v1: a process forked meanwhile is caught by the next kill (the namespace's end)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def remove_when_empty(self, *, deadline_s: float) -> None:
+        """Waits (killing) until no process is left, then removes the cgroup; a cgroup that stays busy past the
+        deadline is left behind (its processes are killed, so the kernel frees it once they are gone)."""
+        end = time.monotonic() + deadline_s
+        while self.pids() and time.monotonic() < end:
+            self.kill()
+            time.sleep(0.01)
+        for d in self.dirs.values():
+            with contextlib.suppress(FileNotFoundError, OSError):
+                d.rmdir()
+
+    def _read(self, controller: str, name: str) -> str:
+        return (self.dirs[controller] / name).read_text()
+
+    def _write(self, controller: str, name: str, value: int, *, missing_ok: bool = False) -> None:
+        path = self.dirs[controller] / name
+        if missing_ok and not path.exists():
+            return
+        path.write_text(str(value))
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup per v1 controller, and its v2 cgroup under "" (/proc/self/cgroup)."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            own[controller] = path
+    return own
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 @dataclass
@@ -198,14 +412,19 @@ async def _read_tail(stream: asyncio.StreamReader, cap: int, into: _Stream) -> N
             del into.data[: len(into.data) - cap]
 
 
-def _outcome(code: int | None, *, timed_out: bool, overflow: bool) -> Outcome:
-    """The sandbox's own kills come first (it kills only on overflow and on timeout, and after the exit)."""
+def _outcome(code: int | None, *, timed_out: bool, overflow: bool, cpu: bool, oom: bool, confined: bool) -> Outcome:
+    """The sandbox's own kills come first (output, wall, CPU: it kills only for those and after the exit), then the
+    kernel's memory kill, then (unconfined) RLIMIT_CPU's signals: SIGXCPU at the soft limit, SIGKILL at the hard."""
     if overflow:
         return Outcome.OUTPUT_LIMIT
     if timed_out:
         return Outcome.TIMEOUT
-    if code in (-signal.SIGXCPU, -signal.SIGKILL):
-        return Outcome.CPU_LIMIT  # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one
+    if cpu:
+        return Outcome.CPU_LIMIT
+    if oom:
+        return Outcome.MEMORY_LIMIT
+    if not confined and code in (-signal.SIGXCPU, -signal.SIGKILL):
+        return Outcome.CPU_LIMIT
     return Outcome.OK if code == 0 else Outcome.ERROR
 
 
