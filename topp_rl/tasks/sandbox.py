@@ -8,7 +8,7 @@ under the base interpreter (the one the venv was made from; the standard library
 - a read-only root made of /usr (and /bin, /lib*), the interpreter's install prefix and two files of /etc;
   nothing else of the machine (no home, repository, run dir, /dev/shm or /run) is there; the cwd, HOME and TMPDIR
   are /tmp, a tmpfs of `scratch_mb`, the only writable place, gone with the call; /dev is read-only;
-- a cgroup made for the call (`_CallCgroup`: v2, or v1 memory + pids + cpuacct) bounding, for all of its processes
+- a cgroup made for the call (`sandbox_cgroup.CallCgroup`: v2, or v1 memory + pids + cpuacct) bounding, for all of its processes
   together, the memory (`memory_mb`, the scratch's files included), the processes and threads (`processes`), and the
   CPU time (`cpu_s`, read every `_CPU_POLL_S` and the call killed past it); removed after the call.
 Unconfined (`unconfined=True`, an explicit opt-in): a plain child process in a session of its own, per-process
@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -39,17 +37,15 @@ from enum import StrEnum
 from pathlib import Path
 
 from topp_rl.tasks import sandbox_child
+from topp_rl.tasks.sandbox_cgroup import CallCgroup
 
 CHILD_SOURCE = Path(sandbox_child.__file__).read_text()
 INSTALL = "apt-get install bubblewrap (bash scripts/setup.sh runs it where it runs as root with apt-get)"
 _CHUNK = 65536
 _CPU_POLL_S = 0.05  # how often the call's CPU time is read: it may pass cpu_s by this times the cores, no more
-_BWRAP_PROCESSES = 2  # bwrap's own processes in the call's cgroup (the outer one and the namespace's init)
 _SCRATCH = "/tmp"  # inside the sandbox
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1"}
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
-_names = itertools.count()
 
 
 class Outcome(StrEnum):
@@ -113,7 +109,7 @@ def _confinement_problem(bwrap: str | None) -> str | None:
     if bwrap is None:
         return f"the sandbox for tool code needs bubblewrap (bwrap), which is not on PATH: {INSTALL}"
     try:
-        cgroup = _CallCgroup.create(SandboxLimits())
+        cgroup = CallCgroup.create(memory_bytes=SandboxLimits().memory_mb * 2**20, processes=SandboxLimits().processes)
     except OSError as e:
         return (f"the sandbox bounds each call's total memory, processes and CPU time with a cgroup of its own, and "
                 f"none can be made here ({e}): run as root, or in a cgroup v2 subtree delegated to this user with "
@@ -139,7 +135,8 @@ async def run_python(code: str, limits: SandboxLimits, *, unconfined: bool = Fal
             return await _run(code, limits, cgroup=None, scratch=scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    cgroup = await asyncio.to_thread(_CallCgroup.create, limits)  # a v1 memory cgroup's mkdir can take 0.1 s
+    cgroup = await asyncio.to_thread(CallCgroup.create, memory_bytes=limits.memory_mb * 2**20,
+                                   processes=limits.processes)  # a v1 memory cgroup's mkdir can take 0.1 s
     try:
         return await _run(code, limits, cgroup=cgroup, scratch=_SCRATCH)
     finally:
@@ -180,7 +177,7 @@ def _interpreter_paths() -> list[str]:
     return sorted(p for p in paths if not (p == "/usr" or p.startswith("/usr/")))
 
 
-async def _run(code: str, limits: SandboxLimits, *, cgroup: _CallCgroup | None, scratch: str) -> SandboxResult:
+async def _run(code: str, limits: SandboxLimits, *, cgroup: CallCgroup | None, scratch: str) -> SandboxResult:
     settings = {"cwd": scratch, "memory_bytes": limits.memory_mb * 2**20}
     if cgroup is None:  # per-process bounds: nothing totals them
         settings |= {"cpu_s": limits.cpu_s, "file_bytes": limits.scratch_mb * 2**20}
@@ -265,7 +262,7 @@ class _Call:
     """The processes of one call: the child's process group (it leads a new session) and, confined, its cgroup."""
 
     pgid: int
-    cgroup: _CallCgroup | None
+    cgroup: CallCgroup | None
     cpu_exceeded: bool = False
 
     def kill(self) -> None:
@@ -273,115 +270,6 @@ class _Call:
             os.killpg(self.pgid, signal.SIGKILL)
         if self.cgroup is not None:
             self.cgroup.kill()
-
-
-class _CallCgroup:
-    """A cgroup made for one call, below the one this process runs in: cgroup v2 (memory.max, pids.max, cpu.stat)
-    when this process's cgroup can have children with the memory and pids controllers, else v1 (the memory, pids and
-    cpuacct hierarchies). `enter(argv)` wraps a command so that it moves itself in before it starts; every process
-    it starts stays in it (a process cannot leave a cgroup without write access to another)."""
-
-    def __init__(self, dirs: dict[str, Path], version: int) -> None:
-        self.dirs, self.version = dirs, version  # v1: one dir per controller; v2: {"": the dir}
-
-    @classmethod
-    def create(cls, limits: SandboxLimits) -> _CallCgroup:
-        """OSError when this process cannot make one (not root, no delegated cgroup)."""
-        name = f"topp_rl_sandbox_{os.getpid()}_{next(_names)}"
-        own = _own_cgroups()
-        if (_CGROUP_ROOT / "cgroup.controllers").exists():  # cgroup v2 mounted at the standard place
-            parent = _CGROUP_ROOT / own[""].lstrip("/")
-            with contextlib.suppress(OSError):  # refused while the parent holds processes (unless it is the root)
-                (parent / "cgroup.subtree_control").write_text("+memory +pids")
-            cgroup = cls({"": _mkdir(parent / name)}, 2)
-        else:
-            cgroup = cls({c: _mkdir(_CGROUP_ROOT / c / own[c].lstrip("/") / name)
-                          for c in ("memory", "pids", "cpuacct")}, 1)
-        try:
-            cgroup._limit(limits)
-        except OSError:
-            cgroup.remove_when_empty(deadline_s=0)
-            raise
-        return cgroup
-
-    def _limit(self, limits: SandboxLimits) -> None:
-        memory, processes = limits.memory_mb * 2**20, limits.processes + _BWRAP_PROCESSES
-        if self.version == 2:
-            controllers = self._read("", "cgroup.controllers").split()
-            if not {"memory", "pids"} <= set(controllers):
-                raise OSError(f"the cgroup {self.dirs['']} lacks the memory or pids controller (it has "
-                              f"{controllers or 'none'})")
-            self._write("", "memory.max", memory)
-            self._write("", "memory.swap.max", 0, missing_ok=True)
-            self._write("", "pids.max", processes)
-        else:
-            self._write("memory", "memory.limit_in_bytes", memory)
-            self._write("memory", "memory.memsw.limit_in_bytes", memory, missing_ok=True)  # no swapping past it
-            self._write("pids", "pids.max", processes)
-
-    def enter(self, argv: list[str]) -> list[str]:
-        """`argv` run by a shell that first writes its own pid into the cgroup (then execs, keeping the pid)."""
-        moves = "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}; " for d in self.dirs.values())
-        return ["/bin/sh", "-c", f"set -e; {moves}exec \"$@\"", "sh", *argv]
-
-    def cpu_seconds(self) -> float:
-        if self.version == 2:
-            stat = dict(line.split() for line in self._read("", "cpu.stat").splitlines())
-            return int(stat["usage_usec"]) / 1e6
-        return int(self._read("cpuacct", "cpuacct.usage")) / 1e9
-
-    def oom_killed(self) -> bool:
-        events = self._read("", "memory.events") if self.version == 2 else self._read("memory", "memory.oom_control")
-        return int(dict(line.split() for line in events.splitlines()).get("oom_kill", 0)) > 0
-
-    def pids(self) -> list[int]:
-        with contextlib.suppress(FileNotFoundError):
-            return [int(p) for p in self._read(next(iter(self.dirs)), "cgroup.procs").split()]
-        return []
-
-    def kill(self) -> None:
-        if self.version == 2 and (self.dirs[""] / "cgroup.kill").exists():
-            with contextlib.suppress(FileNotFoundError):
-                self._write("", "cgroup.kill", 1)
-            return
-        for pid in self.pids():  # v1: a process forked meanwhile is caught by the next kill (the namespace's end)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def remove_when_empty(self, *, deadline_s: float) -> None:
-        """Waits (killing) until no process is left, then removes the cgroup; a cgroup that stays busy past the
-        deadline is left behind (its processes are killed, so the kernel frees it once they are gone)."""
-        end = time.monotonic() + deadline_s
-        while self.pids() and time.monotonic() < end:
-            self.kill()
-            time.sleep(0.01)
-        for d in self.dirs.values():
-            with contextlib.suppress(FileNotFoundError, OSError):
-                d.rmdir()
-
-    def _read(self, controller: str, name: str) -> str:
-        return (self.dirs[controller] / name).read_text()
-
-    def _write(self, controller: str, name: str, value: int, *, missing_ok: bool = False) -> None:
-        path = self.dirs[controller] / name
-        if missing_ok and not path.exists():
-            return
-        path.write_text(str(value))
-
-
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup per v1 controller, and its v2 cgroup under "" (/proc/self/cgroup)."""
-    own = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(",") if controllers else [""]:
-            own[controller] = path
-    return own
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir()
-    return path
 
 
 @dataclass
