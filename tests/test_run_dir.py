@@ -231,3 +231,97 @@ def test_guarded_keys_added_later_read_the_behaviour_an_older_checkpoint_had():
     assert config_changes(old, agent, keys) == [
         "rollout.max_turns: 1 -> 2",
         "rollout.step._target_: 'topp_rl.rollout.step.SingleTurnStep' -> 'topp_rl.rollout.agent_step.AgentLoopStep'"]
+
+
+def _record(tmp_path: Path, *overrides: str) -> dict:
+    """The config record a checkpoint of a run with `overrides` holds (resolved, as `RunRecord` stores it)."""
+    return OmegaConf.to_container(compose_cfg(tmp_path, *overrides), resolve=True)
+
+
+WEIGHTS_ONLY = ("or to go on from its weights alone at this layout, export them (python -m topp_rl.export <ckpt> OUT) "
+                "and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
+OTHER_STRATEGY = ("a checkpoint resumes under the parallel strategy that wrote it (each lays out the weights and the "
+                  "optimizer state its own way)")
+TP_EP = ("the optimizer state is stored per TP x EP rank and restores at the saved tp_size and ep_size only (cp_size, "
+         "pp_size, vpp_size and the device count may change)")
+
+
+@pytest.mark.parametrize(("saved", "wanted", "message"), [
+    # A parallel=tp2 / pp2 checkpoint resumed without the layout failed in Lightning's load with a raw
+    # `Missing key(s) in state_dict: "policy.model.lm_head.weight"`, after the ranks had started.
+    (["parallel=tp2"], [],
+     "was saved at parallel=tp2 trainer.devices=2 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices), this "
+     f"run asks for parallel=none trainer.devices=1 (no parallel strategy, 1 device): {OTHER_STRATEGY}; resume with "
+     f"the saved layout (add parallel=tp2 trainer.devices=2 to the resume command), {WEIGHTS_ONLY}"),
+    (["parallel=pp2"], ["parallel=fsdp"],
+     "was saved at parallel=pp2 trainer.devices=2 (MegatronStrategy: tp 1, cp 1, ep 1, pp 2, vpp 1, 2 devices), this "
+     "run asks for parallel=fsdp trainer.devices=2 (FSDPStrategy: tp 1, cp 1, ep 1, pp 1, vpp 1, 2 devices): "
+     f"{OTHER_STRATEGY}; resume with the saved layout (add parallel=pp2 trainer.devices=2 to the resume command)"),
+    ([], ["parallel=tp2"],
+     "was saved at parallel=none trainer.devices=1 (no parallel strategy, 1 device), this run asks for parallel=tp2 "
+     "trainer.devices=2 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices)"),
+    (["parallel=tp2"], ["parallel=megatron", "trainer.devices=2"],
+     f"this run asks for parallel=megatron trainer.devices=2 (MegatronStrategy: tp 1, cp 1, ep 1, pp 1, vpp 1, 2 "
+     f"devices): {TP_EP}; resume with the saved layout (add parallel=tp2 trainer.devices=2 to the resume command)"),
+    (["parallel=tp2", "parallel.tp_size=4", "trainer.devices=4"], ["parallel=tp2", "trainer.devices=4"],
+     f"was saved at parallel=megatron parallel.tp_size=4 trainer.devices=4 (MegatronStrategy: tp 4, cp 1, ep 1, pp 1, vpp "
+     f"1, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp "
+     f"1, 4 devices): {TP_EP}; resume with the saved layout (add parallel=megatron parallel.tp_size=4 "
+     "trainer.devices=4"),
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"], ["parallel=tp2", "trainer.devices=4"],
+     "distributed optimizer, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp "
+     "1, ep 1, pp 1, vpp 1, 4 devices): the optimizer state is sharded with parallel.distributed_optimizer=true and "
+     "whole without it: it restores at the saved setting only; resume with the saved layout (add parallel=tp2 "
+     "parallel.distributed_optimizer=true trainer.devices=4 to the resume command)"),
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=2", "parallel.distributed_optimizer=true"],
+     "the distributed optimizer's sharded state restores at the saved (world size, cp_size, pp_size) only"),
+])
+def test_a_resume_at_a_layout_the_checkpoint_cannot_restore_at_is_refused_naming_both(tmp_path, saved, wanted,
+                                                                                      message):
+    from topp_rl.run.rundir import check_resume_layout
+
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(ValueError) as info:
+        check_resume_layout(compose_cfg(tmp_path, *wanted), ckpt, _record(tmp_path, *saved))
+    assert str(info.value).startswith(f"checkpoint {ckpt} ") and message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("saved", "wanted"), [
+    ([], ["trainer.devices=1"]),
+    (["parallel=tp2"], ["parallel=tp2", "trainer.devices=4"]),  # more data-parallel replicas
+    (["parallel=tp2_pp2", "trainer.devices=4"], ["parallel=tp2_cp2", "trainer.devices=4"]),  # docs/megatron.md
+    (["parallel=pp2"], ["parallel=megatron", "trainer.devices=1"]),  # another pp size: restaged by name
+    (["parallel=pp2", "parallel.vpp_size=2"], ["parallel=pp2"]),  # another vpp size
+    (["parallel=fsdp"], ["parallel=fsdp", "trainer.devices=4"]),  # DCP re-shards at any world size
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"]),
+])
+def test_every_layout_change_a_checkpoint_restores_across_is_let_through(tmp_path, saved, wanted):
+    from topp_rl.run.rundir import check_resume_layout
+
+    check_resume_layout(compose_cfg(tmp_path, *wanted), tmp_path / "last.ckpt", _record(tmp_path, *saved))
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumed_without_its_layout_is_refused_at_start_and_the_offered_command_works(tmp_path):
+    """Was a raw `Missing key(s) in state_dict` from Lightning's load once the model was built."""
+    env = train_env()
+    base = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "trainer.max_steps=1"]
+    first = subprocess.run([*base, "parallel=tp2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resume = [*base[:-1], "trainer.max_steps=2", "ckpt_path=last"]
+    refused = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1
+    assert "Missing key" not in refused.stderr
+    assert (f"ValueError: checkpoint {tmp_path}/checkpoints/last.ckpt was saved at parallel=tp2 trainer.devices=2 "
+            "(MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices), this run asks for parallel=none "
+            "trainer.devices=1 (no parallel strategy, 1 device)") in refused.stderr
+    offered = re.search(r"\(add (.*) to the resume command\)", refused.stderr)[1]
+    assert offered == "parallel=tp2 trainer.devices=2"
+    resumed = subprocess.run([*resume, *offered.split()], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True, mmap=True)["global_step"] == 2

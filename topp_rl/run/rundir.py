@@ -29,7 +29,8 @@ from typing import Any
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl.parallel.capabilities import capabilities_of
+from topp_rl.config_keys import parallel_options
+from topp_rl.parallel.capabilities import WEIGHTS_ONLY_WAY_OUT, Layout, capabilities_of
 from topp_rl.run.checkpoint import RECORD_KEY, read_checkpoint, temp_writer
 from topp_rl.run.sharded_checkpoint import is_sharded, read_meta, remove_unreferenced, single_file_refusal
 
@@ -179,6 +180,49 @@ def check_checkpoint_format(cfg: DictConfig, path: Path) -> None:
             f"any trainer.devices), or export its weights (python -m topp_rl.export {path} <hf dir>) and start a "
             f"new run from model=hf_path model.path=<hf dir>"
         )
+
+
+# The parallel.* keys a layout override sets, with the Layout field each one fills.
+_LAYOUT_KEYS = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep", "pp_size": "pp", "vpp_size": "vpp",
+                "distributed_optimizer": "distributed_optimizer"}
+
+
+def layout_override(layout: Layout) -> str:
+    """The overrides that select `layout`: the parallel/ option of its strategy nearest to it (fewest keys apart,
+    `parallel=tp2`), plus `parallel.<key>=<value>` for each key it differs on, plus trainer.devices / num_nodes."""
+    def apart(node: dict) -> list[str]:
+        return [f"parallel.{key}={str(getattr(layout, field)).lower()}" for key, field in _LAYOUT_KEYS.items()
+                if node.get(key, False if key == "distributed_optimizer" else 1) != getattr(layout, field)]
+
+    options = [(name, node) for name, node in parallel_options().items()
+               if current_path((node.get("strategy") or {}).get("_target_")) == current_path(layout.strategy)]
+    if not options:  # a strategy no shipped option names: the user's own config
+        return f"parallel.strategy._target_={layout.strategy}"
+    name, node = min(options, key=lambda option: (len(apart(option[1])), option[0]))
+    words = [f"parallel={name}", *apart(node), f"trainer.devices={layout.devices}"]
+    return " ".join(words + ([f"trainer.num_nodes={layout.num_nodes}"] if layout.num_nodes != 1 else []))
+
+
+def check_resume_layout(cfg: DictConfig, checkpoint: Path, recorded: dict | None) -> None:
+    """Refuse, before anything is built, a resume at a parallel layout the checkpoint cannot restore at (Lightning's
+    load failed late, some layouts with a raw `Missing key(s) in state_dict`); the strategy class says which
+    changes it restores across (`StrategyCapabilities.resume_refusal`: Megatron's pp / vpp / cp do)."""
+    if recorded is None:
+        return  # nothing to compare with: check_resume_config refuses or says so
+    saved = Layout.of(recorded)
+    wanted = Layout.of({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("parallel", "trainer")})
+    if current_path(saved.strategy) != current_path(wanted.strategy):
+        reason = ("a checkpoint resumes under the parallel strategy that wrote it (each lays out the weights and the "
+                  "optimizer state its own way)")
+    else:
+        reason = capabilities_of(get_class(wanted.strategy) if wanted.strategy else None).resume_refusal(saved, wanted)
+    if reason is None:
+        return
+    raise ValueError(
+        f"checkpoint {checkpoint} was saved at {layout_override(saved)} ({saved.sizes()}), this run asks for "
+        f"{layout_override(wanted)} ({wanted.sizes()}): {reason}; resume with the saved layout (add "
+        f"{layout_override(saved)} to the resume command), or {WEIGHTS_ONLY_WAY_OUT}"
+    )
 
 
 def report_versioned_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -377,6 +421,7 @@ class RunDir:
             if self.resume_from is not None:
                 check_checkpoint_format(cfg, self.resume_from)
                 recorded, self.resume_step = read_record(self.resume_from)
+                check_resume_layout(cfg, self.resume_from, recorded)
                 check_resume_config(cfg, self.resume_from, recorded)
                 _say(f"resuming from {self.resume_from} (step {self.resume_step})")
             write_hydra_files(cfg)  # accepted: a new run, or a resume (.hydra/ holds the latest start, as in Hydra)
