@@ -325,3 +325,38 @@ def test_a_tp2_checkpoint_resumed_without_its_layout_is_refused_at_start_and_the
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True, mmap=True)["global_step"] == 2
+
+
+def _offered_rm(message: str) -> Path:
+    return Path(re.search(r"\(rm -r (\S+)\)", message)[1])
+
+
+def test_a_run_dir_without_a_checkpoint_offers_a_command_that_works(tmp_path):
+    """The refusal said "resume it with ckpt_path=last", and ckpt_path=last then refused: nothing to resume."""
+    out = tmp_path / "run"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1:", "answer": "1"}\n{"prompt": "2:", "answer": "2"}\n')
+    (tmp_path / "broken.py").write_text("def reward(response, record):\n    raise RuntimeError('reward down')\n")
+    died = ("task=jsonl", f"task.path={data}", f"task.reward_fn={tmp_path}/broken.py:reward")
+    with pytest.raises(RuntimeError, match="reward down"):  # a start that dies in its first step
+        train(compose_cfg(out, *died))
+    assert (out / "config.yaml").exists() and not (out / "checkpoints" / "last.ckpt").exists()
+    way_on = (f"run dir {out} holds a run that saved no checkpoint (config.yaml, no checkpoints/last.ckpt: its start "
+              f"ended before its first save), so there is nothing to resume; start it over by deleting the dir (rm -r "
+              f"{out}) and running the same command without ckpt_path, or start this run in a new dir (another "
+              "hydra.run.dir)")
+    for resume in ((), ("ckpt_path=last",)):
+        with pytest.raises(ValueError) as info:
+            train(compose_cfg(out, *resume))
+        assert str(info.value) == (f"ckpt_path=last: no checkpoint at {out}/checkpoints/last.ckpt: " if resume
+                                   else "") + way_on
+    shutil.rmtree(_offered_rm(way_on))  # the offered command, then the same start again
+    assert train(compose_cfg(out))["steps"] == 2
+
+    # A finished run that saved none (checkpoint.every_n_steps=0): the same way on, with that reason.
+    finished = tmp_path / "finished"
+    train(compose_cfg(finished, "checkpoint.every_n_steps=0"))
+    with pytest.raises(ValueError, match=re.escape(f"run dir {finished} holds a run that saved no checkpoint "
+                                                   "(config.yaml, no checkpoints/last.ckpt: it finished with "
+                                                   "checkpoint.every_n_steps=0)")):
+        train(compose_cfg(finished))

@@ -21,6 +21,7 @@ import fcntl
 import glob
 import os
 import secrets
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -144,6 +145,8 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
         return None
 
     path = checkpoint_dir / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
+    if not (path.is_file() or is_sharded(path)) and (checkpoint_dir.parent / "config.yaml").exists():
+        raise ValueError(f"ckpt_path={ckpt_path}: no checkpoint at {path}: {no_checkpoint_run(checkpoint_dir.parent)}")
     if not (path.is_file() or is_sharded(path)):
         raise ValueError(
             f"ckpt_path={ckpt_path}: no checkpoint at {path}, so there is nothing to resume; drop ckpt_path to "
@@ -336,6 +339,17 @@ def check_resume_config(cfg: DictConfig, checkpoint: Path, old: dict | None) -> 
     _say(f"resuming {checkpoint} with changed settings (resume.allow_config_change=true): {listed}")
 
 
+def no_checkpoint_run(run_dir: Path) -> str:
+    """What to do with a run dir whose run left `config.yaml` but no checkpoint: a fresh start there is refused
+    (it holds a run) and so is `ckpt_path=last` (nothing to resume), so the way on is a dir without a run."""
+    how = ("it finished with checkpoint.every_n_steps=0" if (run_dir / "summary.json").exists()
+           else "its start ended before its first save")
+    return (f"run dir {run_dir} holds a run that saved no checkpoint (config.yaml, no checkpoints/last.ckpt: {how}), "
+            f"so there is nothing to resume; start it over by deleting the dir (rm -r {shlex.quote(str(run_dir))}) "
+            f"and running the same command without ckpt_path, or start this run in a new dir (another "
+            f"hydra.run.dir)")
+
+
 def _existing_run(run_dir: Path) -> str | None:
     for name in ("config.yaml", "checkpoints/last.ckpt"):
         if (run_dir / name).exists():
@@ -414,6 +428,8 @@ class RunDir:
             for path in remove_unreferenced(self.checkpoint_dir, keep=(self.resume_from,) if self.resume_from else ()):
                 _say(f"removed {path}, a sharded checkpoint no link names (a save cut short, or superseded)")
             if self.resume_from is None and (found := _existing_run(self.path)):
+                if not (self.checkpoint_dir / "last.ckpt").exists():
+                    raise ValueError(no_checkpoint_run(self.path))
                 raise ValueError(
                     f"run dir {self.path} already holds a run ({found}); resume it with ckpt_path=last, or start "
                     f"this run in a new dir (another hydra.run.dir), or delete {self.path} to start over"
