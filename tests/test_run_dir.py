@@ -360,3 +360,65 @@ def test_a_run_dir_without_a_checkpoint_offers_a_command_that_works(tmp_path):
                                                    "(config.yaml, no checkpoints/last.ckpt: it finished with "
                                                    "checkpoint.every_n_steps=0)")):
         train(compose_cfg(finished))
+
+
+def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`train.py` with `overrides`, from `cwd` (where the default outputs/ dir goes)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "trainer.max_steps=1", *overrides],
+                          cwd=cwd, env=train_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+
+
+NAME_RULE = ("must be one directory name, without '/', '\\' or NUL, and not '.' or '..' (the run dir is "
+             "outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, or "
+             "hydra.run.dir to the dir the run should use")
+
+
+@pytest.mark.subprocess
+def test_a_run_name_cannot_put_the_run_dir_outside_the_outputs_dir(tmp_path):
+    """run_name='../../../../x' made the default run dir outputs/<date>/<time>-../../../../x, outside outputs/."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    done = _cli(cwd, "run_name='../../../../escaped'")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip() == f"[topp_rl] config run_name='../../../../escaped': {NAME_RULE}"
+    assert list(cwd.iterdir()) == [] and not (tmp_path / "escaped").exists()  # nothing was created
+
+    from topp_rl.api import compose
+
+    for name in ("a/b", "..", "a\\b"):
+        with pytest.raises(ValueError) as info:
+            compose([f"run_name='{name}'"])
+        assert str(info.value) == f"config run_name={name!r}: {NAME_RULE}"
+    assert compose(["run_name='my run: v2'"]).run_name == "my run: v2"  # any other name
+
+
+@pytest.mark.subprocess
+def test_an_unwritable_run_dir_is_a_clear_error_naming_it(tmp_path):
+    """Hydra's log setup failed with "Unable to configure handler 'file'" (a read-only dir), or its mkdir with a
+    bare NotADirectoryError (a file where a dir of the path should be): root ignores mode bits, so a regular file
+    in the path is the case every machine has, and an immutable dir (`chattr +i`) the read-only one."""
+    fix = ("the run's log (train.log), config and checkpoints go there: fix the path or its permissions, or point "
+           "hydra.run.dir at a writable dir")
+    (tmp_path / "file").write_text("a file where a dir of the run dir's path should be")
+    inside_a_file = tmp_path / "file" / "run"
+    done = _cli(tmp_path, f"hydra.run.dir={inside_a_file}")
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"[topp_rl] run dir {inside_a_file} is not writable (NotADirectoryError: [Errno "
+                                   f"20] Not a directory: '{inside_a_file}'); {fix}")
+    from topp_rl.api import fit
+
+    with pytest.raises(ValueError, match=re.escape(f"run dir {inside_a_file} is not writable (NotADirectoryError")):
+        fit([f"hydra.run.dir={inside_a_file}", *TINY])
+
+    locked = tmp_path / "locked"
+    undo = _read_only(locked)
+    if undo is None:
+        return  # no way to make a dir unwritable for root here; the case above still ran
+    try:
+        done = _cli(tmp_path, f"hydra.run.dir={locked}")
+        assert done.returncode == 1
+        assert "Unable to configure handler" not in done.stderr
+        assert re.fullmatch(rf"\[topp_rl\] run dir {locked} is not writable \((PermissionError|OSError): .*\); "
+                            f"{re.escape(fix)}", done.stderr.strip()), done.stderr[-2000:]
+    finally:
+        undo()

@@ -24,9 +24,12 @@ import secrets
 import shlex
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
@@ -81,8 +84,9 @@ class RunDirLock:
             self.fd = None
 
 
-# ----- checkpoint dir -----
-def probe_writable(directory: Path) -> None:
+# ----- run dir and checkpoint dir -----
+def probe_writable(directory: Path, *, what: str = "checkpoint dir",
+                   holds: str = "checkpoints and the SIGTERM save go there") -> None:
     """Create `directory` and write + remove a probe file in it, so a bad dir fails now, not at the first save."""
     probe = directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
     try:
@@ -91,9 +95,54 @@ def probe_writable(directory: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ValueError(
-            f"checkpoint dir {directory} is not writable ({type(err).__name__}: {err}); checkpoints and the "
-            f"SIGTERM save go there: fix the path or its permissions, or point hydra.run.dir at a writable dir"
+            f"{what} {directory} is not writable ({type(err).__name__}: {err}); {holds}: fix the path or its "
+            f"permissions, or point hydra.run.dir at a writable dir"
         ) from err
+
+
+def check_run_dir_writable(run_dir: Path) -> None:
+    """The run dir can be created and written, checked before the log file is opened in it (Hydra's logging setup
+    failed with a bare "Unable to configure handler 'file'" on a read-only dir)."""
+    probe_writable(run_dir, what="run dir", holds="the run's log (train.log), config and checkpoints go there")
+
+
+# What a run name may not be: it names a directory under outputs/<date>/ (conf/config.yaml's hydra.run.dir).
+_NOT_IN_NAMES = ("/", "\\", "\0")
+
+
+def check_run_name(name: Any) -> None:
+    """`run_name` is one directory name: a separator or `..` would put the run dir outside outputs/<date>/."""
+    if str(name) not in (".", "..") and not any(c in str(name) for c in _NOT_IN_NAMES):
+        return
+    raise ValueError(
+        f"config run_name={name!r}: must be one directory name, without '/', '\\' or NUL, and not '.' or '..' "
+        "(the run dir is outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, "
+        "or hydra.run.dir to the dir the run should use"
+    )
+
+
+class RunDirCheck(Callback):
+    """Hydra callback (conf/config.yaml `hydra.callbacks`): the run name and the run dir are checked before Hydra
+    creates the dir and opens the log file in it. Hydra turns a callback's exception into a warning and goes on,
+    so a refusal prints its message and exits with status 1 here."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with _exit_on_refusal():
+            check_run_name(config.run_name)
+            check_run_dir_writable(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with _exit_on_refusal():  # each job's dir name is made safe (`topp_rl.run.sweep.job_subdir`)
+            check_run_dir_writable(Path(config.hydra.sweep.dir))
+
+
+@contextmanager
+def _exit_on_refusal() -> Iterator[None]:
+    try:
+        yield
+    except ValueError as err:
+        print(f"[topp_rl] {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -414,11 +463,7 @@ class RunDir:
         if not self.owner:
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
             return
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"run dir {self.path} cannot be created ({type(err).__name__}: {err}); point "
-                             f"hydra.run.dir (or paths.output_dir) at a writable place") from err
+        check_run_dir_writable(self.path)
         self.lock = RunDirLock(self.path).acquire()
         try:
             probe_writable(self.checkpoint_dir)
