@@ -415,7 +415,8 @@ def _numeric_leaves(node: DictConfig, path: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(("overrides", "count"), ENGINE_GROUPS, ids=[o[1] if len(o) > 1 else o[0] for o, _ in ENGINE_GROUPS])
+@pytest.mark.parametrize(("overrides", "count"), ENGINE_GROUPS,
+                         ids=[o[1] if len(o) > 1 else o[0] for o, _ in ENGINE_GROUPS])
 def test_every_numeric_key_of_the_engine_groups_has_a_range(overrides, count, tmp_path):
     """A number the engine groups ship (or a constructor reads) is checked at start like the others: a key added
     to the yaml without a range here fails this test."""

@@ -264,11 +264,12 @@ TP_EP = ("the optimizer state is stored per TP x EP rank and restores at the sav
      f"this run asks for parallel=megatron trainer.devices=2 (MegatronStrategy: tp 1, cp 1, ep 1, pp 1, vpp 1, 2 "
      f"devices): {TP_EP}; resume with the saved layout (add parallel=tp2 trainer.devices=2 to the resume command)"),
     (["parallel=tp2", "parallel.tp_size=4", "trainer.devices=4"], ["parallel=tp2", "trainer.devices=4"],
-     f"was saved at parallel=megatron parallel.tp_size=4 trainer.devices=4 (MegatronStrategy: tp 4, cp 1, ep 1, pp 1, vpp "
-     f"1, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp "
-     f"1, 4 devices): {TP_EP}; resume with the saved layout (add parallel=megatron parallel.tp_size=4 "
+     f"was saved at parallel=megatron parallel.tp_size=4 trainer.devices=4 (MegatronStrategy: tp 4, cp 1, ep 1, pp 1, "
+     "vpp 1, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, "
+     f"vpp 1, 4 devices): {TP_EP}; resume with the saved layout (add parallel=megatron parallel.tp_size=4 "
      "trainer.devices=4"),
-    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"], ["parallel=tp2", "trainer.devices=4"],
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=4"],
      "distributed optimizer, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp "
      "1, ep 1, pp 1, vpp 1, 4 devices): the optimizer state is sharded with parallel.distributed_optimizer=true and "
      "whole without it: it restores at the saved setting only; resume with the saved layout (add parallel=tp2 "

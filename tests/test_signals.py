@@ -187,8 +187,8 @@ def _wait(proc: subprocess.Popen, done, what: str) -> None:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("layout", [(), pytest.param(("parallel=fsdp", "trainer.devices=2"), marks=pytest.mark.distributed)],
-                         ids=["one_rank", "fsdp"])
+@pytest.mark.parametrize("layout", [(), pytest.param(("parallel=fsdp", "trainer.devices=2"),
+                                                    marks=pytest.mark.distributed)], ids=["one_rank", "fsdp"])
 def test_a_second_ctrl_c_during_the_save_finishes_it_and_leaves_no_partial_checkpoint(tmp_path, layout):
     """The second Ctrl-C raised KeyboardInterrupt inside the save: the single-file save was dropped (a run with no
     earlier checkpoint kept none), and a sharded one left its unfinished data dir (and a peer rank waiting)."""
