@@ -66,7 +66,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> Di
         if _is_default_output_dir(cfg):
             from topp_rl.run.rundir import check_run_name
 
-            check_run_name(cfg.run_name)  # it names the run dir: `../x` would leave outputs/<date>/
+            check_run_name(cfg.get("run_name", ""))  # it names the run dir: `../x` would leave outputs/<date>/
             run_dir = Path(cfg.hydra.run.dir).absolute()
             cfg.paths.output_dir = str(_fresh_dir(run_dir) if _names_a_new_run(cfg) else run_dir)
         del cfg["hydra"]  # its `${hydra:...}` values resolve only inside a Hydra app

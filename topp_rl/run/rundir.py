@@ -11,10 +11,15 @@ A run dir (`paths.output_dir`) holds one run:
   refused start overwrite the first run's; conf/config.yaml sets `hydra.output_subdir: null` and `RunDir`
   writes the same files once the start is accepted.
 
-A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over. A resume must find its
-checkpoint, and the checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
+A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over (one whose run saved no checkpoint
+is neither: the refusal offers deleting it or another dir). A resume must find its checkpoint, at a parallel layout
+the checkpoint restores at (the strategy class says which: `StrategyCapabilities.resume_refusal`), and the
+checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
 `resume.allow_config_change=true`. Only the launching rank (global rank 0) owns the dir; the ranks Lightning
 starts later only resolve the checkpoint path.
+
+On the command line `RunDirCheck` (a Hydra callback) refuses a `run_name` that is not one directory name and a run
+dir that cannot be written, before Hydra creates the dir and opens `train.log` in it.
 """
 
 import fcntl
@@ -128,7 +133,7 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         with _exit_on_refusal():
-            check_run_name(config.run_name)
+            check_run_name(config.get("run_name", ""))
             check_run_dir_writable(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
