@@ -21,7 +21,7 @@ from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.data.params import SamplingParams
 from topp_rl.engines.base import RolloutEngine
-from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S
+from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Timeouts
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -107,12 +107,11 @@ def _count(low: int, high: int, example: int) -> NumberRange:
 # Every numeric key of the engine groups (rollout/embedded, rollout/sglang, rollout/step/*), shipped or one `+` may
 # add that the constructor reads; checked where present. Waits are finite and at most a day, counts sane.
 ENGINE_NUMBERS: dict[str, NumberRange] = {
-    **{f"rollout.engine.timeouts.{k}": _seconds(v) for k, v in
-       (("connect_s", 10), ("first_byte_s", 60), ("transfer_s", 60), ("weight_update_s", 120))},
-    **{f"rollout.engine.timeouts.{k}": _seconds(v, zero_ok=True) for k, v in (("per_token_s", 0.5), ("per_gb_s", 60))},
-    "rollout.engine.retries.max_retries": _count(0, MAX_RETRIES, 4),
-    "rollout.engine.retries.backoff_s": _seconds(0.5, zero_ok=True),
-    "rollout.engine.retries.max_backoff_s": _seconds(8, zero_ok=True),
+    **{f"rollout.engine.timeouts.{f.name}": _seconds(f.default, zero_ok=f.name in Timeouts.ALLOWANCES)
+       for f in dataclasses.fields(Timeouts)},
+    "rollout.engine.retries.max_retries": _count(0, MAX_RETRIES, Retries.max_retries),
+    "rollout.engine.retries.backoff_s": _seconds(Retries.backoff_s, zero_ok=True),
+    "rollout.engine.retries.max_backoff_s": _seconds(Retries.max_backoff_s, zero_ok=True),
     "rollout.engine.num_servers": _count(1, 1024, 1),
     "rollout.engine.weight_bucket_bytes": _count(1, 2**40, 536870912),
     "rollout.engine.max_concurrency": _count(1, 65536, 64),
@@ -141,7 +140,7 @@ def validate_engine_numbers(cfg: DictConfig) -> None:
             continue
         value = node[name]
         if not allowed.holds(value):
-            _fail(key, value, allowed.describe(), f"set {key} in that range, e.g. {key}={allowed.example}")
+            _fail(key, value, allowed.describe(), f"set {key} in that range, e.g. {key}={_plain(allowed.example)}")
 
 
 def target_class(node: DictConfig) -> Any:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import requests
 import urllib3
@@ -67,10 +67,11 @@ class Timeouts:
     weight_update_s: float = 120.0  # + per_gb_s x GB of a weight-update call
     per_gb_s: float = 60.0
 
+    ALLOWANCES: ClassVar[tuple[str, ...]] = ("per_token_s", "per_gb_s")  # may be 0; the bases may not
+
     def __post_init__(self) -> None:
-        allowances = ("per_token_s", "per_gb_s")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        bad = {k: v for k, v in values.items() if not is_seconds(v, zero_ok=k in allowances)}
+        bad = {k: v for k, v in values.items() if not is_seconds(v, zero_ok=k in self.ALLOWANCES)}
         if bad:
             raise ValueError(
                 f"timeouts {bad} out of range: bases must be > 0, per-token / per-GB allowances >= 0, each a finite "
