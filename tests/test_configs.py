@@ -385,14 +385,115 @@ def test_sglang_limits_are_nested_groups_checked_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"^config rollout.engine.retries.attempts=2: must be a field of Retries "
                                          r"\(max_retries, backoff_s, max_backoff_s\); fix the spelling"):
         validate_config(_compose(["rollout=sglang", "+rollout.engine.retries.attempts=2"], tmp_path))
-    with pytest.raises(ValueError, match=r"^config rollout.engine.timeouts: timeouts \{'per_token_s': -1\} out of "
-                                         r"range: bases must be > 0"):
+    with pytest.raises(ValueError, match=r"^config rollout.engine.timeouts.per_token_s=-1: must be a finite number "
+                                         r"of seconds in \[0, 86400\]; set rollout.engine.timeouts.per_token_s in "
+                                         r"that range, e.g. rollout.engine.timeouts.per_token_s=0.5$"):
         validate_config(_compose(["rollout=sglang", "rollout.engine.timeouts.per_token_s=-1"], tmp_path))
     # The flat keys of before are refused, naming the nested key each moved to.
     with pytest.raises(ValueError, match=r"^config rollout.engine.first_byte_timeout_s=5: must be absent: it moved to "
                                          r"rollout.engine.timeouts.first_byte_s; set rollout.engine.timeouts."
                                          r"first_byte_s instead$"):
         validate_config(_compose(["rollout=sglang", "+rollout.engine.first_byte_timeout_s=5"], tmp_path))
+
+
+# Each engine group's choice with the count of numeric keys it ships under rollout.engine and rollout.step.
+ENGINE_GROUPS = [(["rollout=embedded"], 0), (["rollout=sglang"], 13), (["task=lookup", "rollout/step=agent"], 2),
+                 (["task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent"], 2)]
+
+
+def _numeric_leaves(node: DictConfig, path: str) -> list[str]:
+    """The dotted keys under `node` whose value is a number (interpolations resolved, e.g. max_candidates)."""
+    found = []
+    for key in node:
+        child, dotted = node._get_node(key), f"{path}.{key}"
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_interpolation():
+            found += _numeric_leaves(child, dotted)
+        elif not child._is_interpolation():
+            value = node[key]
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found.append(dotted)
+    return found
+
+
+@pytest.mark.parametrize(("overrides", "count"), ENGINE_GROUPS,
+                         ids=[o[1] if len(o) > 1 else o[0] for o, _ in ENGINE_GROUPS])
+def test_every_numeric_key_of_the_engine_groups_has_a_range(overrides, count, tmp_path):
+    """A number the engine groups ship (or a constructor reads) is checked at start like the others: a key added
+    to the yaml without a range here fails this test."""
+    from topp_rl.config import ENGINE_NUMBERS
+
+    cfg = _compose(overrides, tmp_path)
+    leaves = _numeric_leaves(cfg.rollout.engine, "rollout.engine") + _numeric_leaves(cfg.rollout.step, "rollout.step")
+    assert len(leaves) == count, leaves
+    assert not set(leaves) - set(ENGINE_NUMBERS), sorted(set(leaves) - set(ENGINE_NUMBERS))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    # `abc` was a raw TypeError from Timeouts / AgentLoopStep; `inf` and a billion retries passed.
+    (["rollout=sglang", "rollout.engine.timeouts.connect_s=abc"],
+     "config rollout.engine.timeouts.connect_s='abc': must be a finite number of seconds in (0, 86400]; set "
+     "rollout.engine.timeouts.connect_s in that range, e.g. rollout.engine.timeouts.connect_s=10"),
+    (["rollout=sglang", "rollout.engine.timeouts.first_byte_s=inf"],
+     "config rollout.engine.timeouts.first_byte_s=inf: must be a finite number of seconds in (0, 86400]; set "
+     "rollout.engine.timeouts.first_byte_s in that range, e.g. rollout.engine.timeouts.first_byte_s=60"),
+    (["rollout=sglang", "rollout.engine.timeouts.weight_update_s=172800"],
+     "config rollout.engine.timeouts.weight_update_s=172800: must be a finite number of seconds in (0, 86400]; set "
+     "rollout.engine.timeouts.weight_update_s in that range, e.g. rollout.engine.timeouts.weight_update_s=120"),
+    (["rollout=sglang", "rollout.engine.retries.max_retries=1000000000"],
+     "config rollout.engine.retries.max_retries=1000000000: must be an integer in [0, 100]; set "
+     "rollout.engine.retries.max_retries in that range, e.g. rollout.engine.retries.max_retries=4"),
+    (["rollout=sglang", "rollout.engine.retries.backoff_s=nan"],
+     "config rollout.engine.retries.backoff_s=nan: must be a finite number of seconds in [0, 86400]; set "
+     "rollout.engine.retries.backoff_s in that range, e.g. rollout.engine.retries.backoff_s=0.5"),
+    (["rollout=sglang", "rollout.engine.num_servers=2.5"],
+     "config rollout.engine.num_servers=2.5: must be an integer in [1, 1024]; set rollout.engine.num_servers in "
+     "that range, e.g. rollout.engine.num_servers=1"),
+    (["rollout=sglang", "rollout.engine.progress_interval_s=true"],
+     "config rollout.engine.progress_interval_s=True: must be a finite number of seconds in [0, 86400]; set "
+     "rollout.engine.progress_interval_s in that range, e.g. rollout.engine.progress_interval_s=30"),
+    (["rollout=sglang", "rollout.engine.server_kwargs.max_total_tokens=abc"],
+     "config rollout.engine.server_kwargs.max_total_tokens='abc': must be an integer in [1, 2147483647]; set "
+     "rollout.engine.server_kwargs.max_total_tokens in that range, e.g. "
+     "rollout.engine.server_kwargs.max_total_tokens=8192"),
+    (["rollout=sglang", "+rollout.engine.router_kwargs.max_retries=-1"],
+     "config rollout.engine.router_kwargs.max_retries=-1: must be an integer in [0, 100]; set "
+     "rollout.engine.router_kwargs.max_retries in that range, e.g. rollout.engine.router_kwargs.max_retries=3"),
+    (["task=lookup", "rollout/step=agent", "rollout.step.max_failed_frac=abc"],
+     "config rollout.step.max_failed_frac='abc': must be a finite number in [0, 1]; set "
+     "rollout.step.max_failed_frac in that range, e.g. rollout.step.max_failed_frac=0.5"),
+    (["task=lookup", "rollout/step=agent", "rollout.step.env_timeout_s=inf"],
+     "config rollout.step.env_timeout_s=inf: must be a finite number of seconds in (0, 86400]; set "
+     "rollout.step.env_timeout_s in that range, e.g. rollout.step.env_timeout_s=30"),
+    (["task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent", "rollout.step.agent_timeout_s=0"],
+     "config rollout.step.agent_timeout_s=0: must be a finite number of seconds in (0, 86400]; set "
+     "rollout.step.agent_timeout_s in that range, e.g. rollout.step.agent_timeout_s=120"),
+])
+def test_engine_numbers_are_refused_at_start_naming_the_key_and_range(overrides, message, tmp_path):
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(overrides, tmp_path))
+    assert str(info.value) == message
+
+
+def test_engine_numbers_at_their_bounds_pass(tmp_path):
+    validate_config(_compose(["rollout=sglang", "rollout.engine.timeouts.first_byte_s=86400",
+                              "rollout.engine.timeouts.per_token_s=0", "rollout.engine.retries.max_retries=100",
+                              "rollout.engine.retries.backoff_s=0", "rollout.engine.progress_interval_s=0"], tmp_path))
+    validate_config(_compose(["task=lookup", "rollout/step=agent", "rollout.step.max_failed_frac=1",
+                              "rollout.step.env_timeout_s=0.5"], tmp_path))
+
+
+def test_timeouts_and_retries_refuse_what_the_config_refuses():
+    """The same bounds for a `Timeouts` / `Retries` built in Python (the engine's keyword arguments)."""
+    from topp_rl.engines.serving import Retries, Timeouts
+
+    for bad in ({"first_byte_s": float("inf")}, {"connect_s": "abc"}, {"per_gb_s": float("nan")},
+                {"transfer_s": 86401}):
+        with pytest.raises(ValueError, match="out of range: bases must be > 0, per-token / per-GB allowances >= 0, "
+                                             "each a finite number of seconds <= 86400"):
+            Timeouts(**bad)
+    for bad in ({"max_retries": 101}, {"max_retries": True}, {"backoff_s": float("inf")}):
+        with pytest.raises(ValueError, match=r"at most 100 retries and finite backoffs of at most 86400 s$"):
+            Retries(**bad)
 
 
 def test_booleans_name_the_key_value_and_fix(tmp_path):

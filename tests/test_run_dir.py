@@ -231,3 +231,195 @@ def test_guarded_keys_added_later_read_the_behaviour_an_older_checkpoint_had():
     assert config_changes(old, agent, keys) == [
         "rollout.max_turns: 1 -> 2",
         "rollout.step._target_: 'topp_rl.rollout.step.SingleTurnStep' -> 'topp_rl.rollout.agent_step.AgentLoopStep'"]
+
+
+def _record(tmp_path: Path, *overrides: str) -> dict:
+    """The config record a checkpoint of a run with `overrides` holds (resolved, as `RunRecord` stores it)."""
+    return OmegaConf.to_container(compose_cfg(tmp_path, *overrides), resolve=True)
+
+
+WEIGHTS_ONLY = ("or to go on from its weights alone at this layout, export them (python -m topp_rl.export <ckpt> OUT) "
+                "and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
+OTHER_STRATEGY = ("a checkpoint resumes under the parallel strategy that wrote it (each lays out the weights and the "
+                  "optimizer state its own way)")
+TP_EP = ("the optimizer state is stored per TP x EP rank and restores at the saved tp_size and ep_size only (cp_size, "
+         "pp_size, vpp_size and the device count may change)")
+
+
+@pytest.mark.parametrize(("saved", "wanted", "message"), [
+    # A parallel=tp2 / pp2 checkpoint resumed without the layout failed in Lightning's load with a raw
+    # `Missing key(s) in state_dict: "policy.model.lm_head.weight"`, after the ranks had started.
+    (["parallel=tp2"], [],
+     "was saved at parallel=tp2 trainer.devices=2 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices), this "
+     f"run asks for parallel=none trainer.devices=1 (no parallel strategy, 1 device): {OTHER_STRATEGY}; resume with "
+     f"the saved layout (add parallel=tp2 trainer.devices=2 to the resume command), {WEIGHTS_ONLY}"),
+    (["parallel=pp2"], ["parallel=fsdp"],
+     "was saved at parallel=pp2 trainer.devices=2 (MegatronStrategy: tp 1, cp 1, ep 1, pp 2, vpp 1, 2 devices), this "
+     "run asks for parallel=fsdp trainer.devices=2 (FSDPStrategy: tp 1, cp 1, ep 1, pp 1, vpp 1, 2 devices): "
+     f"{OTHER_STRATEGY}; resume with the saved layout (add parallel=pp2 trainer.devices=2 to the resume command)"),
+    ([], ["parallel=tp2"],
+     "was saved at parallel=none trainer.devices=1 (no parallel strategy, 1 device), this run asks for parallel=tp2 "
+     "trainer.devices=2 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices)"),
+    (["parallel=tp2"], ["parallel=megatron", "trainer.devices=2"],
+     f"this run asks for parallel=megatron trainer.devices=2 (MegatronStrategy: tp 1, cp 1, ep 1, pp 1, vpp 1, 2 "
+     f"devices): {TP_EP}; resume with the saved layout (add parallel=tp2 trainer.devices=2 to the resume command)"),
+    (["parallel=tp2", "parallel.tp_size=4", "trainer.devices=4"], ["parallel=tp2", "trainer.devices=4"],
+     f"was saved at parallel=megatron parallel.tp_size=4 trainer.devices=4 (MegatronStrategy: tp 4, cp 1, ep 1, pp 1, "
+     "vpp 1, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp 1, ep 1, pp 1, "
+     f"vpp 1, 4 devices): {TP_EP}; resume with the saved layout (add parallel=megatron parallel.tp_size=4 "
+     "trainer.devices=4"),
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=4"],
+     "distributed optimizer, 4 devices), this run asks for parallel=tp2 trainer.devices=4 (MegatronStrategy: tp 2, cp "
+     "1, ep 1, pp 1, vpp 1, 4 devices): the optimizer state is sharded with parallel.distributed_optimizer=true and "
+     "whole without it: it restores at the saved setting only; resume with the saved layout (add parallel=tp2 "
+     "parallel.distributed_optimizer=true trainer.devices=4 to the resume command)"),
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=2", "parallel.distributed_optimizer=true"],
+     "the distributed optimizer's sharded state restores at the saved (world size, cp_size, pp_size) only"),
+])
+def test_a_resume_at_a_layout_the_checkpoint_cannot_restore_at_is_refused_naming_both(tmp_path, saved, wanted,
+                                                                                      message):
+    from topp_rl.run.rundir import check_resume_layout
+
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(ValueError) as info:
+        check_resume_layout(compose_cfg(tmp_path, *wanted), ckpt, _record(tmp_path, *saved))
+    assert str(info.value).startswith(f"checkpoint {ckpt} ") and message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("saved", "wanted"), [
+    ([], ["trainer.devices=1"]),
+    (["parallel=tp2"], ["parallel=tp2", "trainer.devices=4"]),  # more data-parallel replicas
+    (["parallel=tp2_pp2", "trainer.devices=4"], ["parallel=tp2_cp2", "trainer.devices=4"]),  # docs/megatron.md
+    (["parallel=pp2"], ["parallel=megatron", "trainer.devices=1"]),  # another pp size: restaged by name
+    (["parallel=pp2", "parallel.vpp_size=2"], ["parallel=pp2"]),  # another vpp size
+    (["parallel=fsdp"], ["parallel=fsdp", "trainer.devices=4"]),  # DCP re-shards at any world size
+    (["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"],
+     ["parallel=tp2", "trainer.devices=4", "parallel.distributed_optimizer=true"]),
+])
+def test_every_layout_change_a_checkpoint_restores_across_is_let_through(tmp_path, saved, wanted):
+    from topp_rl.run.rundir import check_resume_layout
+
+    check_resume_layout(compose_cfg(tmp_path, *wanted), tmp_path / "last.ckpt", _record(tmp_path, *saved))
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumed_without_its_layout_is_refused_at_start_and_the_offered_command_works(tmp_path):
+    """Was a raw `Missing key(s) in state_dict` from Lightning's load once the model was built."""
+    env = train_env()
+    base = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "trainer.max_steps=1"]
+    first = subprocess.run([*base, "parallel=tp2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resume = [*base[:-1], "trainer.max_steps=2", "ckpt_path=last"]
+    refused = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1
+    assert "Missing key" not in refused.stderr
+    assert (f"ValueError: checkpoint {tmp_path}/checkpoints/last.ckpt was saved at parallel=tp2 trainer.devices=2 "
+            "(MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices), this run asks for parallel=none "
+            "trainer.devices=1 (no parallel strategy, 1 device)") in refused.stderr
+    offered = re.search(r"\(add (.*) to the resume command\)", refused.stderr)[1]
+    assert offered == "parallel=tp2 trainer.devices=2"
+    resumed = subprocess.run([*resume, *offered.split()], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True, mmap=True)["global_step"] == 2
+
+
+def _offered_rm(message: str) -> Path:
+    return Path(re.search(r"\(rm -r (\S+)\)", message)[1])
+
+
+def test_a_run_dir_without_a_checkpoint_offers_a_command_that_works(tmp_path):
+    """The refusal said "resume it with ckpt_path=last", and ckpt_path=last then refused: nothing to resume."""
+    out = tmp_path / "run"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1:", "answer": "1"}\n{"prompt": "2:", "answer": "2"}\n')
+    (tmp_path / "broken.py").write_text("def reward(response, record):\n    raise RuntimeError('reward down')\n")
+    died = ("task=jsonl", f"task.path={data}", f"task.reward_fn={tmp_path}/broken.py:reward")
+    with pytest.raises(RuntimeError, match="reward down"):  # a start that dies in its first step
+        train(compose_cfg(out, *died))
+    assert (out / "config.yaml").exists() and not (out / "checkpoints" / "last.ckpt").exists()
+    way_on = (f"run dir {out} holds a run that saved no checkpoint (config.yaml, no checkpoints/last.ckpt: its start "
+              f"ended before its first save), so there is nothing to resume; start it over by deleting the dir (rm -r "
+              f"{out}) and running the same command without ckpt_path, or start this run in a new dir (another "
+              "hydra.run.dir)")
+    for resume in ((), ("ckpt_path=last",)):
+        with pytest.raises(ValueError) as info:
+            train(compose_cfg(out, *resume))
+        assert str(info.value) == (f"ckpt_path=last: no checkpoint at {out}/checkpoints/last.ckpt: " if resume
+                                   else "") + way_on
+    shutil.rmtree(_offered_rm(way_on))  # the offered command, then the same start again
+    assert train(compose_cfg(out))["steps"] == 2
+
+    # A finished run that saved none (checkpoint.every_n_steps=0): the same way on, with that reason.
+    finished = tmp_path / "finished"
+    train(compose_cfg(finished, "checkpoint.every_n_steps=0"))
+    with pytest.raises(ValueError, match=re.escape(f"run dir {finished} holds a run that saved no checkpoint "
+                                                   "(config.yaml, no checkpoints/last.ckpt: it finished with "
+                                                   "checkpoint.every_n_steps=0)")):
+        train(compose_cfg(finished))
+
+
+def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`train.py` with `overrides`, from `cwd` (where the default outputs/ dir goes)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "trainer.max_steps=1", *overrides],
+                          cwd=cwd, env=train_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+
+
+NAME_RULE = ("must be one directory name, without '/', '\\' or NUL, and not '.' or '..' (the run dir is "
+             "outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, or "
+             "hydra.run.dir to the dir the run should use")
+
+
+@pytest.mark.subprocess
+def test_a_run_name_cannot_put_the_run_dir_outside_the_outputs_dir(tmp_path):
+    """run_name='../../../../x' made the default run dir outputs/<date>/<time>-../../../../x, outside outputs/."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    done = _cli(cwd, "run_name='../../../../escaped'")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip() == f"[topp_rl] config run_name='../../../../escaped': {NAME_RULE}"
+    assert list(cwd.iterdir()) == [] and not (tmp_path / "escaped").exists()  # nothing was created
+
+    from topp_rl.api import compose
+
+    for name in ("a/b", "..", "a\\b"):
+        with pytest.raises(ValueError) as info:
+            compose([f"run_name='{name}'"])
+        assert str(info.value) == f"config run_name={name!r}: {NAME_RULE}"
+    assert compose(["run_name='my run: v2'"]).run_name == "my run: v2"  # any other name
+
+
+@pytest.mark.subprocess
+def test_an_unwritable_run_dir_is_a_clear_error_naming_it(tmp_path):
+    """Hydra's log setup failed with "Unable to configure handler 'file'" (a read-only dir), or its mkdir with a
+    bare NotADirectoryError (a file where a dir of the path should be): root ignores mode bits, so a regular file
+    in the path is the case every machine has, and an immutable dir (`chattr +i`) the read-only one."""
+    fix = ("the run's log (train.log), config and checkpoints go there: fix the path or its permissions, or point "
+           "hydra.run.dir at a writable dir")
+    (tmp_path / "file").write_text("a file where a dir of the run dir's path should be")
+    inside_a_file = tmp_path / "file" / "run"
+    done = _cli(tmp_path, f"hydra.run.dir={inside_a_file}")
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"[topp_rl] run dir {inside_a_file} is not writable (NotADirectoryError: [Errno "
+                                   f"20] Not a directory: '{inside_a_file}'); {fix}")
+    from topp_rl.api import fit
+
+    with pytest.raises(ValueError, match=re.escape(f"run dir {inside_a_file} is not writable (NotADirectoryError")):
+        fit([f"hydra.run.dir={inside_a_file}", *TINY])
+
+    locked = tmp_path / "locked"
+    undo = _read_only(locked)
+    if undo is None:
+        return  # no way to make a dir unwritable for root here; the case above still ran
+    try:
+        done = _cli(tmp_path, f"hydra.run.dir={locked}")
+        assert done.returncode == 1
+        assert "Unable to configure handler" not in done.stderr
+        assert re.fullmatch(rf"\[topp_rl\] run dir {locked} is not writable \((PermissionError|OSError): .*\); "
+                            f"{re.escape(fix)}", done.stderr.strip()), done.stderr[-2000:]
+    finally:
+        undo()

@@ -2,20 +2,24 @@
 kind, to rank 0 alone or to the whole process group, stops every rank after the same step, saves one checkpoint
 of it and exits 128 + signal with the resume line; the next start resumes at the step after it. A rank whose
 peer is hung (SIGSTOP) exits after `checkpoint.stop_timeout_s` with the reason, last.ckpt still naming the last
-complete checkpoint. Each layout runs its cases as phases of one run dir, then a final resume to the end."""
+complete checkpoint. Each layout runs its cases as phases of one run dir, then a final resume to the end. A second
+Ctrl-C during the stop's save waits for the save (`BlockedStopSave` holds the save until it came)."""
 
 import os
 import signal
 import subprocess
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers import ROOT
+from lightning.pytorch.callbacks import Callback
 from test_checkpoint import _cmd, _env, _lines, _rank_dump
 
 from topp_rl.run.rundir import read_record
+from topp_rl.run.stop import StopOnSignal
 
 WAIT_S = 300  # for a start to finish a step, and for a stopped run to exit: a hang fails here
 
@@ -146,3 +150,75 @@ def test_every_signal_kind_stops_all_ranks_after_one_step_then_resumes(tmp_path,
     assert proc.returncode == 0, run.err()
     for rank_steps in run.steps:  # every step trained once, in order, on every rank
         assert rank_steps == list(range(1, run.saved + 1)) and run.saved >= len(kinds) + 2
+
+
+class _HeldPickle:
+    """Pickled inside the checkpoint's `torch.save`: says so in `marker` (with the step), then waits for `go`."""
+
+    def __init__(self, marker: str, go: str, step: int) -> None:
+        self.marker, self.go, self.step = Path(marker), Path(go), step
+
+    def __reduce__(self):
+        self.marker.write_text(str(self.step))
+        while not self.go.exists():
+            time.sleep(0.01)
+        return (OrderedDict, ())  # stored as an empty OrderedDict: the checkpoint still loads with weights_only
+
+
+class BlockedStopSave(Callback):
+    """Test callback (loaded by the subprocess through PYTHONPATH=tests): a save made after this rank got a stop
+    signal holds in the middle of writing the checkpoint until the test writes `go`."""
+
+    def __init__(self, *, marker: str, go: str) -> None:
+        self.marker, self.go = marker, go
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
+        if stopper.received is not None:
+            checkpoint["held"] = _HeldPickle(self.marker, self.go, trainer.global_step)
+
+
+def _wait(proc: subprocess.Popen, done, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within the wait"
+        time.sleep(0.01)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("layout", [(), pytest.param(("parallel=fsdp", "trainer.devices=2"),
+                                                    marks=pytest.mark.distributed)], ids=["one_rank", "fsdp"])
+def test_a_second_ctrl_c_during_the_save_finishes_it_and_leaves_no_partial_checkpoint(tmp_path, layout):
+    """The second Ctrl-C raised KeyboardInterrupt inside the save: the single-file save was dropped (a run with no
+    earlier checkpoint kept none), and a sharded one left its unfinished data dir (and a peer rank waiting)."""
+    out, marker, go = tmp_path / "run", tmp_path / "saving", tmp_path / "go"
+    checkpoints = out / "checkpoints"
+    cmd = _cmd(out, tmp_path / "run.jsonl", "trainer.max_steps=10000", "checkpoint.every_n_steps=2", *layout,
+               "+callbacks.held._target_=test_signals.BlockedStopSave", f"+callbacks.held.marker={marker}",
+               f"+callbacks.held.go={go}")
+    stdout, stderr = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        _wait(proc, lambda: (checkpoints / "last.ckpt").exists(), "a periodic checkpoint")
+        os.killpg(proc.pid, signal.SIGINT)
+        _wait(proc, marker.exists, "the stop's save")
+        os.killpg(proc.pid, signal.SIGINT)  # while the checkpoint is half written
+        said = "Ctrl-C again during the stop: finishing the checkpoint save first"
+        _wait(proc, lambda: said in (tmp_path / "stdout.txt").read_text(), "the second Ctrl-C's answer")
+        go.write_text("go")
+        proc.wait(timeout=WAIT_S)
+    finally:
+        _kill_session(proc)
+    stderr.seek(0)
+    err = stderr.read()
+    step = int(marker.read_text())
+    assert proc.returncode == 130, err[-3000:]
+    assert f"[topp_rl] stopped by SIGINT after step {step}; checkpoint saved to {checkpoints}/last.ckpt" in err
+    assert read_record(checkpoints / "last.ckpt")[1] == step  # the stop's checkpoint, complete
+    left = sorted(p.name for p in checkpoints.iterdir())
+    if layout:  # one data dir, the one last.ckpt names: no unfinished one beside it
+        assert len(left) == 2 and left[1] == "last.ckpt" and left[0].startswith(f"last-step{step}-"), left
+        assert os.readlink(checkpoints / "last.ckpt") == left[0]
+    else:
+        assert left == ["last.ckpt"]  # no temp file

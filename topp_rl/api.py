@@ -64,6 +64,9 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> Di
         cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
     with open_dict(cfg):
         if _is_default_output_dir(cfg):
+            from topp_rl.run.rundir import check_run_name
+
+            check_run_name(cfg.get("run_name", ""))  # it names the run dir: `../x` would leave outputs/<date>/
             run_dir = Path(cfg.hydra.run.dir).absolute()
             cfg.paths.output_dir = str(_fresh_dir(run_dir) if _names_a_new_run(cfg) else run_dir)
         del cfg["hydra"]  # its `${hydra:...}` values resolve only inside a Hydra app
@@ -159,7 +162,9 @@ def run_logging(run_dir: Path):
     """The command line's job logging for one run, undone on exit: every log line at INFO into
     `<run dir>/train.log`; the console gets WARNING and above (Lightning's INFO lines, accelerator found and tips,
     only the file), through the caller's own root handlers when it has some."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from topp_rl.run.rundir import check_run_dir_writable
+
+    check_run_dir_writable(run_dir)  # before the log file opens in it: a clear error naming the dir
     root = logging.getLogger()
     touched = [root, *(logging.getLogger(name) for name in LIGHTNING_LOGGERS)]
     saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in touched]

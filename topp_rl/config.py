@@ -8,7 +8,9 @@ can do is asked of its class (`_target_`), never guessed from names.
 import dataclasses
 import difflib
 import inspect
+import math
 import typing
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import get_object
@@ -19,6 +21,7 @@ from topp_rl.callbacks.weight_sync import WeightSync
 from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.data.params import SamplingParams
 from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Timeouts
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -60,6 +63,84 @@ def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:
     if value < 1:
         _fail(key, value, "an integer >= 1", fix)
     return value
+
+
+@dataclass(frozen=True)
+class NumberRange:
+    """The values a numeric key may take: finite, an integer where `integer`, in [low, high] ((low, high] where
+    `low_open`), and an example value for the fix."""
+
+    low: float
+    high: float
+    example: float
+    integer: bool = False
+    low_open: bool = False
+    unit: str = ""
+
+    def holds(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        return (value > self.low if self.low_open else value >= self.low) and value <= self.high
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        unit = f" of {self.unit}" if self.unit else ""
+        return f"{kind}{unit} in {'(' if self.low_open else '['}{_plain(self.low)}, {_plain(self.high)}]"
+
+
+def _plain(x: float) -> str:
+    """A bound as typed: 86400, 2147483647, 0.5 (not 86400.0 or 2.14748e+09)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _seconds(example: float, *, zero_ok: bool = False) -> NumberRange:
+    """A wait: finite, at most a day (`MAX_WAIT_S`, the serving client's own bound), > 0 unless `zero_ok`."""
+    return NumberRange(0, MAX_WAIT_S, example, low_open=not zero_ok, unit="seconds")
+
+
+def _count(low: int, high: int, example: int) -> NumberRange:
+    return NumberRange(low, high, example, integer=True)
+
+
+# Every numeric key of the engine groups (rollout/embedded, rollout/sglang, rollout/step/*), shipped or one `+` may
+# add that the constructor reads; checked where present. Waits are finite and at most a day, counts sane.
+ENGINE_NUMBERS: dict[str, NumberRange] = {
+    **{f"rollout.engine.timeouts.{f.name}": _seconds(f.default, zero_ok=f.name in Timeouts.ALLOWANCES)
+       for f in dataclasses.fields(Timeouts)},
+    "rollout.engine.retries.max_retries": _count(0, MAX_RETRIES, Retries.max_retries),
+    "rollout.engine.retries.backoff_s": _seconds(Retries.backoff_s, zero_ok=True),
+    "rollout.engine.retries.max_backoff_s": _seconds(Retries.max_backoff_s, zero_ok=True),
+    "rollout.engine.num_servers": _count(1, 1024, 1),
+    "rollout.engine.weight_bucket_bytes": _count(1, 2**40, 536870912),
+    "rollout.engine.max_concurrency": _count(1, 65536, 64),
+    "rollout.engine.max_batch_size": _count(1, 65536, 64),
+    "rollout.engine.progress_interval_s": _seconds(30, zero_ok=True),
+    "rollout.engine.router_kwargs.max_retries": _count(0, MAX_RETRIES, 3),
+    "rollout.engine.router_kwargs.max_backoff_ms": _count(1, int(MAX_WAIT_S * 1000), 2000),
+    "rollout.engine.router_kwargs.health_check_interval_s": _count(1, int(MAX_WAIT_S), 5),
+    "rollout.engine.router_kwargs.startup_timeout_s": _seconds(60),
+    "rollout.engine.server_kwargs.max_total_tokens": _count(1, 2**31 - 1, 8192),
+    "rollout.engine.server_kwargs.startup_timeout_s": _seconds(240),
+    "rollout.engine.server_kwargs.progress_interval_s": _seconds(30, zero_ok=True),
+    "rollout.step.env_timeout_s": _seconds(30),
+    "rollout.step.agent_timeout_s": _seconds(120),
+    "rollout.step.max_failed_frac": NumberRange(0, 1, 0.5),
+}
+
+
+def validate_engine_numbers(cfg: DictConfig) -> None:
+    """Every `ENGINE_NUMBERS` key the config sets lies in its range: `abc`, `inf` and a billion retries fail
+    here naming the key, not as a TypeError when the engine or step is built, or as a wait without end."""
+    for key, allowed in ENGINE_NUMBERS.items():
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent, default=None)
+        if not isinstance(node, DictConfig) or name not in node:
+            continue
+        value = node[name]
+        if not allowed.holds(value):
+            _fail(key, value, allowed.describe(), f"set {key} in that range, e.g. {key}={_plain(allowed.example)}")
 
 
 def target_class(node: DictConfig) -> Any:
@@ -538,6 +619,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     """Raise ValueError on the first invalid setting (see module docstring). `check_rewards=False`: the task's
     rewards are Python callables given to `topp_rl.fit` (the config records their names, which need not import)."""
     validate_known_keys(cfg)
+    validate_engine_numbers(cfg)  # before validate_targets builds Timeouts / Retries from them
     validate_targets(cfg)
     validate_booleans(cfg)
     validate_sampling(cfg)

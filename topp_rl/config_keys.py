@@ -88,6 +88,12 @@ def parallel_keys() -> dict[str | None, tuple[frozenset[str], tuple[str, ...]]]:
     return {target: (frozenset(keys[target]), tuple(names[target])) for target in keys}
 
 
+@functools.cache
+def parallel_options() -> dict[str, dict]:
+    """Each parallel/ option's name -> the `parallel` node it sets (with its defaults' keys: tp2 -> megatron's)."""
+    return {path.stem: _parallel_node(path) for path in sorted((config_dir() / "parallel").glob("*.yaml"))}
+
+
 def _known_keys(cfg: DictConfig, section: str) -> frozenset[str]:
     if section != "rollout":
         return shipped_keys()[section]

@@ -58,17 +58,13 @@ from topp_rl.megatron.dist_opt import ShardedOptimizer, tied_copy
 from topp_rl.megatron.grads import GradSync, is_expert_param
 from topp_rl.megatron.stage_state import global_param_names, restage
 from topp_rl.parallel import ParallelLayout
-from topp_rl.parallel.capabilities import StrategyCapabilities
+from topp_rl.parallel.capabilities import WEIGHTS_ONLY_WAY_OUT, Layout, StrategyCapabilities
 from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.parallel.plan import ParallelPlan, check_sizes, check_virtual_stages
 from topp_rl.trainer.backbone import HFBackbone
 from topp_rl.trainer.precision import LossScaledFP16
 
 _MODEL_SLOTS = ("policy", "reference")
-# The way out of a resume refused for its optimizer layout: the checkpoint's weights load at any layout through an
-# HF export (no step, optimizer or rollout state: a new run). There is no weights-only resume key.
-WEIGHTS_ONLY_WAY_OUT = ("to go on from its weights alone at this layout, export them (python -m topp_rl.export "
-                        "<ckpt> OUT) and start a new run on them (model=hf_path model.path=OUT, no ckpt_path)")
 
 
 VPP_DIST_OPT_REFUSAL = (
@@ -103,7 +99,25 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         self.layout: ParallelLayout | None = None  # built once in setup_environment, from the process groups
         self._grad_syncs: list[GradSync] = []
 
+    @classmethod
+    def resume_refusal(cls, saved: Layout, wanted: Layout) -> str | None:
+        """What `load_optimizer_state_dict` would refuse, asked at start from the two configs: the optimizer state
+        restores at the saved TP / EP sizes (any cp, pp, vpp and device count); the sharded optimizer's at the
+        saved (world, tp, cp, pp) and setting only."""
+        if (saved.tp, saved.ep) != (wanted.tp, wanted.ep):
+            return ("the optimizer state is stored per TP x EP rank and restores at the saved tp_size and ep_size "
+                    "only (cp_size, pp_size, vpp_size and the device count may change)")
+        if saved.distributed_optimizer != wanted.distributed_optimizer:
+            return ("the optimizer state is sharded with parallel.distributed_optimizer=true and whole without it: "
+                    "it restores at the saved setting only")
+        sharded = (saved.world, saved.cp, saved.pp), (wanted.world, wanted.cp, wanted.pp)
+        if saved.distributed_optimizer and sharded[0] != sharded[1] and None not in (saved.world, wanted.world):
+            return ("the distributed optimizer's sharded state restores at the saved (world size, cp_size, pp_size) "
+                    "only")
+        return None
+
     # ---- process groups -------------------------------------------------------------------------------------
+
     def setup_distributed(self) -> None:
         super().setup_distributed()
         from megatron.core import parallel_state as ps

@@ -206,6 +206,7 @@ class LastCheckpoint(Checkpoint):
         self.path = Path(dirpath) / "last.ckpt"
         self.every_n_steps = every_n_steps
         self.saved_step: int | None = None  # the step last.ckpt holds, once this run or a resumed one wrote it
+        self.saving = False  # a save is being written (a second Ctrl-C then waits for it: `StopOnSignal`)
 
     @property
     def state_key(self) -> str:
@@ -213,7 +214,11 @@ class LastCheckpoint(Checkpoint):
 
     def save(self, trainer) -> None:
         self.saved_step = trainer.global_step  # before the save: it is part of the saved state
-        trainer.save_checkpoint(self.path)
+        self.saving = True
+        try:
+            trainer.save_checkpoint(self.path)
+        finally:
+            self.saving = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:

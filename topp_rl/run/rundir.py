@@ -11,25 +11,35 @@ A run dir (`paths.output_dir`) holds one run:
   refused start overwrite the first run's; conf/config.yaml sets `hydra.output_subdir: null` and `RunDir`
   writes the same files once the start is accepted.
 
-A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over. A resume must find its
-checkpoint, and the checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
+A dir that holds a run is only resumed (`ckpt_path=last`), never restarted over (one whose run saved no checkpoint
+is neither: the refusal offers deleting it or another dir). A resume must find its checkpoint, at a parallel layout
+the checkpoint restores at (the strategy class says which: `StrategyCapabilities.resume_refusal`), and the
+checkpoint's recorded config must agree with this one on `resume.guarded_keys` unless
 `resume.allow_config_change=true`. Only the launching rank (global rank 0) owns the dir; the ranks Lightning
 starts later only resolve the checkpoint path.
+
+On the command line `RunDirCheck` (a Hydra callback) refuses a `run_name` that is not one directory name and a run
+dir that cannot be written, before Hydra creates the dir and opens `train.log` in it.
 """
 
 import fcntl
 import glob
 import os
 import secrets
+import shlex
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl.parallel.capabilities import capabilities_of
+from topp_rl.config_keys import parallel_options
+from topp_rl.parallel.capabilities import WEIGHTS_ONLY_WAY_OUT, Layout, capabilities_of
 from topp_rl.run.checkpoint import RECORD_KEY, read_checkpoint, temp_writer
 from topp_rl.run.sharded_checkpoint import is_sharded, read_meta, remove_unreferenced, single_file_refusal
 
@@ -79,8 +89,9 @@ class RunDirLock:
             self.fd = None
 
 
-# ----- checkpoint dir -----
-def probe_writable(directory: Path) -> None:
+# ----- run dir and checkpoint dir -----
+def probe_writable(directory: Path, *, what: str = "checkpoint dir",
+                   holds: str = "checkpoints and the SIGTERM save go there") -> None:
     """Create `directory` and write + remove a probe file in it, so a bad dir fails now, not at the first save."""
     probe = directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
     try:
@@ -89,9 +100,54 @@ def probe_writable(directory: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ValueError(
-            f"checkpoint dir {directory} is not writable ({type(err).__name__}: {err}); checkpoints and the "
-            f"SIGTERM save go there: fix the path or its permissions, or point hydra.run.dir at a writable dir"
+            f"{what} {directory} is not writable ({type(err).__name__}: {err}); {holds}: fix the path or its "
+            f"permissions, or point hydra.run.dir at a writable dir"
         ) from err
+
+
+def check_run_dir_writable(run_dir: Path) -> None:
+    """The run dir can be created and written, checked before the log file is opened in it (Hydra's logging setup
+    failed with a bare "Unable to configure handler 'file'" on a read-only dir)."""
+    probe_writable(run_dir, what="run dir", holds="the run's log (train.log), config and checkpoints go there")
+
+
+# What a run name may not be: it names a directory under outputs/<date>/ (conf/config.yaml's hydra.run.dir).
+_NOT_IN_NAMES = ("/", "\\", "\0")
+
+
+def check_run_name(name: Any) -> None:
+    """`run_name` is one directory name: a separator or `..` would put the run dir outside outputs/<date>/."""
+    if str(name) not in (".", "..") and not any(c in str(name) for c in _NOT_IN_NAMES):
+        return
+    raise ValueError(
+        f"config run_name={name!r}: must be one directory name, without '/', '\\' or NUL, and not '.' or '..' "
+        "(the run dir is outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, "
+        "or hydra.run.dir to the dir the run should use"
+    )
+
+
+class RunDirCheck(Callback):
+    """Hydra callback (conf/config.yaml `hydra.callbacks`): the run name and the run dir are checked before Hydra
+    creates the dir and opens the log file in it. Hydra turns a callback's exception into a warning and goes on,
+    so a refusal prints its message and exits with status 1 here."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with _exit_on_refusal():
+            check_run_name(config.get("run_name", ""))
+            check_run_dir_writable(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with _exit_on_refusal():  # each job's dir name is made safe (`topp_rl.run.sweep.job_subdir`)
+            check_run_dir_writable(Path(config.hydra.sweep.dir))
+
+
+@contextmanager
+def _exit_on_refusal() -> Iterator[None]:
+    try:
+        yield
+    except ValueError as err:
+        print(f"[topp_rl] {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -143,6 +199,8 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
         return None
 
     path = checkpoint_dir / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
+    if not (path.is_file() or is_sharded(path)) and (checkpoint_dir.parent / "config.yaml").exists():
+        raise ValueError(f"ckpt_path={ckpt_path}: no checkpoint at {path}: {no_checkpoint_run(checkpoint_dir.parent)}")
     if not (path.is_file() or is_sharded(path)):
         raise ValueError(
             f"ckpt_path={ckpt_path}: no checkpoint at {path}, so there is nothing to resume; drop ckpt_path to "
@@ -179,6 +237,49 @@ def check_checkpoint_format(cfg: DictConfig, path: Path) -> None:
             f"any trainer.devices), or export its weights (python -m topp_rl.export {path} <hf dir>) and start a "
             f"new run from model=hf_path model.path=<hf dir>"
         )
+
+
+# The parallel.* keys a layout override sets, with the Layout field each one fills.
+_LAYOUT_KEYS = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep", "pp_size": "pp", "vpp_size": "vpp",
+                "distributed_optimizer": "distributed_optimizer"}
+
+
+def layout_override(layout: Layout) -> str:
+    """The overrides that select `layout`: the parallel/ option of its strategy nearest to it (fewest keys apart,
+    `parallel=tp2`), plus `parallel.<key>=<value>` for each key it differs on, plus trainer.devices / num_nodes."""
+    def apart(node: dict) -> list[str]:
+        return [f"parallel.{key}={str(getattr(layout, field)).lower()}" for key, field in _LAYOUT_KEYS.items()
+                if node.get(key, False if key == "distributed_optimizer" else 1) != getattr(layout, field)]
+
+    options = [(name, node) for name, node in parallel_options().items()
+               if current_path((node.get("strategy") or {}).get("_target_")) == current_path(layout.strategy)]
+    if not options:  # a strategy no shipped option names: the user's own config
+        return f"parallel.strategy._target_={layout.strategy}"
+    name, node = min(options, key=lambda option: (len(apart(option[1])), option[0]))
+    words = [f"parallel={name}", *apart(node), f"trainer.devices={layout.devices}"]
+    return " ".join(words + ([f"trainer.num_nodes={layout.num_nodes}"] if layout.num_nodes != 1 else []))
+
+
+def check_resume_layout(cfg: DictConfig, checkpoint: Path, recorded: dict | None) -> None:
+    """Refuse, before anything is built, a resume at a parallel layout the checkpoint cannot restore at (Lightning's
+    load failed late, some layouts with a raw `Missing key(s) in state_dict`); the strategy class says which
+    changes it restores across (`StrategyCapabilities.resume_refusal`: Megatron's pp / vpp / cp do)."""
+    if recorded is None:
+        return  # nothing to compare with: check_resume_config refuses or says so
+    saved = Layout.of(recorded)
+    wanted = Layout.of({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("parallel", "trainer")})
+    if current_path(saved.strategy) != current_path(wanted.strategy):
+        reason = ("a checkpoint resumes under the parallel strategy that wrote it (each lays out the weights and the "
+                  "optimizer state its own way)")
+    else:
+        reason = capabilities_of(get_class(wanted.strategy) if wanted.strategy else None).resume_refusal(saved, wanted)
+    if reason is None:
+        return
+    raise ValueError(
+        f"checkpoint {checkpoint} was saved at {layout_override(saved)} ({saved.sizes()}), this run asks for "
+        f"{layout_override(wanted)} ({wanted.sizes()}): {reason}; resume with the saved layout (add "
+        f"{layout_override(saved)} to the resume command), or {WEIGHTS_ONLY_WAY_OUT}"
+    )
 
 
 def report_versioned_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -292,6 +393,17 @@ def check_resume_config(cfg: DictConfig, checkpoint: Path, old: dict | None) -> 
     _say(f"resuming {checkpoint} with changed settings (resume.allow_config_change=true): {listed}")
 
 
+def no_checkpoint_run(run_dir: Path) -> str:
+    """What to do with a run dir whose run left `config.yaml` but no checkpoint: a fresh start there is refused
+    (it holds a run) and so is `ckpt_path=last` (nothing to resume), so the way on is a dir without a run."""
+    how = ("it finished with checkpoint.every_n_steps=0" if (run_dir / "summary.json").exists()
+           else "its start ended before its first save")
+    return (f"run dir {run_dir} holds a run that saved no checkpoint (config.yaml, no checkpoints/last.ckpt: {how}), "
+            f"so there is nothing to resume; start it over by deleting the dir (rm -r {shlex.quote(str(run_dir))}) "
+            f"and running the same command without ckpt_path, or start this run in a new dir (another "
+            f"hydra.run.dir)")
+
+
 def _existing_run(run_dir: Path) -> str | None:
     for name in ("config.yaml", "checkpoints/last.ckpt"):
         if (run_dir / name).exists():
@@ -356,11 +468,7 @@ class RunDir:
         if not self.owner:
             self.resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), self.checkpoint_dir)
             return
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"run dir {self.path} cannot be created ({type(err).__name__}: {err}); point "
-                             f"hydra.run.dir (or paths.output_dir) at a writable place") from err
+        check_run_dir_writable(self.path)
         self.lock = RunDirLock(self.path).acquire()
         try:
             probe_writable(self.checkpoint_dir)
@@ -370,6 +478,8 @@ class RunDir:
             for path in remove_unreferenced(self.checkpoint_dir, keep=(self.resume_from,) if self.resume_from else ()):
                 _say(f"removed {path}, a sharded checkpoint no link names (a save cut short, or superseded)")
             if self.resume_from is None and (found := _existing_run(self.path)):
+                if not (self.checkpoint_dir / "last.ckpt").exists():
+                    raise ValueError(no_checkpoint_run(self.path))
                 raise ValueError(
                     f"run dir {self.path} already holds a run ({found}); resume it with ckpt_path=last, or start "
                     f"this run in a new dir (another hydra.run.dir), or delete {self.path} to start over"
@@ -377,6 +487,7 @@ class RunDir:
             if self.resume_from is not None:
                 check_checkpoint_format(cfg, self.resume_from)
                 recorded, self.resume_step = read_record(self.resume_from)
+                check_resume_layout(cfg, self.resume_from, recorded)
                 check_resume_config(cfg, self.resume_from, recorded)
                 _say(f"resuming from {self.resume_from} (step {self.resume_step})")
             write_hydra_files(cfg)  # accepted: a new run, or a resume (.hydra/ holds the latest start, as in Hydra)

@@ -6,7 +6,9 @@ two bytecodes of whatever the main thread was doing, so on two ranks that broadc
 of the step's collectives (an FSDP all-gather on one rank, a barrier on the other) and gloo waits forever (seen:
 both ranks of a `parallel=fsdp` run blocked in `broadcast` under `_sigterm_notifier_fn`). `StopOnSignal`
 replaces it for the run:
-- the handler only records the signal (a second Ctrl-C still exits at once, unsaved);
+- the handler only records the signal (a second Ctrl-C during the step still exits at once, unsaved; once the
+  step ended and the stop's save began, it waits for the save: cutting a save keeps nothing new, and a rank leaving
+  a collective save mid-way leaves its peers waiting);
 - at every step boundary the ranks all-reduce (max) the signal each received, so a signal to any rank (rank 0
   alone: `kill PID`, `timeout`; the whole group: Ctrl-C, a SLURM time limit, a preemption) stops all of them
   after the same step; Lightning's own check at the end of that step then raises `SIGTERMException` on every
@@ -60,6 +62,8 @@ class StopOnSignal(Callback):
         self.received: int | None = None  # the first stop signal this rank got
         self.signum: int | None = None  # the one the ranks agreed on
         self._rank = 0
+        self._saver: LastCheckpoint | None = None  # the run's checkpoint writer: is a save being written?
+        self._told_saving = False
         self._previous_handlers: dict[int, Any] = {}
         self._previous_wakeup_fd: int | None = None
         self._wakeup_write: int | None = None
@@ -69,6 +73,7 @@ class StopOnSignal(Callback):
     # ---- handlers: installed for the training loop, replacing Lightning's (registered just before) -------------
     def on_train_start(self, trainer, pl_module) -> None:
         self._rank = trainer.global_rank
+        self._saver = _callback(trainer, LastCheckpoint)
         if threading.current_thread() is threading.main_thread():  # signal handlers can be set there only
             self._install()
 
@@ -106,7 +111,21 @@ class StopOnSignal(Callback):
             print(f"\n[topp_rl]{self._rank_tag()} {_name(signum)}: saving a checkpoint after the current "
                   f"step{unsaved}", flush=True)
         elif signum == signal.SIGINT and self.received == signal.SIGINT:
+            if self._stop_is_saving():
+                self._say_saving()
+                return
             raise KeyboardInterrupt("second Ctrl-C: exiting now, without a checkpoint of the current step")
+
+    def _stop_is_saving(self) -> bool:
+        """The step is over and the stop's save under way (agreed on, or the periodic save of the stop's step)."""
+        return self.signum is not None or (self._saver is not None and self._saver.saving)
+
+    def _say_saving(self) -> None:
+        if not self._told_saving:
+            self._told_saving = True
+            print(f"\n[topp_rl]{self._rank_tag()} Ctrl-C again during the stop: finishing the checkpoint save first "
+                  f"(a cut save keeps nothing new; checkpoint.stop_timeout_s={self.timeout_s:g} bounds it, and kill "
+                  f"-9 {os.getpid()} abandons it, last.ckpt still naming the last complete checkpoint)", flush=True)
 
     def _watch_wakeups(self, read_fd: int) -> None:
         """The wakeup fd gets one byte per signal, written by the C-level handler even while the main thread is

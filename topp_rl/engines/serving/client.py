@@ -12,13 +12,14 @@ The engine names its servers in every message (`label`, e.g. "SGLang"); the endp
 import contextlib
 import difflib
 import json
+import math
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import requests
 import urllib3
@@ -41,10 +42,23 @@ class Bound:
     how: str  # how first_byte_s was derived, for the error message
 
 
+# The longest any one wait may be bounded by, and the most retries of a call: a larger value is a unit mistake
+# (milliseconds for seconds) or a way to wait forever, and is refused.
+MAX_WAIT_S = 86_400.0  # a day
+MAX_RETRIES = 100
+
+
+def is_seconds(value: Any, *, zero_ok: bool) -> bool:
+    """A finite number of seconds in (0, MAX_WAIT_S] (or [0, MAX_WAIT_S] when `zero_ok`); bools are not numbers."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return (value >= 0 if zero_ok else value > 0) and value <= MAX_WAIT_S
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every wait on a server, in seconds (the config's `rollout.engine.timeouts.*`). Bases must be > 0, the
-    per-token / per-GB allowances >= 0: every wait needs a finite bound."""
+    per-token / per-GB allowances >= 0, each finite and at most `MAX_WAIT_S`: every wait needs a finite bound."""
 
     connect_s: float = 10.0
     first_byte_s: float = 60.0  # + per_token_s x (prompt + max_new_tokens) of a /generate
@@ -53,14 +67,15 @@ class Timeouts:
     weight_update_s: float = 120.0  # + per_gb_s x GB of a weight-update call
     per_gb_s: float = 60.0
 
+    ALLOWANCES: ClassVar[tuple[str, ...]] = ("per_token_s", "per_gb_s")  # may be 0; the bases may not
+
     def __post_init__(self) -> None:
-        allowances = ("per_token_s", "per_gb_s")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        bad = {k: v for k, v in values.items() if not (v >= 0 if k in allowances else v > 0)}
+        bad = {k: v for k, v in values.items() if not is_seconds(v, zero_ok=k in self.ALLOWANCES)}
         if bad:
             raise ValueError(
-                f"timeouts {bad} out of range: bases must be > 0, per-token / per-GB allowances >= 0 (every wait "
-                "needs a finite bound); pass positive values"
+                f"timeouts {bad} out of range: bases must be > 0, per-token / per-GB allowances >= 0, each a finite "
+                f"number of seconds <= {MAX_WAIT_S:g} (every wait needs a finite bound); pass values in that range"
             )
 
     def call(self, *, tokens: int = 0) -> Bound:
@@ -88,11 +103,13 @@ class Retries:
     max_backoff_s: float = 8.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_retries, int) and self.max_retries >= 0 and self.backoff_s >= 0
-                and self.max_backoff_s >= 0):  # fmt: skip
+        count = self.max_retries
+        if not (isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_RETRIES
+                and is_seconds(self.backoff_s, zero_ok=True) and is_seconds(self.max_backoff_s, zero_ok=True)):
             raise ValueError(
-                f"max_retries ({self.max_retries!r}) must be an integer >= 0, backoff_s ({self.backoff_s}) and "
-                f"max_backoff_s ({self.max_backoff_s}) >= 0"
+                f"max_retries ({count!r}) must be an integer >= 0, backoff_s ({self.backoff_s!r}) and "
+                f"max_backoff_s ({self.max_backoff_s!r}) >= 0; at most {MAX_RETRIES} retries and finite backoffs of "
+                f"at most {MAX_WAIT_S:g} s"
             )
 
     def delay(self, attempt: int) -> float:
