@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from topp_rl.data.prompt import PromptRecord
+from topp_rl.tasks.rewards import reward_number, shown_reward
 
 EnvOutput = str | Sequence[int] | None  # text, token ids, or None: the trajectory ends here
 EnvReward = float | Mapping[str, Any]  # a float, or {"score": float, ...}
@@ -51,18 +52,97 @@ class Environment(Protocol):
     def start(self, record: PromptRecord) -> Episode | Awaitable[Episode]: ...
 
 
-class EnvTimeout(Exception):
+# Faults of user code (an environment's or an agent's), each ending only its trajectory, counted per kind
+# (`rollout/env_errors/<kind>`; a timeout in `rollout/env_timeouts`):
+EXCEPTION = "exception"  # it raised (any exception, SystemExit / KeyboardInterrupt / GeneratorExit included)
+BAD_RETURN = "bad_return"  # `start` returned no Episode, or `respond` something other than text, token ids or None
+BAD_REWARD = "bad_reward"  # a reward / score that is not a finite number within the cap (`reward_number`)
+FOREIGN_TRAJECTORY = "foreign_trajectory"  # an agent's client sent a request to another trajectory's URL
+NO_REQUEST = "no_request"  # an agent returned without asking the endpoint
+FAULT_KINDS = (EXCEPTION, BAD_RETURN, BAD_REWARD, FOREIGN_TRAJECTORY, NO_REQUEST)
+TIMEOUT = "timeout"  # a call ran past its timeout
+
+
+class EnvFault(Exception):
+    """User code in an environment or an agent failed (`kind`: one of `FAULT_KINDS`, or `TIMEOUT`). An Exception
+    whatever the user's code raised, so that nothing but a real signal leaves the step as a BaseException."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class EnvTimeout(EnvFault):
     """An environment call ran past its timeout."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(TIMEOUT, message)
 
-async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """`fn(*args)` bounded by `timeout_s`: awaited when it is `async def`, else run on a daemon worker thread
-    (`_WORKERS`); past the timeout the awaiting coroutine gives up and the call is left behind."""
+
+def raised(fn: Callable[..., Any], error: BaseException) -> EnvFault:
+    """The fault of `fn` raising `error`: user code runs on threads other than the main one, where no signal is
+    delivered, so a KeyboardInterrupt or SystemExit there is the code's own."""
+    return EnvFault(EXCEPTION, f"{_name(fn)} raised {type(error).__name__}: {error}")
+
+
+async def contained(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """`await fn(*args)` with whatever it raises as an `EnvFault`: asyncio re-raises a task's KeyboardInterrupt /
+    SystemExit out of the event loop itself, so they are turned into a fault before they reach the task. A
+    cancellation of this call (its timeout) goes through."""
+    try:
+        return await fn(*args)
+    except BaseException as e:
+        if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+            raise
+        raise raised(fn, e) from e
+
+
+class EnvLoop:
+    """A step's event loop for async environment methods, on a daemon thread of its own: the step's loop waits on
+    each call with its timeout, so an async method that blocks its loop (a sync sleep in an `async def`) times
+    out its calls instead of the step; the blocked thread is left behind (`close`)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="topp_rl-env-loop", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        tasks = asyncio.all_tasks(self.loop)  # the calls that timed out: cancelled, let unwind
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.close()
+
+    def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
+        """`fn(*args)` on this loop, as a future of the calling loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(contained(fn, *args), self.loop))
+
+    def close(self) -> None:
+        """Stop the loop once it is free (now, unless a call blocks it; a blocked thread stays behind)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, loop: EnvLoop, key: str) -> Any:
+    """`fn(*args)` bounded by `timeout_s` (named by the config `key` in the message): on `loop` when it is
+    `async def`, else on a daemon worker thread (`_WORKERS`); past the timeout the call is left behind. Whatever
+    the call raises comes back as an `EnvFault`."""
     if inspect.iscoroutinefunction(fn):
-        try:
-            return await asyncio.wait_for(fn(*args), timeout_s)
-        except TimeoutError as e:
-            raise EnvTimeout(f"{_name(fn)} took longer than {timeout_s} s") from e
+        future, hint = loop.submit(fn, *args), (" (an async method that blocks its event loop, e.g. with time.sleep "
+                                                "or sync I/O, stalls every async call of the step)")
+    else:
+        future, hint = _on_worker(fn, *args), ""
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except TimeoutError as e:
+        raise EnvTimeout(f"{_name(fn)} took longer than {key}={timeout_s} s{hint}") from e
+
+
+def _on_worker(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` on a worker thread, as a future of the calling loop."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -79,16 +159,13 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
     def work() -> None:
         try:
             result = fn(*args)
-        except BaseException as e:  # handed to the awaiting coroutine, which decides
-            post(future.set_exception, e)
+        except BaseException as e:  # the code's own, whatever it is (no signal reaches this thread)
+            post(future.set_exception, raised(fn, e))
         else:
             post(future.set_result, result)
 
     _WORKERS.submit(work)
-    try:
-        return await asyncio.wait_for(future, timeout_s)
-    except TimeoutError as e:
-        raise EnvTimeout(f"{_name(fn)} took longer than {timeout_s} s") from e
+    return future
 
 
 class _Workers:
@@ -123,16 +200,20 @@ _WORKERS = _Workers()
 
 
 def reward_value(reward: EnvReward) -> tuple[float, dict[str, Any]]:
-    """(score, other entries) of an episode's reward."""
+    """(score, other entries) of an episode's reward or an agent's return value: a number, or a mapping with a
+    number under 'score'; an `EnvFault` (bad_reward) naming the rule it breaks otherwise (`reward_number`)."""
+    score, info = reward, {}
     if isinstance(reward, Mapping):
         if "score" not in reward:
-            raise ValueError(f"an episode's reward mapping {dict(reward)!r} has no 'score'; return a float, or "
-                             "a mapping with a float 'score'")
-        return float(reward["score"]), {k: v for k, v in reward.items() if k != "score"}
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise ValueError(f"an episode's reward is a {type(reward).__name__} ({reward!r}); return a float, or a "
-                         "mapping with a float 'score'")
-    return float(reward), {}
+            raise EnvFault(BAD_REWARD, f"the reward mapping {dict(reward)!r:.200} has no 'score'; return a number, "
+                           "or a mapping with a number under 'score'")
+        score, info = reward["score"], {k: v for k, v in reward.items() if k != "score"}
+    try:
+        return reward_number(score), info
+    except ValueError as e:
+        what = "the reward's 'score'" if isinstance(reward, Mapping) else "the reward"
+        raise EnvFault(BAD_REWARD, f"{what} is {shown_reward(score)}: {e}; return a finite number, or a mapping "
+                       "with one under 'score'") from None
 
 
 def _name(fn: Callable[..., Any]) -> str:
