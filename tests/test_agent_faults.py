@@ -4,13 +4,14 @@ included; returns a bad reward or a bad answer; blocks its event loop) ends only
 and `max_failed_frac` sees it; a real Ctrl-C still reaches the run. A trajectory that reaches the model's context
 ends truncated, and a budget the context cannot hold is refused."""
 
-import asyncio
+import math
 import os
 import signal
 import threading
 import types
 
 import pytest
+from helpers import compose_cfg, metric_columns
 
 from topp_rl.data import SamplingParams
 from topp_rl.data.sample import SampleStatus
@@ -20,7 +21,8 @@ from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.run.stop import StopOnSignal
 from topp_rl.tasks.environment import FAULT_KINDS
-from topp_rl.tasks.lookup import LookupTask
+from topp_rl.tasks.lookup import LookupEnvironment, LookupTask
+from topp_rl.train import train
 
 TOK = build_char_tokenizer()
 ONE = SamplingParams(top_p=0.9, max_new_tokens=3, n=1)
@@ -270,3 +272,43 @@ def test_a_trajectory_that_reaches_the_models_context_ends_truncated():
                                          r"2048 tokens .* set rollout.max_trajectory_tokens below 2048 less the "
                                          r"longest prompt"):
         check_context(max_trajectory_tokens=4096, context=2048)
+
+
+class MixedFaults(LookupEnvironment):
+    """The lookup environment, whose episodes of records 4k, 4k+1, 4k+2 raise SystemExit, raise KeyboardInterrupt
+    and return a NaN reward; records 4k+3 play."""
+
+    def start(self, record):
+        episode = super().start(record)
+        fault = record.index % 4
+        if fault == 0:
+            episode.respond = _raises(SystemExit(3))
+        elif fault == 1:
+            episode.respond = _raises(KeyboardInterrupt())
+        elif fault == 2:
+            episode.reward = lambda: float("nan")
+        return episode
+
+
+def _raises(error: BaseException):
+    def respond(turn):
+        raise error
+    return respond
+
+
+def test_a_run_trains_through_faults_counting_them_by_kind(tmp_path):
+    """A whole run (`train`): every step, 3 of 4 records' environments fail (SystemExit, KeyboardInterrupt, a NaN
+    reward); the run trains on, and the logged counts say which fault failed how many trajectories."""
+    cfg = compose_cfg(tmp_path, "task=lookup", "logger=csv", "rollout.prompts_per_step=4", "rollout.n_samples=2",
+                      "trainer.max_steps=2", f"rollout.step.environment._target_={__name__}.MixedFaults",
+                      "rollout.step.max_failed_frac=0.8")
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    metrics = metric_columns(tmp_path)
+    assert metrics["rollout/env_errors/exception"] == [4.0, 4.0]  # 2 records x 2 trajectories a step
+    assert metrics["rollout/env_errors/bad_reward"] == [2.0, 2.0]
+    assert metrics["rollout/env_errors"] == metrics["rollout/trajectories_failed"] == [6.0, 6.0]
+    for kind in ("bad_return", "foreign_trajectory", "no_request"):
+        assert metrics[f"rollout/env_errors/{kind}"] == [0.0, 0.0], kind
+    assert metrics["rollout/context_ended"] == [0.0, 0.0]
+    assert all(math.isfinite(v) for v in metrics["train/loss"])

@@ -28,7 +28,15 @@ import torch
 
 from topp_rl.data import PromptRecord
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.tasks.environment import BAD_RETURN, FAULT_KINDS, TIMEOUT, EnvFault, EnvOutput, Episode, ModelTurn
+from topp_rl.tasks.environment import (
+    BAD_RETURN,
+    FAULT_KINDS,
+    TIMEOUT,
+    EnvFault,
+    EnvOutput,
+    Episode,
+    ModelTurn,
+)
 
 # Why a trajectory ended: the episode ended it, a budget (the model's context is one: no room for another
 # turn), or the engine aborted it (never trained on) ...
