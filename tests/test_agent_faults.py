@@ -90,9 +90,9 @@ class AsyncFaultyEpisode(FaultyEpisode):
 # record index -> (fault, expected kind, expected message)
 FAULTS = {
     0: ("exit", "exception", "FaultyEpisode.respond raised SystemExit: 3"),
-    1: ("interrupt", "exception", "FaultyEpisode.respond raised KeyboardInterrupt: "),
+    1: ("interrupt", "exception", "FaultyEpisode.respond raised KeyboardInterrupt"),
     2: ("async_exit", "exception", "AsyncFaultyEpisode.respond raised SystemExit: bye"),
-    3: ("generator_exit", "exception", "FaultyEpisode.respond raised GeneratorExit: "),
+    3: ("generator_exit", "exception", "FaultyEpisode.respond raised GeneratorExit"),
     4: ("nan", "bad_reward", "FaultyEpisode.reward: the reward is nan: rewards must be finite; return a finite "
         "number, or a mapping with one under 'score'"),
     5: ("inf", "bad_reward", "FaultyEpisode.reward: the reward is inf: rewards must be finite"),

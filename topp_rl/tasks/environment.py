@@ -82,7 +82,12 @@ class EnvTimeout(EnvFault):
 def raised(fn: Callable[..., Any], error: BaseException) -> EnvFault:
     """The fault of `fn` raising `error`: user code runs on threads other than the main one, where no signal is
     delivered, so a KeyboardInterrupt or SystemExit there is the code's own."""
-    return EnvFault(EXCEPTION, f"{_name(fn)} raised {type(error).__name__}: {error}")
+    return EnvFault(EXCEPTION, f"{_name(fn)} raised {describe(error)}")
+
+
+def describe(error: BaseException) -> str:
+    """`KeyError: 'x'`, or the bare type when the error has no message (`KeyboardInterrupt`)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 async def contained(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -98,14 +103,12 @@ async def contained(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
 
 
 class EnvLoop:
-    """A step's event loop for async environment methods, on a daemon thread of its own: the step's loop waits on
-    each call with its timeout, so an async method that blocks its loop (a sync sleep in an `async def`) times
-    out its calls instead of the step; the blocked thread is left behind (`close`)."""
+    """A step's event loop for async environment methods, on a daemon thread of its own (started at the first
+    call): the step's loop waits on each call with its timeout, so an async method that blocks its loop (a sync
+    sleep in an `async def`) times out its calls instead of the step; the blocked thread is left behind (`close`)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, name="topp_rl-env-loop", daemon=True)
-        self.thread.start()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -118,11 +121,14 @@ class EnvLoop:
 
     def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
         """`fn(*args)` on this loop, as a future of the calling loop."""
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self._serve, name="topp_rl-env-loop", daemon=True).start()
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(contained(fn, *args), self.loop))
 
     def close(self) -> None:
         """Stop the loop once it is free (now, unless a call blocks it; a blocked thread stays behind)."""
-        if not self.loop.is_closed():
+        if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 

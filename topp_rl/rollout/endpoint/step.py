@@ -46,7 +46,15 @@ from topp_rl.rollout.trajectory import (
 )
 from topp_rl.tasks import Task
 from topp_rl.tasks.agent_task import resolve_agent
-from topp_rl.tasks.environment import EXCEPTION, NO_REQUEST, TIMEOUT, EnvFault, contained, reward_value
+from topp_rl.tasks.environment import (
+    EXCEPTION,
+    NO_REQUEST,
+    TIMEOUT,
+    EnvFault,
+    contained,
+    describe,
+    reward_value,
+)
 
 GRACE_S = 10.0  # past agent_timeout_s, how long the step waits for an agent loop that does not answer at all
 API_KEY = "topp-rl"  # the endpoint checks none; the SDK wants one
@@ -117,7 +125,7 @@ class EndpointStep(RolloutStep):
                                  batcher)
         for i, t in enumerate(trajs):  # the agents' loop stopped before these settled
             if i in batcher.live:
-                cause = f"{type(stopped[0]).__name__}: {stopped[0]}" if stopped else "no outcome"
+                cause = describe(stopped[0]) if stopped else "no outcome"
                 self._settle(t, i, EXCEPTION, f"the agent {self.agent}'s event loop stopped ({cause})", batcher)
 
     async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle, tokens: list[str]) -> None:
@@ -139,8 +147,7 @@ class EndpointStep(RolloutStep):
                 settle(i, TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
                        f"{self.agent_timeout_s} s")
             except EnvFault as e:  # whatever the agent raised, SystemExit and KeyboardInterrupt included: counted
-                cause = e.__cause__
-                settle(i, e.kind, f"the agent {self.agent} raised {type(cause).__name__}: {cause}")
+                settle(i, e.kind, f"the agent {self.agent} raised {describe(e.__cause__)}")
             else:
                 settle(i, "ok", value)
 
