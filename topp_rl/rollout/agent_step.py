@@ -3,12 +3,14 @@
 Each record starts `params.n` trajectories, each with an `Episode` of the configured `Environment`
 (`topp_rl.tasks.environment`). Rounds run every live trajectory's next turn at once: ONE `engine.generate` call
 (n=1 per prompt) over the running ids of all waiting trajectories (prompt + every earlier turn's exact ids:
-never re-tokenised), then every episode's answer concurrently (async episodes on one event loop, sync ones on
-threads), each call bounded by `env_timeout_s`. A trajectory is one `Sample` (`topp_rl.rollout.trajectory`), or
-several when the engine answered other ids than the running ones (a prefix break starts a new sample): model tokens
-train, environment tokens have loss mask 0. Budgets: `max_turns` model turns and
-`max_trajectory_tokens` response tokens (model + environment); a trajectory that reaches one ends (status
-truncated, counted). An environment call that raises or times out ends only its trajectory (reward 0, counted);
+never re-tokenised), then every episode's answer concurrently (async methods on the step's environment event
+loop, a thread of its own; sync ones on worker threads), each call bounded by `env_timeout_s`. A trajectory is one
+`Sample` (`topp_rl.rollout.trajectory`), or several when the engine answered other ids than the running ones (a
+prefix break starts a new sample): model tokens train, environment tokens have loss mask 0. Budgets: `max_turns`
+model turns, `max_trajectory_tokens` response tokens (model + environment), and the model's context (no room for
+a turn of `max_new_tokens`); a trajectory that reaches one ends (status truncated, counted). A fault of the
+environment's code (`topp_rl.tasks.environment.EnvFault`: anything it raises, SystemExit and KeyboardInterrupt
+included; a bad answer or reward; a call past its timeout) ends only its trajectory (reward 0, counted by kind);
 more than `max_failed_frac` of a step's trajectories failing raises. Rewards come from the episodes.
 
 Departures from slime's multi-turn rollouts: no re-tokenisation of the transcript (slime re-applies the chat

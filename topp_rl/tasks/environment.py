@@ -5,8 +5,10 @@ the model writes a turn (`ModelTurn`: its exact token ids and their text), the e
 environment output - text (tokenised once by the loop) or token ids (appended as they are) - or ends the
 trajectory with `None`. When the trajectory has ended (by the episode, or by a budget) the loop asks the
 episode for its reward: a float, or a mapping with a float `score` (its other entries are kept in the sample's
-metadata). Every method may be a plain function or an `async def`: async ones run on the loop's event loop,
-sync ones on a thread of their own, each call bounded by the loop's timeout.
+metadata). Every method may be a plain function or an `async def`: async ones run on an event loop of the step's
+own (`EnvLoop`, a thread), sync ones on worker threads, each call bounded by the loop's timeout. Whatever goes
+wrong in the environment's code is an `EnvFault` of a kind (`FAULT_KINDS`, `TIMEOUT`) that ends only its
+trajectory; no signal is delivered off the main thread, so a KeyboardInterrupt raised there is the code's own.
 
 Environment tokens are context, never trained on: they get loss mask 0 (docs/agents.md).
 """

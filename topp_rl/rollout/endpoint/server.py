@@ -6,8 +6,10 @@ one model turn of its trajectory (`topp_rl.rollout.trajectory.Trajectory`): its 
 when they extend its ids exactly, else they start a new sample (a prefix break); the engine's turn is appended
 with its log-probs and kept sets. Responses carry the ids (`prompt_token_ids`, `completion_token_ids` on the
 choice). Budgets: a request past `max_turns` model turns, or one whose prompt leaves no room for a model token
-under `max_trajectory_tokens`, is refused (400) and ends the trajectory (truncated); a completion that would pass
-the token budget is cut at it. Every state change happens on the server's event loop.
+under `max_trajectory_tokens`, or one with no room for a turn of `max_new_tokens` in the model's context, is
+refused (400) and ends the trajectory (truncated); a completion that would pass the token budget is cut at it.
+Each trajectory's client sends its own token (`CLIENT_HEADER`): a request it sends to another trajectory's URL is
+refused (403) and fails the sender (foreign_trajectory). Every state change happens on the server's event loop.
 """
 
 from __future__ import annotations

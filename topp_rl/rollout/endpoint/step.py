@@ -9,11 +9,13 @@ Requests are batched into the engine by `TurnBatcher` (a round when every live t
 The agents run on an event loop of their own, on a daemon thread, and the server on the step's loop: an agent
 that blocks its loop (a sync sleep in an `async def`) cannot stall the server, and the step stops waiting for
 the agents `agent_timeout_s` + `GRACE_S` after they started, failing those still running (timeout). Each agent
-call is bounded by `agent_timeout_s` (engine time included). An agent that raises, times out, returns no number,
-or never asks the endpoint fails its trajectory (reward 0, counted in `rollout/env_errors` /
-`rollout/env_timeouts` / `rollout/trajectories_failed`, the message in the first sample's
-`metadata["env_error"]`); its model tokens still train (with reward 0), as in the agent loop. More than
-`max_failed_frac` of a step's trajectories failing raises. An engine failure raises.
+call is bounded by `agent_timeout_s` (engine time included). An agent that raises (anything: SystemExit and
+KeyboardInterrupt included, even from a task of its own, which stops the agents' loop), times out, returns no
+finite number within the reward cap, never asks the endpoint, or sends a request to another trajectory's URL
+fails its trajectory (reward 0, counted by kind in `rollout/env_errors/<kind>`, in `rollout/env_timeouts`, and in
+`rollout/trajectories_failed`, the message in the first sample's `metadata["env_error"]`); its model tokens still
+train (with reward 0), as in the agent loop. More than `max_failed_frac` of a step's trajectories failing raises.
+An engine failure raises.
 """
 
 from __future__ import annotations
