@@ -4,6 +4,7 @@ included; returns a bad reward or a bad answer; blocks its event loop) ends only
 and `max_failed_frac` sees it; a real Ctrl-C still reaches the run. A trajectory that reaches the model's context
 ends truncated, and a budget the context cannot hold is refused."""
 
+import asyncio
 import math
 import os
 import signal
@@ -84,6 +85,8 @@ class AsyncFaultyEpisode(FaultyEpisode):
     async def respond(self, turn):
         if self.fault == "async_exit":
             raise SystemExit("bye")
+        if self.fault == "async_cancelled":  # the code's own, not a cancellation of the call
+            raise asyncio.CancelledError("stop")
         return super().respond(turn)
 
 
@@ -106,6 +109,7 @@ FAULTS = {
     10: ("bytes", "bad_return", "FaultyEpisode.respond returned b'=1;' (bytes)"),
     11: ("floats", "bad_return", "FaultyEpisode.respond returned [1.5, 2] (list)"),
     12: ("start", "bad_return", "Faulty.start returned 'not an episode' (str); return an Episode"),
+    13: ("async_cancelled", "exception", "AsyncFaultyEpisode.respond raised CancelledError: stop"),
 }
 
 
@@ -135,13 +139,13 @@ def test_every_fault_of_environment_code_fails_only_its_trajectory_counted_by_ki
         assert (s.status, s.reward) == ((SampleStatus.ABORTED, None) if i == 12 else (SampleStatus.COMPLETED, 0.0))
     stats = step.stats(samples)
     counts = {kind: sum(k == kind for _, k, _ in FAULTS.values()) for kind in FAULT_KINDS}
-    assert counts == {"exception": 4, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0}
+    assert counts == {"exception": 5, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0}
     for kind in FAULT_KINDS:
         assert stats[f"rollout/env_errors/{kind}"] == (float(counts[kind]), 1.0), kind
-    assert stats["rollout/env_errors"] == stats["rollout/trajectories_failed"] == (13.0, 1.0)
+    assert stats["rollout/env_errors"] == stats["rollout/trajectories_failed"] == (14.0, 1.0)
     assert stats["rollout/env_timeouts"] == (0.0, 1.0)
     step.max_failed_frac = 0.5
-    with pytest.raises(RuntimeError, match=r"^13 of 15 trajectories failed this step \(share 0.87 > rollout.step."
+    with pytest.raises(RuntimeError, match=r"^14 of 16 trajectories failed this step \(share 0.88 > rollout.step."
                                            r"max_failed_frac=0.5\); first failure: exception: .*SystemExit: 3"):
         step.check(samples)
 
