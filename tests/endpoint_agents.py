@@ -164,3 +164,8 @@ async def grows_until_refused(client, record):
         except openai.BadRequestError as e:
             return {"score": 1.0, "refusal": str(e)}
         prompt = list(reply.choices[0].prompt_token_ids) + list(reply.choices[0].completion_token_ids) + [5, 6]
+
+
+async def raises_generator_exit(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    raise GeneratorExit

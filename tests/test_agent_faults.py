@@ -87,6 +87,8 @@ class AsyncFaultyEpisode(FaultyEpisode):
             raise SystemExit("bye")
         if self.fault == "async_cancelled":  # the code's own, not a cancellation of the call
             raise asyncio.CancelledError("stop")
+        if self.fault == "async_generator_exit":  # the code's own, not a close of the coroutine
+            raise GeneratorExit
         return super().respond(turn)
 
 
@@ -110,6 +112,7 @@ FAULTS = {
     11: ("floats", "bad_return", "FaultyEpisode.respond returned [1.5, 2] (list)"),
     12: ("start", "bad_return", "Faulty.start returned 'not an episode' (str); return an Episode"),
     13: ("async_cancelled", "exception", "AsyncFaultyEpisode.respond raised CancelledError: stop"),
+    14: ("async_generator_exit", "exception", "AsyncFaultyEpisode.respond raised GeneratorExit"),
 }
 
 
@@ -139,13 +142,13 @@ def test_every_fault_of_environment_code_fails_only_its_trajectory_counted_by_ki
         assert (s.status, s.reward) == ((SampleStatus.ABORTED, None) if i == 12 else (SampleStatus.COMPLETED, 0.0))
     stats = step.stats(samples)
     counts = {kind: sum(k == kind for _, k, _ in FAULTS.values()) for kind in FAULT_KINDS}
-    assert counts == {"exception": 5, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0}
+    assert counts == {"exception": 6, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0}
     for kind in FAULT_KINDS:
         assert stats[f"rollout/env_errors/{kind}"] == (float(counts[kind]), 1.0), kind
-    assert stats["rollout/env_errors"] == stats["rollout/trajectories_failed"] == (14.0, 1.0)
+    assert stats["rollout/env_errors"] == stats["rollout/trajectories_failed"] == (15.0, 1.0)
     assert stats["rollout/env_timeouts"] == (0.0, 1.0)
     step.max_failed_frac = 0.5
-    with pytest.raises(RuntimeError, match=r"^14 of 16 trajectories failed this step \(share 0.88 > rollout.step."
+    with pytest.raises(RuntimeError, match=r"^15 of 17 trajectories failed this step \(share 0.88 > rollout.step."
                                            r"max_failed_frac=0.5\); first failure: exception: .*SystemExit: 3"):
         step.check(samples)
 
@@ -190,6 +193,37 @@ def test_an_async_environment_that_blocks_its_loop_times_out_naming_it(engine):
     fine = AgentLoopStep(environment=BlocksItsLoop(release), max_turns=3, max_trajectory_tokens=64, env_timeout_s=30)
     samples = fine.generate(engine, records(3)[1:], ONE, seed=0, tokenizer=TOK)
     assert [s.metadata["end"] for s in samples] == ["env", "env"]
+
+
+class ExitsInATask:
+    """Record 0's episodes answer from an `async def` that runs a tool in a task of its own, which raises
+    SystemExit: asyncio lets it out of the event loop. Record 1's episodes answer synchronously and give their
+    reward from an `async def`, after that loop stopped."""
+
+    def start(self, record):
+        episode = Episode()
+        if record.index == 0:
+            async def respond(turn):
+                async def tool():
+                    raise SystemExit(5)
+                return await asyncio.gather(tool())
+            episode.respond = respond
+        else:
+            async def reward():
+                return 1.0
+            episode.reward = reward
+        return episode
+
+
+def test_systemexit_in_a_task_of_the_environments_own_fails_the_calls_in_flight(engine):
+    step = AgentLoopStep(environment=ExitsInATask(), max_turns=3, max_trajectory_tokens=64, max_failed_frac=1.0)
+    samples = step.generate(engine, records(2), SamplingParams(top_p=0.9, max_new_tokens=3, n=2), seed=0,
+                            tokenizer=TOK)
+    assert [s.metadata["end"] for s in samples] == ["env_error"] * 2 + ["env"] * 2
+    assert all(s.metadata["env_error_kind"] == "exception" and s.metadata["env_error"] == (
+        "the environment's event loop stopped on SystemExit: 5, raised in a task its code started (every async call "
+        "in flight fails)") for s in samples[:2])
+    assert [s.metadata["env_reward"] for s in samples[2:]] == [1.0, 1.0]  # on a new loop, in the same step
 
 
 class Interrupts(Episode):

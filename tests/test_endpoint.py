@@ -189,6 +189,7 @@ def test_budgets_end_the_trajectory_truncated(engine):
     ("raises", "exception", r"raised KeyError: 'no such tool'"),
     ("exits", "exception", r"raised SystemExit: 3$"),
     ("interrupts", "exception", r"raised KeyboardInterrupt$"),
+    ("raises_generator_exit", "exception", r"raised GeneratorExit$"),
     ("exits_in_a_task_of_its_own", "exception", r"exits_in_a_task_of_its_own's event loop stopped \(SystemExit: 4\)"),
     ("returns_text", "bad_reward", r"returned 'great': the reward is 'great' \(str\): a reward must be a number, "
      r"not a str"),

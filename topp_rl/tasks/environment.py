@@ -16,10 +16,12 @@ Environment tokens are context, never trained on: they get loss mask 0 (docs/age
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import inspect
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,43 +97,88 @@ def describe(error: BaseException) -> str:
 async def contained(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """`await fn(*args)` with whatever it raises as an `EnvFault`: asyncio re-raises a task's KeyboardInterrupt /
     SystemExit out of the event loop itself, so they are turned into a fault before they reach the task. A
-    cancellation of this call (its timeout) goes through."""
+    cancellation of this call (its timeout) goes through, and so does GeneratorExit: it is also how a coroutine is
+    closed (the awaiting side turns the code's own into a fault, `faulted`)."""
     try:
         return await fn(*args)
+    except GeneratorExit:
+        raise
     except BaseException as e:
         if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
             raise
         raise raised(fn, e) from e
 
 
+@contextlib.contextmanager
+def faulted(fn: Callable[..., Any]) -> Iterator[None]:
+    """Around the await of a `contained` call: a GeneratorExit it raised (the code's own) becomes its fault."""
+    try:
+        yield
+    except GeneratorExit as e:
+        raise raised(fn, e) from e
+
+
 class EnvLoop:
     """A step's event loop for async environment methods, on a daemon thread of its own (started at the first
     call): the step's loop waits on each call with its timeout, so an async method that blocks its loop (a sync
-    sleep in an `async def`) times out its calls instead of the step; the blocked thread is left behind (`close`)."""
+    sleep in an `async def`) times out its calls instead of the step; the blocked thread is left behind (`close`).
+    A SystemExit / KeyboardInterrupt raised in a task the environment's code started stops the loop (asyncio lets
+    them out of it): the calls in flight fail with it, and the next call gets a new loop."""
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        tasks = asyncio.all_tasks(self.loop)  # the calls that timed out: cancelled, let unwind
-        for task in tasks:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.loop.close()
+        self._calls: dict[concurrent.futures.Future, Coroutine] = {}  # in flight on `loop`, with their coroutines
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
         """`fn(*args)` on this loop, as a future of the calling loop."""
-        if self.loop is None:
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self._serve, name="topp_rl-env-loop", daemon=True).start()
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(contained(fn, *args), self.loop))
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self._serve, args=(self.loop,), name="topp_rl-env-loop", daemon=True).start()
+            coro = contained(fn, *args)
+            call = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._calls[call] = coro
+        calls = self._calls
+        call.add_done_callback(lambda done: calls.pop(done, None))
+        return asyncio.wrap_future(call)
 
     def close(self) -> None:
         """Stop the loop once it is free (now, unless a call blocks it; a blocked thread stays behind)."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        with self._lock:
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        except BaseException as e:  # out of a task the environment's code started
+            self._lost(loop, e)
+            return
+        tasks = asyncio.all_tasks(loop)  # the calls that timed out: cancelled, let unwind
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+
+    def _lost(self, loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
+        """The stopped loop's calls fail; its coroutines are closed now (never run or left suspended, they would
+        warn whenever they are collected)."""
+        with self._lock:
+            if self.loop is loop:
+                self.loop = None
+            calls, self._calls = list(self._calls.items()), {}
+        for call, _ in calls:
+            if not call.done():
+                call.set_exception(EnvFault(EXCEPTION, f"the environment's event loop stopped on {describe(error)}, "
+                                            "raised in a task its code started (every async call in flight fails)"))
+        for coro in [c for _, c in calls] + [task.get_coro() for task in asyncio.all_tasks(loop)]:
+            try:
+                coro.close()
+            except BaseException:  # the code's own, while it unwinds: nothing is waiting for it
+                pass
+        loop.close()
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, loop: EnvLoop, key: str) -> Any:
@@ -144,7 +191,8 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, loop: E
     else:
         future, hint = _on_worker(fn, *args), ""
     try:
-        return await asyncio.wait_for(future, timeout_s)
+        with faulted(fn):
+            return await asyncio.wait_for(future, timeout_s)
     except TimeoutError as e:
         raise EnvTimeout(f"{_name(fn)} took longer than {key}={timeout_s} s{hint}") from e
 

@@ -55,6 +55,7 @@ from topp_rl.tasks.environment import (
     EnvFault,
     contained,
     describe,
+    faulted,
     reward_value,
 )
 
@@ -144,7 +145,8 @@ class EndpointStep(RolloutStep):
         async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s, headers={CLIENT_HEADER: token}) as http:
             client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
             try:
-                value = await asyncio.wait_for(contained(self.agent_fn, client, record), self.agent_timeout_s)
+                with faulted(self.agent_fn):
+                    value = await asyncio.wait_for(contained(self.agent_fn, client, record), self.agent_timeout_s)
             except TimeoutError:
                 settle(i, TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
                        f"{self.agent_timeout_s} s")
