@@ -2,6 +2,7 @@
 way a user's agent file is. Each uses the real openai SDK client the endpoint hands it."""
 
 import asyncio
+import re
 import time
 
 import openai
@@ -95,3 +96,76 @@ async def odd_ones_fail(client, record):
 
 def not_async(client, record):
     return 1.0
+
+
+async def score_none(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    return {"score": None}
+
+
+async def score_list(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    return {"score": [1]}
+
+
+async def score_nan(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    return float("nan")
+
+
+async def score_huge(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    return 1e300
+
+
+async def exits(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    raise SystemExit(3)
+
+
+async def interrupts(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    raise KeyboardInterrupt
+
+
+async def exits_in_a_task_of_its_own(client, record):
+    """SystemExit in a task the agent started: asyncio lets it out of the event loop, which stops every agent."""
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+
+    async def tool():
+        raise SystemExit(4)
+
+    await asyncio.get_running_loop().create_task(tool())
+    return 1.0
+
+
+async def odd_ones_ask_a_neighbour(client, record):
+    """Odd trajectories send their request to the previous trajectory's URL (with their own client) and swallow the
+    refusal; even ones ask their own once. Returns 1.0 either way."""
+    url = str(client.base_url)
+    mine = int(re.search(r"/traj/(\d+)/", url).group(1))
+    if mine % 2:
+        neighbour = client.with_options(base_url=url.replace(f"/traj/{mine}/", f"/traj/{mine - 1}/"))
+        try:
+            await neighbour.completions.create(model="policy", prompt=record.prompt_ids)
+        except openai.PermissionDeniedError:
+            pass
+        return 1.0
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    return 1.0
+
+
+async def grows_until_refused(client, record):
+    """Each prompt is the last prompt + completion + two ids, until the endpoint refuses (the context here)."""
+    prompt = list(record.prompt_ids)
+    while True:
+        try:
+            reply = await client.completions.create(model="policy", prompt=prompt)
+        except openai.BadRequestError as e:
+            return {"score": 1.0, "refusal": str(e)}
+        prompt = list(reply.choices[0].prompt_token_ids) + list(reply.choices[0].completion_token_ids) + [5, 6]
+
+
+async def raises_generator_exit(client, record):
+    await client.completions.create(model="policy", prompt=record.prompt_ids)
+    raise GeneratorExit

@@ -104,5 +104,6 @@ def test_eval_records_the_environment_cannot_play_stop_naming_the_evaluation():
     ev.resolve(dm)
     trainer = SimpleNamespace(datamodule=dm, loggers=[], global_step=0, world_size=1)  # one process
     with pytest.raises(RuntimeError, match=r"^evaluation on CopyDigitTask: 12 of 12 trajectories failed "
-                                           r"this step .*first failure: env_error: KeyError: 'table'"):
+                                           r"this step .*first failure: exception: LookupEpisode.respond raised "
+                                           r"KeyError: 'table'"):
         ev.evaluate(trainer, None)

@@ -215,8 +215,10 @@ def test_a_failing_env_call_ends_only_its_trajectory(engine, fail, asynchronous)
     assert [s.reward for s in samples] == [0.0] * 2 + [1.0] * 4
     assert [s.metadata["turns"] for s in samples] == [1] * 2 + [2] * 4
     assert all(s.status == SampleStatus.COMPLETED for s in samples)  # kept: the model's turn trains, reward 0
-    message = "took longer than 0.5 s" if fail == "hang" else "RuntimeError: tool crashed"
-    assert message in samples[0].metadata["env_error"]
+    episode = "AsyncFlakyEpisode" if asynchronous else "FlakyEpisode"
+    message = ("respond took longer than rollout.step.env_timeout_s=0.5 s" if fail == "hang" else
+               "respond raised RuntimeError: tool crashed")
+    assert samples[0].metadata["env_error"].startswith(f"{episode}.{message}")
     stats = step.stats(samples)
     assert stats["rollout/trajectories_failed"] == (2.0, 1.0)
     assert stats[f"rollout/{'env_timeouts' if fail == 'hang' else 'env_errors'}"] == (2.0, 1.0)
@@ -228,16 +230,17 @@ def test_more_failures_than_allowed_raise(engine):
                          max_turns=4, max_trajectory_tokens=64, max_failed_frac=0.25)
     samples = step.generate(engine, records(3), PARAMS, seed=0, tokenizer=TOK)
     with pytest.raises(RuntimeError, match=r"2 of 6 trajectories failed this step \(share 0.33 > "
-                                           r"rollout.step.max_failed_frac=0.25\); first failure: env_error: "
-                                           r"RuntimeError: tool crashed; fix the environment"):
+                                           r"rollout.step.max_failed_frac=0.25\); first failure: exception: "
+                                           r"FlakyEpisode.respond raised RuntimeError: tool crashed; fix the "
+                                           r"environment"):
         step.check(samples)
     # Decided on the step's counts summed over DP ranks (here: another rank with 10 clean trajectories) ...
-    step.check(samples, reduce_sum=lambda t: t + torch.tensor([0.0, 10.0], dtype=t.dtype))
+    step.check(samples, reduce_sum=lambda t: t + torch.tensor([0.0, 10.0, 0.0], dtype=t.dtype))
     # ... so a rank whose own trajectories are fine raises too when the step's share is over.
     clean = [s for s in samples if s.metadata["end"] == "env"]
     with pytest.raises(RuntimeError, match=r"5 of 9 trajectories failed this step .* first failure: on another "
                                            r"data-parallel rank"):
-        step.check(clean, reduce_sum=lambda t: t + torch.tensor([5.0, 5.0], dtype=t.dtype))
+        step.check(clean, reduce_sum=lambda t: t + torch.tensor([5.0, 5.0, 0.0], dtype=t.dtype))
 
 
 class FailingStart:
@@ -257,8 +260,12 @@ def test_bad_settings_are_refused():
         AgentLoopStep(environment={"_target_": "x"}, max_turns=2, max_trajectory_tokens=8)
     with pytest.raises(ValueError, match=r"rollout.step.max_turns=0 must be an integer >= 1"):
         AgentLoopStep(environment=Echo(), max_turns=0, max_trajectory_tokens=8)
-    with pytest.raises(ValueError, match=r"rollout.step.max_failed_frac=1.5 must be in \[0, 1\]"):
-        AgentLoopStep(environment=Echo(), max_turns=2, max_trajectory_tokens=8, max_failed_frac=1.5)
+    for frac in (1.5, float("nan"), "abc"):
+        with pytest.raises(ValueError, match=r"rollout.step.max_failed_frac=.* must be a number in \[0, 1\]"):
+            AgentLoopStep(environment=Echo(), max_turns=2, max_trajectory_tokens=8, max_failed_frac=frac)
+    for seconds in (0, -1.0, float("inf"), float("nan"), "30", True):
+        with pytest.raises(ValueError, match=r"rollout.step.env_timeout_s=.* must be a finite number of seconds > 0"):
+            AgentLoopStep(environment=Echo(), max_turns=2, max_trajectory_tokens=8, env_timeout_s=seconds)
 
 
 def test_lookup_rewards_calls_and_repeats():

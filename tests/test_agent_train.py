@@ -6,11 +6,13 @@ import math
 
 from helpers import column, compose_cfg, read_metrics
 
+from topp_rl.tasks.environment import FAULT_KINDS
 from topp_rl.train import train
 
 AGENT_KEYS = ("rollout/turns_mean", "rollout/env_tokens_frac", "rollout/samples_per_trajectory_mean",
               "rollout/prefix_breaks", "rollout/env_errors", "rollout/env_timeouts", "rollout/trajectories_failed",
-              "rollout/max_turns_ended", "rollout/max_tokens_ended")
+              "rollout/max_turns_ended", "rollout/max_tokens_ended", "rollout/context_ended",
+              *(f"rollout/env_errors/{kind}" for kind in FAULT_KINDS))
 
 
 def test_lookup_trains_exactly_through_the_agent_loop(tmp_path):

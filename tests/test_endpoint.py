@@ -186,29 +186,83 @@ def test_budgets_end_the_trajectory_truncated(engine):
 
 
 @pytest.mark.parametrize(("name", "kind", "message"), [
-    ("raises", "env_error", r"raised KeyError: 'no such tool'"),
-    ("returns_text", "env_error", r"returned 'great': an episode's reward is a str"),
-    ("no_request", "env_error", r"returned without a request to the endpoint"),
-    ("hangs", "env_timeout", r"took longer than rollout.step.agent_timeout_s=1.0 s"),
+    ("raises", "exception", r"raised KeyError: 'no such tool'"),
+    ("exits", "exception", r"raised SystemExit: 3$"),
+    ("interrupts", "exception", r"raised KeyboardInterrupt$"),
+    ("raises_generator_exit", "exception", r"raised GeneratorExit$"),
+    ("exits_in_a_task_of_its_own", "exception", r"exits_in_a_task_of_its_own's event loop stopped \(SystemExit: 4\)"),
+    ("returns_text", "bad_reward", r"returned 'great': the reward is 'great' \(str\): a reward must be a number, "
+     r"not a str"),
+    ("score_none", "bad_reward", r"the reward's 'score' is None \(NoneType\): a reward must be a number"),
+    ("score_list", "bad_reward", r"the reward's 'score' is \[1\] \(list\): a reward must be a number"),
+    ("score_nan", "bad_reward", r"returned nan: the reward is nan: rewards must be finite"),
+    ("score_huge", "bad_reward", r"returned 1e\+300: the reward is 1e\+300: rewards must lie in \[-1e\+06, 1e\+06\]"),
+    ("no_request", "no_request", r"returned without a request to the endpoint"),
+    ("hangs", "timeout", r"took longer than rollout.step.agent_timeout_s=1.0 s"),
 ])
 def test_bad_agents_fail_their_trajectories_counted(engine, name, kind, message):
+    """Whatever the agent does wrong (raises anything, SystemExit and KeyboardInterrupt included, even from a task of
+    its own; returns no finite number within the cap; never asks; hangs) fails its trajectory, counted by kind."""
     step, samples = run(engine, name, agent_timeout_s=1.0, max_failed_frac=1.0)
     firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]
-    assert len(firsts) == 4 and all(s.metadata["end"] == kind for s in firsts)
-    assert all(__import__("re").search(message, s.metadata["env_error"]) for s in firsts)
+    end = "env_timeout" if kind == "timeout" else "env_error"
+    assert len(firsts) == 4 and all(s.metadata["end"] == end and s.metadata["env_error_kind"] == kind
+                                    for s in firsts)
+    assert all(__import__("re").search(message, s.metadata["env_error"]) for s in firsts), firsts[0].metadata
     stats = step.stats(samples)
     assert stats["rollout/trajectories_failed"] == (4.0, 1.0)
-    assert stats["rollout/env_timeouts" if kind == "env_timeout" else "rollout/env_errors"] == (4.0, 1.0)
+    if kind == "timeout":
+        assert stats["rollout/env_timeouts"] == (4.0, 1.0) and stats["rollout/env_errors"] == (0.0, 1.0)
+    else:
+        assert stats["rollout/env_errors"] == stats[f"rollout/env_errors/{kind}"] == (4.0, 1.0)
     trained = [s for s in samples if s.status != SampleStatus.ABORTED]
     assert all(s.reward == 0.0 for s in trained)
     if name != "hangs":  # (whether a hanging agent's request was answered before its timeout depends on the load)
         assert (len(trained) == 0) == (name == "no_request")  # model tokens of a failed trajectory still train
-    step.check(samples)  # max_failed_frac=1.0: a step may fail whole
+    if name != "no_request":
+        step.check(samples)  # max_failed_frac=1.0: a step may fail whole (while it has tokens to train on)
     step.max_failed_frac = 0.75
     with pytest.raises(RuntimeError, match=rf"^4 of 4 trajectories failed this step \(share 1.00 > "
                                            rf"rollout.step.max_failed_frac=0.75\); first failure: {kind}: .*fix the "
                                            rf"agent .*{name}"):
         step.check(samples)
+
+
+def test_a_request_to_another_trajectorys_url_fails_the_sender(engine):
+    """Odd trajectories send their one request to the previous trajectory's URL: refused (403), and the sender's
+    trajectory fails, counted, whatever its agent returns; the even ones are untouched."""
+    step, samples = run(engine, "odd_ones_ask_a_neighbour", max_failed_frac=1.0)
+    assert [s.metadata["trajectory"] for s in samples] == [0, 1, 2, 3]
+    assert [s.metadata["end"] for s in samples] == ["env", "env_error"] * 2
+    assert [s.metadata.get("env_error_kind") for s in samples] == [None, "foreign_trajectory"] * 2
+    assert samples[1].metadata["env_error"] == ("trajectory 1's client sent a request to trajectory 0's URL; each "
+                                                "agent call talks to its own trajectory (the client it was handed, or "
+                                                "its base URL)")
+    assert [s.reward for s in samples[::2]] == [1.0, 1.0] and [s.metadata["turns"] for s in samples] == [1, 0] * 2
+    assert [s.status for s in samples[1::2]] == [SampleStatus.ABORTED] * 2  # it sent nothing that trains
+    assert step.stats(samples)["rollout/env_errors/foreign_trajectory"] == (2.0, 1.0)
+
+
+def test_a_trajectory_that_reaches_the_models_context_ends_truncated():
+    context = 24
+    small = EmbeddedEngine(build_tiny_model(tokenizer=TOK, seed=3, initializer_range=0.3, max_positions=context),
+                           progress=False)
+    step, samples = run(small, "grows_until_refused", max_turns=50, max_trajectory_tokens=context - 1)
+    for s in samples:
+        assert s.metadata["end"] == "context" and s.status == SampleStatus.TRUNCATED and s.reward == 1.0
+        # The refused prompt (the sample's ids + the agent's two) had no room for a turn of max_new_tokens=3.
+        assert len(s.tokens) <= context < len(s.tokens) + 2 + 3
+        assert "and a turn of rollout.max_new_tokens=3 pass the model's context of 24 tokens" in (
+            s.metadata["env_reward_info"]["refusal"])
+    assert step.stats(samples)["rollout/context_ended"] == (4.0, 1.0)
+    with pytest.raises(ValueError, match=r"rollout.max_trajectory_tokens=24 does not fit the model's context of 24"):
+        run(small, "grows_until_refused", max_trajectory_tokens=context)
+
+
+@pytest.mark.parametrize("seconds", [0, float("inf"), float("nan"), "120"])
+def test_agent_timeouts_must_be_finite_and_positive(seconds):
+    with pytest.raises(ValueError, match=r"rollout.step.agent_timeout_s=.* must be a finite number of seconds > 0"):
+        EndpointStep(agent=agent("raises"), max_turns=2, max_trajectory_tokens=8, agent_timeout_s=seconds)
 
 
 def test_a_blocked_agent_loop_is_abandoned(engine, monkeypatch):

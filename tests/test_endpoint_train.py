@@ -10,10 +10,13 @@ import sys
 import pytest
 from helpers import ROOT, column, read_metrics, train_env
 
+from topp_rl.tasks.environment import FAULT_KINDS
+
 AGENT = "topp_rl.tasks.agents.lookup:lookup_agent"
 AGENT_KEYS = ("rollout/turns_mean", "rollout/env_tokens_frac", "rollout/samples_per_trajectory_mean",
               "rollout/prefix_breaks", "rollout/env_errors", "rollout/env_timeouts", "rollout/trajectories_failed",
-              "rollout/max_turns_ended", "rollout/max_tokens_ended")
+              "rollout/max_turns_ended", "rollout/max_tokens_ended", "rollout/context_ended",
+              *(f"rollout/env_errors/{kind}" for kind in FAULT_KINDS))
 
 
 @pytest.mark.subprocess

@@ -35,6 +35,9 @@ class RolloutEngine(Protocol):
     max_candidates: int | None = None
     # Samples carry `Sample.routes` (the experts every MoE layer picked per token) for an MoE policy.
     records_routes: bool = False
+    # The model's context in tokens (prompt + response of one call); None: not known. A multi-turn step ends a
+    # trajectory that has no room left for a turn (`topp_rl.rollout.trajectory.room_for_turn`).
+    max_context: int | None = None
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
@@ -79,6 +82,10 @@ class EngineWrapper(RolloutEngine):
     @property
     def records_routes(self) -> bool:
         return self.inner.records_routes
+
+    @property
+    def max_context(self) -> int | None:
+        return self.inner.max_context
 
     def holding_weights(self) -> contextlib.AbstractContextManager:
         return self.inner.holding_weights()

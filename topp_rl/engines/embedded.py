@@ -67,6 +67,7 @@ class EmbeddedEngine(RolloutEngine):
         self.eos_token_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
         self.pad_token_id = pad_token_id if pad_token_id is not None else (config.pad_token_id or 0)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context = getattr(config, "max_position_embeddings", None)
         self.record_candidates = record_candidates
         self.record_raw_log_probs = record_raw_log_probs
         self.routing = moe_routing(self.model) if record_routes else None  # None: dense, or not asked
@@ -108,7 +109,7 @@ class EmbeddedEngine(RolloutEngine):
     ) -> list[Sample]:
         check_prompts(prompts, self.vocab_size)
         longest = max(map(len, prompts), default=0) + params.max_new_tokens
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = self.max_context
         if limit is not None and longest > limit:
             raise ValueError(
                 f"longest prompt + max_new_tokens = {longest} exceeds the model's max_position_embeddings "

@@ -3,12 +3,14 @@
 Each record starts `params.n` trajectories, each with an `Episode` of the configured `Environment`
 (`topp_rl.tasks.environment`). Rounds run every live trajectory's next turn at once: ONE `engine.generate` call
 (n=1 per prompt) over the running ids of all waiting trajectories (prompt + every earlier turn's exact ids:
-never re-tokenised), then every episode's answer concurrently (async episodes on one event loop, sync ones on
-threads), each call bounded by `env_timeout_s`. A trajectory is one `Sample` (`topp_rl.rollout.trajectory`), or
-several when the engine answered other ids than the running ones (a prefix break starts a new sample): model tokens
-train, environment tokens have loss mask 0. Budgets: `max_turns` model turns and
-`max_trajectory_tokens` response tokens (model + environment); a trajectory that reaches one ends (status
-truncated, counted). An environment call that raises or times out ends only its trajectory (reward 0, counted);
+never re-tokenised), then every episode's answer concurrently (async methods on the step's environment event
+loop, a thread of its own; sync ones on worker threads), each call bounded by `env_timeout_s`. A trajectory is one
+`Sample` (`topp_rl.rollout.trajectory`), or several when the engine answered other ids than the running ones (a
+prefix break starts a new sample): model tokens train, environment tokens have loss mask 0. Budgets: `max_turns`
+model turns, `max_trajectory_tokens` response tokens (model + environment), and the model's context (no room for
+a turn of `max_new_tokens`); a trajectory that reaches one ends (status truncated, counted). A fault of the
+environment's code (`topp_rl.tasks.environment.EnvFault`: anything it raises, SystemExit and KeyboardInterrupt
+included; a bad answer or reward; a call past its timeout) ends only its trajectory (reward 0, counted by kind);
 more than `max_failed_frac` of a step's trajectories failing raises. Rewards come from the episodes.
 
 Departures from slime's multi-turn rollouts: no re-tokenisation of the transcript (slime re-applies the chat
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -32,16 +35,28 @@ from topp_rl.engines.base import RolloutEngine
 from topp_rl.rollout.step import RolloutStep, Stats
 from topp_rl.rollout.trajectory import (
     END_ABORTED,
-    FAIL_ERROR,
-    FAIL_TIMEOUT,
+    END_CONTEXT,
     Trajectory,
+    check_context,
     check_failed_share,
     check_step_settings,
+    room_for_turn,
     score_trajectories,
     trajectory_stats,
 )
 from topp_rl.tasks import Task
-from topp_rl.tasks.environment import Environment, EnvTimeout, call_env, reward_value
+from topp_rl.tasks.environment import (
+    BAD_RETURN,
+    EXCEPTION,
+    EnvFault,
+    Environment,
+    EnvLoop,
+    Episode,
+    call_env,
+    reward_value,
+)
+
+TIMEOUT_KEY = "rollout.step.env_timeout_s"
 
 
 class AgentLoopStep(RolloutStep):
@@ -52,9 +67,7 @@ class AgentLoopStep(RolloutStep):
                             "Environment (an object with start(record) -> Episode; in config: "
                             "rollout.step.environment._target_)")
         check_step_settings(max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens,
-                            max_failed_frac=max_failed_frac)
-        if not env_timeout_s > 0:
-            raise ValueError(f"rollout.step.env_timeout_s={env_timeout_s} must be > 0 (seconds per environment call)")
+                            max_failed_frac=max_failed_frac, timeout=("env_timeout_s", env_timeout_s))
         self.environment, self.max_turns, self.max_tokens = environment, max_turns, max_trajectory_tokens
         self.env_timeout_s, self.max_failed_frac = env_timeout_s, max_failed_frac
 
@@ -63,16 +76,24 @@ class AgentLoopStep(RolloutStep):
                  seed: int | None, tokenizer: Any) -> list[Sample]:
         # The rounds' count differs between DP ranks: an engine whose generate is a collective (FSDP's shared,
         # sharded module) gathers once for the step instead.
-        with engine.holding_weights():
-            return _run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
+        context = engine.max_context
+        check_context(max_trajectory_tokens=self.max_tokens, context=context)
+        env_loop = EnvLoop()  # the async environment methods' (each step its own: one blocked by a call stays behind)
+        try:
+            with engine.holding_weights():
+                return _run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer, context=context,
+                                           env_loop=env_loop))
+        finally:
+            env_loop.close()
 
-    async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
+    async def _generate(self, engine, records, params, *, seed, tokenizer, context, env_loop) -> list[Sample]:
         trajs = [Trajectory(record=r, samples=[Sample(prompt_ids=r.prompt_ids)]) for r in records
                  for _ in range(params.n)]
-        await asyncio.gather(*(self._guard(t, self._start(t)) for t in trajs))
+        call = functools.partial(call_env, timeout_s=self.env_timeout_s, loop=env_loop, key=TIMEOUT_KEY)
+        await asyncio.gather(*(self._guard(t, self._start(t, call)) for t in trajs))
         turn = dataclasses.replace(params, n=1)
         rounds = 0
-        while waiting := [t for t in trajs if t.live]:
+        while waiting := self._with_room(trajs, max_new_tokens=turn.max_new_tokens, context=context):
             sent = [t.sample.tokens for t in waiting]
             outs = engine.generate(sent, turn, seed=_round_seed(seed, rounds))
             rounds += 1
@@ -80,32 +101,49 @@ class AgentLoopStep(RolloutStep):
             for t, ids, out in zip(waiting, sent, outs, strict=True):
                 model_turn = t.add_model_turn(out, ids, max_tokens=self.max_tokens, tokenizer=tokenizer)
                 if model_turn is not None:
-                    jobs.append(self._guard(t, self._respond(t, model_turn, tokenizer, engine.vocab_size)))
+                    jobs.append(self._guard(t, self._respond(t, model_turn, tokenizer, engine.vocab_size, call)))
             await asyncio.gather(*jobs)
-        await asyncio.gather(*(self._guard(t, self._reward(t)) for t in trajs
+        await asyncio.gather(*(self._guard(t, self._reward(t, call)) for t in trajs
                                if t.episode is not None and not t.failed and t.end != END_ABORTED))
         return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
 
-    async def _start(self, t: Trajectory) -> None:
-        t.episode = await call_env(self.environment.start, t.record, timeout_s=self.env_timeout_s)
+    @staticmethod
+    def _with_room(trajs: list[Trajectory], *, max_new_tokens: int, context: int | None) -> list[Trajectory]:
+        """The live trajectories whose next turn fits the model's context; the others end there, truncated."""
+        for t in trajs:
+            if t.live and not room_for_turn(t.sample.tokens, max_new_tokens=max_new_tokens, context=context):
+                t.end_on_budget(END_CONTEXT)
+        return [t for t in trajs if t.live]
 
-    async def _respond(self, t: Trajectory, turn, tokenizer, vocab_size: int) -> None:
-        output = await call_env(t.episode.respond, turn, timeout_s=self.env_timeout_s)
+    async def _start(self, t: Trajectory, call) -> None:
+        episode = await call(self.environment.start, t.record)
+        if not isinstance(episode, Episode):
+            raise EnvFault(BAD_RETURN, f"{type(self.environment).__qualname__}.start returned {episode!r:.80} "
+                           f"({type(episode).__name__}); return an Episode (an object with respond(turn) and reward())")
+        t.episode = episode
+
+    async def _respond(self, t: Trajectory, turn, tokenizer, vocab_size: int, call) -> None:
+        output = await call(t.episode.respond, turn)
         t.add_env_output(output, max_turns=self.max_turns, max_tokens=self.max_tokens, tokenizer=tokenizer,
-                         vocab_size=vocab_size)
+                         vocab_size=vocab_size, source=f"{type(t.episode).__qualname__}.respond")
 
-    async def _reward(self, t: Trajectory) -> None:
-        t.reward, t.reward_info = reward_value(await call_env(t.episode.reward, timeout_s=self.env_timeout_s))
+    async def _reward(self, t: Trajectory, call) -> None:
+        value = await call(t.episode.reward)
+        try:
+            t.reward, t.reward_info = reward_value(value)
+        except EnvFault as e:
+            raise EnvFault(e.kind, f"{type(t.episode).__qualname__}.reward: {e}") from None
 
     @staticmethod
     async def _guard(t: Trajectory, job) -> None:
-        """Run one environment job; its timeout or exception ends only this trajectory (reward 0)."""
+        """Run one environment job; a fault of the environment's code (any exception it raised, a bad return
+        value, a timeout) ends only this trajectory (reward 0), counted by kind."""
         try:
             await job
-        except EnvTimeout as e:
-            t.fail(FAIL_TIMEOUT, str(e))
-        except Exception as e:  # any error of the environment's code: counted, never fatal on its own
-            t.fail(FAIL_ERROR, f"{type(e).__name__}: {e}")
+        except EnvFault as e:
+            t.fail(e.kind, str(e))
+        except Exception as e:  # from the loop's own handling of what the environment gave: counted the same
+            t.fail(EXCEPTION, f"{type(e).__name__}: {e}")
 
     def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
         """Raise when more than `max_failed_frac` of the step's trajectories failed (`reduce_sum`: sums a tensor

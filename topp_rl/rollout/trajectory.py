@@ -19,6 +19,8 @@ them) goes without routes (the trainer routes it itself, as packing does for any
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +28,20 @@ import torch
 
 from topp_rl.data import PromptRecord
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.tasks.environment import EnvOutput, Episode, ModelTurn
+from topp_rl.tasks.environment import (
+    BAD_RETURN,
+    FAULT_KINDS,
+    TIMEOUT,
+    EnvFault,
+    EnvOutput,
+    Episode,
+    ModelTurn,
+)
 
-# Why a trajectory ended: the episode ended it, a budget, or the engine aborted it (never trained on) ...
-END_ENV, END_MAX_TURNS, END_MAX_TOKENS, END_ABORTED = "env", "max_turns", "max_tokens", "aborted"
-# ... or it failed (reward 0, counted in rollout/trajectories_failed).
+# Why a trajectory ended: the episode ended it, a budget (the model's context is one: no room for another
+# turn), or the engine aborted it (never trained on) ...
+END_ENV, END_MAX_TURNS, END_MAX_TOKENS, END_CONTEXT, END_ABORTED = "env", "max_turns", "max_tokens", "context", "aborted"
+# ... or it failed (reward 0, counted in rollout/trajectories_failed; the fault's kind in rollout/env_errors/<kind>).
 FAIL_ERROR, FAIL_TIMEOUT = "env_error", "env_timeout"
 
 
@@ -44,6 +55,7 @@ class Trajectory:
     prefix_breaks: int = 0  # turns that started a new sample
     end: str | None = None  # None while it runs
     error: str | None = None  # the failure's message
+    fault: str | None = None  # the failure's kind (`topp_rl.tasks.environment.FAULT_KINDS`, or TIMEOUT)
     reward: float = 0.0
     reward_info: dict[str, Any] = field(default_factory=dict)
     status: SampleStatus | None = None  # set on every sample at the end (TRUNCATED: ended by a budget)
@@ -70,8 +82,10 @@ class Trajectory:
         return self.end in (FAIL_ERROR, FAIL_TIMEOUT)
 
     def fail(self, kind: str, message: str) -> None:
-        """End it as failed (reward 0); with no model token yet there is nothing to train on (aborted)."""
-        self.end, self.error, self.reward = kind, message, 0.0
+        """End it as failed (reward 0; `kind`: the fault's); with no model token yet there is nothing to train on
+        (aborted)."""
+        self.end = FAIL_TIMEOUT if kind == TIMEOUT else FAIL_ERROR
+        self.fault, self.error, self.reward, self.status = kind, message, 0.0, None  # (no longer truncated)
         if self.response_tokens == 0:
             self.status = SampleStatus.ABORTED
             for s in self.samples:
@@ -119,12 +133,13 @@ class Trajectory:
                          finished=finished)
 
     def add_env_output(self, output: EnvOutput, *, max_turns: int, max_tokens: int, tokenizer: Any,
-                       vocab_size: int) -> None:
-        """The episode's answer to the latest turn: end on None or a budget, else append its tokens."""
+                       vocab_size: int, source: str) -> None:
+        """The episode's answer to the latest turn (`source`: the method that gave it, for messages): end on None
+        or a budget, else append its tokens."""
         if output is None:
             self.end = END_ENV
             return
-        ids = _env_ids(output, tokenizer, vocab_size)
+        ids = _env_ids(output, tokenizer, vocab_size, source=source)
         if self.turns >= max_turns:
             self.end_on_budget(END_MAX_TURNS)
         elif self.response_tokens + len(ids) >= max_tokens:  # no room left for a model token after it
@@ -156,6 +171,11 @@ class Trajectory:
         first |= {"turns": self.turns, "env_tokens": self.env_tokens, "prefix_breaks": self.prefix_breaks}
         if self.error is not None:
             first["env_error"] = self.error
+            if self.response_tokens == 0:  # why it is aborted, where a step left with no trainable sample says so
+                first.setdefault("finish_reason", {"type": "abort", "message": "failed before its first model turn: "
+                                                   f"{self.error}"})
+        if self.fault is not None:
+            first["env_error_kind"] = self.fault
         if self.reward_info:
             first["env_reward_info"] = self.reward_info
         return self.samples
@@ -168,15 +188,22 @@ def trajectory_routes(last_call: torch.Tensor, *, fed: int) -> torch.Tensor | No
     return last_call[:fed].clone() if last_call.shape[0] >= fed else None
 
 
-def _env_ids(output: EnvOutput, tokenizer: Any, vocab_size: int) -> list[int]:
-    """Environment output as token ids: text tokenised once (no special tokens added), ids checked."""
+def _env_ids(output: EnvOutput, tokenizer: Any, vocab_size: int, *, source: str) -> list[int]:
+    """Environment output as token ids: text tokenised once (no special tokens added); ids (a list or tuple of
+    ints, or a 1-D array) checked. Anything else is the environment's fault (bad_return): bytes or a dict would
+    iterate as some other ids."""
     if isinstance(output, str):
         return list(tokenizer.encode(output, add_special_tokens=False))
-    ids = [int(t) for t in output]
+    values = output.tolist() if hasattr(output, "tolist") and hasattr(output, "ndim") and output.ndim == 1 else output
+    if not isinstance(values, list | tuple | range) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in values):
+        raise EnvFault(BAD_RETURN, f"{source} returned {output!r:.80} ({type(output).__name__}); answer text (a str), "
+                       "token ids (a list of ints) or None (the trajectory ends)")
+    ids = [int(t) for t in values]
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"the environment answered token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
-                         "answer text, or ids of the policy's tokenizer")
+        raise EnvFault(BAD_RETURN, f"{source} answered token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                       "answer text, or ids of the policy's tokenizer")
     return ids
 
 
@@ -201,9 +228,11 @@ def score_trajectories(samples: list[Sample], records: list[PromptRecord], *, n:
 
 
 def trajectory_stats(samples: list[Sample]) -> dict[str, tuple[float, float]]:
-    """The multi-turn figures of a step's samples, per trajectory (read on each trajectory's first sample)."""
+    """The multi-turn figures of a step's samples, per trajectory (read on each trajectory's first sample); every
+    fault kind has its key on every step, so all ranks reduce the same keys."""
     firsts = [s.metadata for s in samples if s.metadata["trajectory_sample"] == 0]
     ends = [m["end"] for m in firsts]
+    faults = [m.get("env_error_kind") for m in firsts if m["end"] == FAIL_ERROR]
 
     def count(kind: str) -> tuple[float, float]:  # per step of a rank (averaged over DP ranks)
         return float(ends.count(kind)), 1.0
@@ -215,33 +244,69 @@ def trajectory_stats(samples: list[Sample]) -> dict[str, tuple[float, float]]:
         "rollout/samples_per_trajectory_mean": (float(len(samples)), float(len(firsts))),
         "rollout/prefix_breaks": (float(sum(m["prefix_breaks"] for m in firsts)), 1.0),
         "rollout/env_errors": count(FAIL_ERROR),
+        **{f"rollout/env_errors/{kind}": (float(faults.count(kind)), 1.0) for kind in FAULT_KINDS},
         "rollout/env_timeouts": count(FAIL_TIMEOUT),
         "rollout/trajectories_failed": (float(sum(e in (FAIL_ERROR, FAIL_TIMEOUT) for e in ends)), 1.0),
         "rollout/max_turns_ended": count(END_MAX_TURNS),
         "rollout/max_tokens_ended": count(END_MAX_TOKENS),
+        "rollout/context_ended": count(END_CONTEXT),
     }
 
 
 def check_failed_share(samples: list[Sample], *, max_failed_frac: float, reduce_sum=None, fix: str) -> None:
-    """Raise when more than `max_failed_frac` of a multi-turn step's trajectories failed (`reduce_sum`: sums a tensor
-    over the DP ranks, so every rank decides alike on the step's counts; None: this rank's own; `fix`: what to do)."""
+    """Raise when more than `max_failed_frac` of a multi-turn step's trajectories failed, or when failures before
+    the first model turn left a data-parallel rank nothing to train on (`reduce_sum`: sums a tensor over the DP
+    ranks, so every rank decides alike on the step's counts; None: this rank's own; `fix`: what to do)."""
     firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]  # one per trajectory
     failed = [s for s in firsts if s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT)]
-    counts = torch.tensor([float(len(failed)), float(len(firsts))], dtype=torch.float64)
-    n_failed, total = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
+    # This rank has no sample to train on, and failed trajectories are among the reasons (else: the engine's aborts,
+    # which the datamodule names).
+    starved = bool(failed) and all(s.status == SampleStatus.ABORTED for s in samples)
+    counts = torch.tensor([float(len(failed)), float(len(firsts)), float(starved)], dtype=torch.float64)
+    n_failed, total, n_starved = (reduce_sum(counts) if reduce_sum is not None else counts).tolist()
+    first = (f"{failed[0].metadata.get('env_error_kind')}: {failed[0].metadata.get('env_error')}" if failed
+             else "on another data-parallel rank")
     if n_failed > max_failed_frac * total:
-        first = (f"{failed[0].metadata['end']}: {failed[0].metadata.get('env_error')}" if failed
-                 else "on another data-parallel rank")
         raise RuntimeError(
             f"{int(n_failed)} of {int(total)} trajectories failed this step (share {n_failed / total:.2f} > "
             f"rollout.step.max_failed_frac={max_failed_frac}); first failure: {first}; {fix}")
+    if n_starved > 0:
+        raise RuntimeError(
+            f"{int(n_failed)} of {int(total)} trajectories failed this step, and a data-parallel rank has no model "
+            f"token left to train on (its trajectories failed before their first model turn, or the engine aborted "
+            f"them); first failure: {first}; {fix}")
 
 
-def check_step_settings(*, max_turns: int, max_trajectory_tokens: int, max_failed_frac: float) -> None:
-    """The budgets and failure share of a multi-turn step (`rollout.step.*`), refused naming the key."""
+def check_step_settings(*, max_turns: int, max_trajectory_tokens: int, max_failed_frac: float,
+                        timeout: tuple[str, float]) -> None:
+    """The budgets, failure share and timeout (`timeout`: its key under rollout.step and value) of a multi-turn
+    step (`rollout.step.*`), refused naming the key."""
     for name, value in (("max_turns", max_turns), ("max_trajectory_tokens", max_trajectory_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"rollout.step.{name}={value!r} must be an integer >= 1")
-    if not 0 <= max_failed_frac <= 1:
-        raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac} must be in [0, 1] (the share of a "
-                         "step's trajectories allowed to fail before the step raises)")
+    if not _is_number(max_failed_frac) or not 0 <= max_failed_frac <= 1:
+        raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac!r} must be a number in [0, 1] (the share of "
+                         "a step's trajectories allowed to fail before the step raises)")
+    name, seconds = timeout
+    if not _is_number(seconds) or not 0 < seconds < math.inf:
+        raise ValueError(f"rollout.step.{name}={seconds!r} must be a finite number of seconds > 0 (a call past it "
+                         "fails its trajectory; without a bound a hung call would hang the run), e.g. 30")
+
+
+def check_context(*, max_trajectory_tokens: int, context: int | None) -> None:
+    """Refuse a trajectory budget the model's context cannot hold (`context`: its max_position_embeddings; None:
+    not known): a trajectory is its prompt (one token at least) and up to `max_trajectory_tokens` response tokens.
+    A trajectory that reaches the context under a smaller budget ends there, truncated (`END_CONTEXT`)."""
+    if context is not None and max_trajectory_tokens >= context:
+        raise ValueError(f"rollout.max_trajectory_tokens={max_trajectory_tokens} does not fit the model's context of "
+                         f"{context} tokens (max_position_embeddings), which also holds the prompt; set "
+                         f"rollout.max_trajectory_tokens below {context} less the longest prompt")
+
+
+def room_for_turn(ids: list[int], *, max_new_tokens: int, context: int | None) -> bool:
+    """Whether a model turn of up to `max_new_tokens` on `ids` fits the model's context (None: not known)."""
+    return context is None or len(ids) + max_new_tokens <= context
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

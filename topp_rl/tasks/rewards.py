@@ -289,20 +289,30 @@ def _result(term: RewardTerm, future: Future, count: int):
         ) from err
 
 
-def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
+def reward_number(value: Any) -> float:
+    """`value` as a reward: a real number (a bool counts as 0 or 1), finite, within +-`MAX_ABS_REWARD`. Every
+    reward passes here (a task's reward functions, an episode's reward, an agent's return value); ValueError
+    saying which rule `value` breaks otherwise (the caller names where it came from)."""
     if not isinstance(value, numbers.Real):
-        raise RewardError(
-            f"reward function {fn_name} returned {value!r:.80} ({type(value).__name__}) as {key} for sample "
-            f"{sample_id}; return a float, or a dict of floats with a {SCORE_KEY!r} key"
-        )
+        raise ValueError(f"a reward must be a number, not a {type(value).__name__}")
     if not math.isfinite(value):
-        raise RewardError(
-            f"reward function {fn_name} returned {value} as {key} for sample {sample_id}; rewards must be finite"
-        )
+        raise ValueError("rewards must be finite")
     if abs(value) > MAX_ABS_REWARD:
-        raise RewardError(
-            f"reward function {fn_name} returned {value:g} as {key} for sample {sample_id}; rewards must lie in "
-            f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (larger values overflow the float32 advantages and the "
-            "squared-reward statistics): rescale the reward"
-        )
+        raise ValueError(f"rewards must lie in [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (larger values overflow the "
+                         "float32 advantages and the squared-reward statistics): rescale the reward")
     return float(value)
+
+
+def shown_reward(value: Any) -> str:
+    """A reward value in a message: a number as `:g` (nan, inf, 1e+300), anything else as its repr and type."""
+    return f"{float(value):g}" if isinstance(value, numbers.Real) else f"{value!r:.80} ({type(value).__name__})"
+
+
+def _finite(fn_name: str, key: str, value: Any, sample_id: int) -> float:
+    try:
+        return reward_number(value)
+    except ValueError as err:
+        fix = (f"return a float, or a dict of floats with a {SCORE_KEY!r} key" if not isinstance(value, numbers.Real)
+               else str(err))
+        raise RewardError(f"reward function {fn_name} returned {shown_reward(value)} as {key} for sample "
+                          f"{sample_id}; {fix}") from None

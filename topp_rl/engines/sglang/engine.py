@@ -141,8 +141,10 @@ class SGLangEngine(RolloutEngine):
         if routing is not None and not (kwargs.get("urls") or kwargs.get("router_url")):  # servers launched here
             check_capture_device((kwargs.get("server_kwargs") or {}).get("device", "cpu"))
         path = save_model(model, tokenizer, Path(workdir) / "init")
-        return cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
-                   **kwargs)
+        engine = cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
+                     **kwargs)
+        engine.max_context = getattr(model.config, "max_position_embeddings", None)  # the servers' context length
+        return engine
 
     # ---- the fleet's state, read-only ----------------------------------------------------------------------
     @property

@@ -6,8 +6,10 @@ one model turn of its trajectory (`topp_rl.rollout.trajectory.Trajectory`): its 
 when they extend its ids exactly, else they start a new sample (a prefix break); the engine's turn is appended
 with its log-probs and kept sets. Responses carry the ids (`prompt_token_ids`, `completion_token_ids` on the
 choice). Budgets: a request past `max_turns` model turns, or one whose prompt leaves no room for a model token
-under `max_trajectory_tokens`, is refused (400) and ends the trajectory (truncated); a completion that would pass
-the token budget is cut at it. Every state change happens on the server's event loop.
+under `max_trajectory_tokens`, or one with no room for a turn of `max_new_tokens` in the model's context, is
+refused (400) and ends the trajectory (truncated); a completion that would pass the token budget is cut at it.
+Each trajectory's client sends its own token (`CLIENT_HEADER`): a request it sends to another trajectory's URL is
+refused (403) and fails the sender (foreign_trajectory). Every state change happens on the server's event loop.
 """
 
 from __future__ import annotations
@@ -32,17 +34,25 @@ from topp_rl.rollout.endpoint.wire import (
     error_body,
     finish_reason,
 )
-from topp_rl.rollout.trajectory import END_MAX_TOKENS, END_MAX_TURNS, Trajectory
+from topp_rl.rollout.trajectory import END_CONTEXT, END_MAX_TOKENS, END_MAX_TURNS, Trajectory, room_for_turn
+from topp_rl.tasks.environment import FOREIGN_TRAJECTORY
 
 MODEL_NAME = "topp-rl-policy"  # what /models lists; a request may name any model (the run serves one)
+CLIENT_HEADER = "X-Topp-RL-Client"  # each trajectory's client sends its own token: who sent a request
+
+
+class ForeignRequest(Exception):
+    """A request sent to another trajectory's URL (HTTP 403)."""
 
 
 class EndpointServer:
     def __init__(self, trajectories: list[Trajectory], batcher: TurnBatcher, *, tokenizer: Any,
-                 params: SamplingParams, vocab_size: int, max_turns: int, max_trajectory_tokens: int) -> None:
+                 params: SamplingParams, vocab_size: int, max_turns: int, max_trajectory_tokens: int,
+                 context: int | None = None, client_tokens: list[str] | None = None) -> None:
         self.trajectories, self.batcher, self.tokenizer = trajectories, batcher, tokenizer
         self.params, self.vocab_size = params, vocab_size
-        self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
+        self.max_turns, self.max_tokens, self.context = max_turns, max_trajectory_tokens, context
+        self.senders = {token: i for i, token in enumerate(client_tokens or ())}  # CLIENT_HEADER -> trajectory
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -71,6 +81,7 @@ class EndpointServer:
         async def serve(request: web.Request) -> web.Response:
             try:
                 t = self._trajectory(request)
+                self._check_sender(request, t)
                 try:
                     body = await request.json()
                 except json.JSONDecodeError as e:
@@ -80,6 +91,8 @@ class EndpointServer:
                 return web.json_response(error_body(str(e), e.param), status=400)
             except LookupError as e:
                 return web.json_response(error_body(str(e), kind="not_found_error"), status=404)
+            except ForeignRequest as e:
+                return web.json_response(error_body(str(e), kind="permission_error"), status=403)
             except Retired as e:
                 return web.json_response(error_body(str(e), kind="conflict_error"), status=409)
             except RuntimeError as e:  # the engine failed (the step raises it) or aborted the turn
@@ -91,6 +104,20 @@ class EndpointServer:
         if not key.isdigit() or int(key) >= len(self.trajectories):
             raise LookupError(f"no trajectory {key!r} in this step (0 to {len(self.trajectories) - 1})")
         return int(key)
+
+    def _check_sender(self, request: web.Request, t: int) -> None:
+        """A request sent by trajectory u's client to trajectory t's URL (t != u) fails u (foreign_trajectory) and is
+        refused: its turn would be trained in t's trajectory, with t's reward. A client that sends no token (not
+        the one the step handed over) is served by its URL alone."""
+        sender = self.senders.get(request.headers.get(CLIENT_HEADER, ""))
+        if sender is None or sender == t:
+            return
+        message = (f"trajectory {sender}'s client sent a request to trajectory {t}'s URL; each agent call talks to "
+                   "its own trajectory (the client it was handed, or its base URL)")
+        if sender in self.batcher.live:
+            self.trajectories[sender].fail(FOREIGN_TRAJECTORY, message)
+            self.batcher.retire(sender)
+        raise ForeignRequest(message)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
@@ -134,6 +161,11 @@ class EndpointServer:
             t.end_on_budget(END_MAX_TURNS)
             raise Refused(f"this trajectory has had its rollout.max_turns={self.max_turns} model turns; no more are "
                           "served (the trajectory ends here, truncated)")
+        if not room_for_turn(ids, max_new_tokens=self.params.max_new_tokens, context=self.context):
+            t.end_on_budget(END_CONTEXT)
+            raise Refused(f"this prompt ({len(ids)} tokens) and a turn of rollout.max_new_tokens="
+                          f"{self.params.max_new_tokens} pass the model's context of {self.context} tokens; no more "
+                          "turns are served (the trajectory ends here, truncated)")
         joins = bool(t.samples) and ids[: len(t.sample.tokens)] == t.sample.tokens
         new_env = len(ids) - len(t.sample.tokens) if joins else 0
         if t.response_tokens + new_env >= self.max_tokens:

@@ -9,11 +9,13 @@ Requests are batched into the engine by `TurnBatcher` (a round when every live t
 The agents run on an event loop of their own, on a daemon thread, and the server on the step's loop: an agent
 that blocks its loop (a sync sleep in an `async def`) cannot stall the server, and the step stops waiting for
 the agents `agent_timeout_s` + `GRACE_S` after they started, failing those still running (timeout). Each agent
-call is bounded by `agent_timeout_s` (engine time included). An agent that raises, times out, returns no number,
-or never asks the endpoint fails its trajectory (reward 0, counted in `rollout/env_errors` /
-`rollout/env_timeouts` / `rollout/trajectories_failed`, the message in the first sample's
-`metadata["env_error"]`); its model tokens still train (with reward 0), as in the agent loop. More than
-`max_failed_frac` of a step's trajectories failing raises. An engine failure raises.
+call is bounded by `agent_timeout_s` (engine time included). An agent that raises (anything: SystemExit and
+KeyboardInterrupt included, even from a task of its own, which stops the agents' loop), times out, returns no
+finite number within the reward cap, never asks the endpoint, or sends a request to another trajectory's URL
+fails its trajectory (reward 0, counted by kind in `rollout/env_errors/<kind>`, in `rollout/env_timeouts`, and in
+`rollout/trajectories_failed`, the message in the first sample's `metadata["env_error"]`); its model tokens still
+train (with reward 0), as in the agent loop. More than `max_failed_frac` of a step's trajectories failing raises.
+An engine failure raises.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import secrets
 import ssl
 import threading
 from typing import Any
@@ -32,13 +35,12 @@ from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import Sample
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.rollout.endpoint.batcher import TurnBatcher
-from topp_rl.rollout.endpoint.server import EndpointServer
+from topp_rl.rollout.endpoint.server import CLIENT_HEADER, EndpointServer
 from topp_rl.rollout.step import RolloutStep, Stats
 from topp_rl.rollout.trajectory import (
     END_ENV,
-    FAIL_ERROR,
-    FAIL_TIMEOUT,
     Trajectory,
+    check_context,
     check_failed_share,
     check_step_settings,
     score_trajectories,
@@ -46,7 +48,16 @@ from topp_rl.rollout.trajectory import (
 )
 from topp_rl.tasks import Task
 from topp_rl.tasks.agent_task import resolve_agent
-from topp_rl.tasks.environment import reward_value
+from topp_rl.tasks.environment import (
+    EXCEPTION,
+    NO_REQUEST,
+    TIMEOUT,
+    EnvFault,
+    contained,
+    describe,
+    faulted,
+    reward_value,
+)
 
 GRACE_S = 10.0  # past agent_timeout_s, how long the step waits for an agent loop that does not answer at all
 API_KEY = "topp-rl"  # the endpoint checks none; the SDK wants one
@@ -57,9 +68,7 @@ class EndpointStep(RolloutStep):
                  max_failed_frac: float = 0.5) -> None:
         self.agent, self.agent_fn = agent, resolve_agent(agent, key="rollout.step.agent")
         check_step_settings(max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens,
-                            max_failed_frac=max_failed_frac)
-        if not agent_timeout_s > 0:
-            raise ValueError(f"rollout.step.agent_timeout_s={agent_timeout_s} must be > 0 (seconds per trajectory)")
+                            max_failed_frac=max_failed_frac, timeout=("agent_timeout_s", agent_timeout_s))
         self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
         self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
         importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
@@ -69,16 +78,20 @@ class EndpointStep(RolloutStep):
         if engine.records_routes:
             raise ValueError("the endpoint does not merge MoE routes across turns; set rollout.record_routes=false "
                              "(and rollout.routing_replay=false) for a multi-turn MoE run")
+        check_context(max_trajectory_tokens=self.max_tokens, context=engine.max_context)
         return asyncio.run(self._generate(engine, records, params, seed=seed, tokenizer=tokenizer))
 
     async def _generate(self, engine, records, params, *, seed, tokenizer) -> list[Sample]:
         trajs = [Trajectory(record=r) for r in records for _ in range(params.n)]
         batcher = TurnBatcher(engine, dataclasses.replace(params, n=1), trajectories=len(trajs), seed=seed)
+        # Each trajectory's client sends its own token: a request sent to another trajectory's URL is seen.
+        tokens = [secrets.token_hex(8) for _ in trajs]
         server = EndpointServer(trajs, batcher, tokenizer=tokenizer, params=params, vocab_size=engine.vocab_size,
-                                max_turns=self.max_turns, max_trajectory_tokens=self.max_tokens)
+                                max_turns=self.max_turns, max_trajectory_tokens=self.max_tokens,
+                                context=engine.max_context, client_tokens=tokens)
         await server.start()
         try:
-            await self._run_agents(trajs, server, batcher)
+            await self._run_agents(trajs, server, batcher, tokens)
         finally:
             await server.stop()
         if batcher.engine_error is not None:
@@ -86,16 +99,20 @@ class EndpointStep(RolloutStep):
         return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
 
     # ----- the agents, on a loop of their own -----
-    async def _run_agents(self, trajs: list[Trajectory], server: EndpointServer, batcher: TurnBatcher) -> None:
+    async def _run_agents(self, trajs: list[Trajectory], server: EndpointServer, batcher: TurnBatcher,
+                          tokens: list[str]) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        stopped: list[BaseException] = []
 
         def settle(i: int, kind: str, value: Any) -> None:  # called from the agents' thread
             _post(loop, self._settle, trajs[i], i, kind, value, batcher)
 
         def work() -> None:
             try:
-                asyncio.run(self._agents(trajs, server, settle))
+                asyncio.run(self._agents(trajs, server, settle, tokens))
+            except BaseException as e:  # agent code's SystemExit / KeyboardInterrupt in a task of its own (asyncio
+                stopped.append(e)  # lets them out of the loop); no signal reaches this thread
             finally:
                 _post(loop, lambda: done.done() or done.set_result(None))
 
@@ -105,28 +122,36 @@ class EndpointStep(RolloutStep):
         except TimeoutError:  # the agents' loop is blocked: fail whoever is still running, leave the thread behind
             for i, t in enumerate(trajs):
                 if i in batcher.live:
-                    self._settle(t, i, FAIL_TIMEOUT, f"the agents' event loop did not answer within "
-                                 f"agent_timeout_s={self.agent_timeout_s} + {GRACE_S} s (a blocking call inside an "
-                                 "async agent function stalls every agent of the step)", batcher)
+                    self._settle(t, i, TIMEOUT, f"the agents' event loop did not answer within "
+                                 f"rollout.step.agent_timeout_s={self.agent_timeout_s} + {GRACE_S} s (a blocking call "
+                                 f"inside an async agent function, {self.agent}, stalls every agent of the step)",
+                                 batcher)
+        for i, t in enumerate(trajs):  # the agents' loop stopped before these settled
+            if i in batcher.live:
+                cause = describe(stopped[0]) if stopped else "no outcome"
+                self._settle(t, i, EXCEPTION, f"the agent {self.agent}'s event loop stopped ({cause})", batcher)
 
-    async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle) -> None:
+    async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle, tokens: list[str]) -> None:
         # A connection pool per trajectory: httpcore matches each request against every connection of its pool, so
         # one pool shared by hundreds of trajectories costs more than the engine (measured: 5 s a round at 128);
         # one shared TLS context makes a client cheap (0.2 ms instead of 44 ms for a fresh one, though no TLS is
         # used on 127.0.0.1).
         tls = ssl.create_default_context()
-        await asyncio.gather(*(self._agent(i, t.record, server.base_url(i), tls, settle) for i, t in enumerate(trajs)))
+        await asyncio.gather(*(self._agent(i, t.record, server.base_url(i), tls, settle, tokens[i])
+                               for i, t in enumerate(trajs)))
 
-    async def _agent(self, i: int, record: PromptRecord, base_url: str, tls: ssl.SSLContext, settle) -> None:
-        async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s) as http:
+    async def _agent(self, i: int, record: PromptRecord, base_url: str, tls: ssl.SSLContext, settle,
+                     token: str) -> None:
+        async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s, headers={CLIENT_HEADER: token}) as http:
             client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
             try:
-                value = await asyncio.wait_for(self.agent_fn(client, record), self.agent_timeout_s)
+                with faulted(self.agent_fn):
+                    value = await asyncio.wait_for(contained(self.agent_fn, client, record), self.agent_timeout_s)
             except TimeoutError:
-                settle(i, FAIL_TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
+                settle(i, TIMEOUT, f"the agent {self.agent} took longer than rollout.step.agent_timeout_s="
                        f"{self.agent_timeout_s} s")
-            except Exception as e:  # the agent's own error: counted, never fatal on its own
-                settle(i, FAIL_ERROR, f"the agent {self.agent} raised {type(e).__name__}: {e}")
+            except EnvFault as e:  # whatever the agent raised, SystemExit and KeyboardInterrupt included: counted
+                settle(i, e.kind, f"the agent {self.agent} raised {describe(e.__cause__)}")
             else:
                 settle(i, "ok", value)
 
@@ -137,10 +162,10 @@ class EndpointStep(RolloutStep):
         if kind == "ok":
             try:
                 t.reward, t.reward_info = reward_value(value)
-            except ValueError as e:
-                kind, value = FAIL_ERROR, f"the agent {self.agent} returned {value!r}: {e}"
+            except EnvFault as e:
+                kind, value = e.kind, f"the agent {self.agent} returned {value!r:.200}: {e}"
             if kind == "ok" and not t.samples:
-                kind, value = FAIL_ERROR, f"the agent {self.agent} returned without a request to the endpoint"
+                kind, value = NO_REQUEST, f"the agent {self.agent} returned without a request to the endpoint"
         if kind != "ok":
             if t.live:
                 t.fail(kind, str(value))
