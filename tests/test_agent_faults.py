@@ -350,3 +350,16 @@ def test_a_run_trains_through_faults_counting_them_by_kind(tmp_path):
         assert metrics[f"rollout/env_errors/{kind}"] == [0.0, 0.0], kind
     assert metrics["rollout/context_ended"] == [0.0, 0.0]
     assert all(math.isfinite(v) for v in metrics["train/loss"])
+
+
+def test_a_budget_the_models_context_cannot_hold_is_refused_at_start(tmp_path, monkeypatch):
+    """Checked once the model is built, before any engine starts (none is built: `engine_for` must not run)."""
+    import topp_rl.train as train_module
+
+    context = build_tiny_model(tokenizer=TOK).config.max_position_embeddings
+    monkeypatch.setattr(train_module, "engine_for", lambda *a, **k: pytest.fail("an engine was built"))
+    for step in ("task=lookup", "task=agent task.agent=topp_rl.tasks.agents.lookup:lookup_agent"):  # loop, endpoint
+        cfg = compose_cfg(tmp_path, *step.split(), f"rollout.max_trajectory_tokens={context}")
+        with pytest.raises(ValueError, match=rf"rollout.max_trajectory_tokens={context} does not fit the model's "
+                                             rf"context of {context} tokens"):
+            train_module.build_run(cfg)

@@ -222,3 +222,17 @@ def test_a_second_ctrl_c_during_the_save_finishes_it_and_leaves_no_partial_check
         assert os.readlink(checkpoints / "last.ckpt") == left[0]
     else:
         assert left == ["last.ckpt"]  # no temp file
+
+
+def test_the_stop_watchdog_of_a_one_rank_run_names_the_long_step_not_a_rank(tmp_path, monkeypatch, capsys):
+    """No other rank exists to blame: the message names the step's own bounds (the environment's and agent's
+    timeouts)."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    StopOnSignal(run_dir=tmp_path, timeout_s=3)._give_up(signal.SIGTERM)
+    err = capsys.readouterr().err
+    assert exits == [143] and "another rank" not in err
+    assert ("SIGTERM came and this rank has not finished stopping within checkpoint.stop_timeout_s=3 s: the run is "
+            "still in a long step (an environment's or agent's call ends within rollout.step.env_timeout_s / "
+            f"agent_timeout_s). Exiting now (status 143) without a new checkpoint; there is no checkpoint to resume "
+            f"from ({tmp_path / 'checkpoints' / 'last.ckpt'} does not exist)") in err

@@ -28,6 +28,7 @@ from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
 
@@ -593,11 +594,20 @@ def _check_agent_fn(cfg: DictConfig) -> None:
     resolve_agent(str(spec), key="task.agent" if "agent" in cfg.task else "rollout.step.agent")
 
 
+def validate_with_model(cfg: DictConfig, model) -> None:
+    """What can be checked once the model is built, before any engine starts: routing replay and the multi-turn
+    trajectory budget against the model's context."""
+    validate_routing(cfg, model)
+    step = cfg.rollout.get("step")
+    if isinstance(step, DictConfig) and issubclass(target_class(step), AgentLoopStep | EndpointStep):
+        check_context(max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
+                      context=getattr(model.config, "max_position_embeddings", None))
+
+
 def validate_routing(cfg: DictConfig, model) -> None:
     """rollout.routing_replay=true forces the rollout's recorded experts in training: it needs recorded routes and
-    a model with MoE layers (checked once the model is built, before any engine starts). The agent loop's
-    trajectories take their routes from the last model turn's call, which covers the whole transcript; the
-    endpoint records none yet."""
+    a model with MoE layers. The agent loop's trajectories take their routes from the last model turn's call, which
+    covers the whole transcript; the endpoint records none yet."""
     step = cfg.rollout.get("step")
     if (isinstance(step, DictConfig) and issubclass(target_class(step), EndpointStep)
             and cfg.rollout.get("record_routes", False) and moe_routing(model) is not None):

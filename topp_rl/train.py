@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.callbacks.evaluation import Evaluation
-from topp_rl.config import callback_entries, validate_config, validate_routing
+from topp_rl.config import callback_entries, validate_config, validate_with_model
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.run import loggers as run_loggers
 from topp_rl.run.checkpoint import AtomicCheckpointIO, RunRecord
@@ -107,7 +107,7 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
-    validate_routing(cfg, policy)
+    validate_with_model(cfg, policy)
     lora = check_lora_config(cfg)
     # Built before the engine: with LoRA on (module.lora.rank > 0) it injects the adapters into `policy`.
     backbone = build_policy_backbone(policy, lora, gradient_checkpointing=cfg.module.gradient_checkpointing,

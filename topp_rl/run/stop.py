@@ -173,8 +173,11 @@ class StopOnSignal(Callback):
 
     def _give_up(self, signum: int) -> None:
         last = self.run_dir / "checkpoints" / "last.ckpt"
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        why = ("another rank is hung, dead or still in a long step" if several else "the run is still in a long step "
+               "(an environment's or agent's call ends within rollout.step.env_timeout_s / agent_timeout_s)")
         print(f"[topp_rl]{self._rank_tag()} {_name(signum)} came and this rank has not finished stopping within "
-              f"checkpoint.stop_timeout_s={self.timeout_s:g} s: another rank is hung, dead or still in a long step. "
+              f"checkpoint.stop_timeout_s={self.timeout_s:g} s: {why}. "
               f"Exiting now (status {128 + signum}) without a new checkpoint; {_last_checkpoint(last)}. Raise "
               "checkpoint.stop_timeout_s if a step and its save take longer than that.",
               file=sys.stderr, flush=True)
