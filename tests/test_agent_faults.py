@@ -13,6 +13,7 @@ import types
 
 import pytest
 from helpers import compose_cfg, metric_columns
+from test_agent_loop import FailingStart
 
 from topp_rl.data import SamplingParams
 from topp_rl.data.sample import SampleStatus
@@ -257,23 +258,18 @@ def test_a_real_ctrl_c_is_not_taken_for_an_environment_fault(engine, tmp_path):
     assert [s.metadata["end"] for s in samples] == ["env"] and "env_error" not in samples[0].metadata
 
 
-class FailsToStart:
-    def start(self, record):
-        raise ValueError("no such record")
-
-
 def test_an_environment_failing_at_start_is_named(engine):
-    step = AgentLoopStep(environment=FailsToStart(), max_turns=2, max_trajectory_tokens=64, max_failed_frac=1.0)
+    step = AgentLoopStep(environment=FailingStart(), max_turns=2, max_trajectory_tokens=64, max_failed_frac=1.0)
     samples = step.generate(engine, records(1), ONE, seed=0, tokenizer=TOK)
     (s,) = samples
     assert s.status == SampleStatus.ABORTED and s.metadata["env_error_kind"] == "exception"
-    assert s.metadata["env_error"] == "FailsToStart.start raised ValueError: no such record"
+    assert s.metadata["env_error"] == "FailingStart.start raised ValueError: no such record"
     # What a step left without a trainable sample names for its aborted samples:
-    assert s.metadata["finish_reason"]["message"] == ("failed before its first model turn: FailsToStart.start raised "
+    assert s.metadata["finish_reason"]["message"] == ("failed before its first model turn: FailingStart.start raised "
                                                       "ValueError: no such record")
     # Even when every trajectory may fail, a step left with nothing to train names the environment, not the engine.
     with pytest.raises(RuntimeError, match=r"^1 of 1 trajectories failed this step, and a data-parallel rank has no "
-                                           r"model token left to train on .* first failure: exception: FailsToStart."
+                                           r"model token left to train on .* first failure: exception: FailingStart."
                                            r"start raised ValueError: no such record; fix the environment"):
         step.check(samples)
 
