@@ -249,7 +249,7 @@ def test_a_real_ctrl_c_is_not_taken_for_an_environment_fault(engine, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         step.generate(engine, records(1), ONE, seed=0, tokenizer=TOK)
     stop = StopOnSignal(run_dir=tmp_path)
-    stop.on_train_start(types.SimpleNamespace(global_rank=0), None)
+    stop.on_train_start(types.SimpleNamespace(global_rank=0, callbacks=[]), None)
     try:
         samples = step.generate(engine, records(1), ONE, seed=0, tokenizer=TOK)
     finally:
