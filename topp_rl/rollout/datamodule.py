@@ -22,8 +22,13 @@ trains, one update behind (`topp_rl.rollout.overlap`); samples record their weig
 flight (its samples and the engine's weight version), so a resumed run trains on exactly the rollouts of an
 uninterrupted one.
 
-State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
-(seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
+Dynamic sampling (`refill=True`, with `drop_zero_variance_groups`): after the step's own generation, refill
+rounds on the next prompts until each DP rank holds its share of groups whose rewards differ, or generated
+`max_refill_factor` times that share (`topp_rl.rollout.refill`); not with overlap.
+
+State (`state_dict`): the next step to generate, the seed and the prompts refill rounds drew (they move the data
+position on); prompts and generation seeds are functions of (seed, step, DP rank, that count), so a resumed run
+continues identically. Aborted samples are kept in
 `RolloutBatch.samples` (for stats) but never trained on.
 """
 
@@ -56,7 +61,13 @@ from topp_rl.rollout.refill import RefillPlan, check_refill, continue_indices
 from topp_rl.rollout.sharing import shared_workers
 from topp_rl.rollout.stats import group_stats, overlap_stats, share_stats, step_stats
 from topp_rl.rollout.step import RolloutStep, SingleTurnStep
-from topp_rl.rollout.tickets import RolloutTicket, TicketStream, local_prompt_count, make_ticket, refill_ticket
+from topp_rl.rollout.tickets import (
+    RolloutTicket,
+    TicketStream,
+    local_prompt_count,
+    make_ticket,
+    refill_ticket,
+)
 from topp_rl.tasks import Task
 
 __all__ = ["EngineFactory", "RolloutDataModule", "RolloutTicket", "SharesRollouts"]
