@@ -12,7 +12,7 @@ from topp_rl.rollout import RolloutDataModule, RolloutEngine, Sample, SampleStat
 from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
 from topp_rl.rollout.packing import pack_samples, plan_micro_batches, plan_step
-from topp_rl.rollout.refill import RefillPlan
+from topp_rl.rollout.refill import RefillPlan, continue_indices
 from topp_rl.tasks import CopyDigitTask
 
 TOK = build_char_tokenizer()
@@ -421,6 +421,18 @@ def test_refill_round_sizes():
     assert plan.next_round(informative=1, generated=16) == 0  # budget spent
     assert RefillPlan(target=10, max_factor=2.3).budget == 23  # not 22: 2.3 * 10 is 22.999... in floats
     assert RefillPlan(target=3, max_factor=1).next_round(informative=0, generated=3) == 0
+
+
+def test_a_refill_round_numbers_its_samples_past_a_split_trajectory():
+    """A multi-turn step numbers samples from first_group * n on, more than n per group where a trajectory split:
+    round 0's 2 groups x n=2 gave 5 samples (0-4), round 1 starts at group 2 (index 4): moved on to 5."""
+    earlier = [_sample([1], [2], index=i) for i in range(5)]
+    new = [_sample([1], [2], index=i) for i in (4, 5)]
+    continue_indices(earlier, new)
+    assert [s.index for s in new] == [5, 6]
+    apart = [_sample([1], [2], index=i) for i in (8, 9)]  # single-turn numbering never collides: left as it is
+    continue_indices(earlier, apart)
+    assert [s.index for s in apart] == [8, 9]
 
 
 def test_refill_settings_are_refused_at_construction(engine):

@@ -282,8 +282,8 @@ class RolloutDataModule(L.LightningDataModule):
     def _refill(self, ticket: RolloutTicket, samples: list[Sample]) -> tuple[list[Sample], int, int, float, int]:
         """Refill rounds after the step's own generation `samples` (`topp_rl.rollout.refill`): (the step's samples,
         rounds, prompts drawn over all DP ranks, hand-over seconds and bytes). Round r's prompts follow every
-        prompt the step drew before, and so do its prompt groups' numbers (a group's number minus the step's first
-        data position is its data position), so no two groups of a step share a number."""
+        prompt the step drew before, and so do its prompt groups' numbers (group g of the step is data position
+        `step_start + g`), so no two groups of a step share a number."""
         plan = RefillPlan(target=len(ticket.records), max_factor=self.max_refill_factor)
         step_start = ticket.step * self.prompts_per_step + self.refill_prompts  # data position of group 0
         generated, rounds, drawn, share_seconds, shared_bytes = len(ticket.records), 0, 0, 0.0, 0
