@@ -32,6 +32,7 @@ continues identically. Aborted samples are kept in
 `RolloutBatch.samples` (for stats) but never trained on.
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -281,31 +282,39 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _refill(self, ticket: RolloutTicket, samples: list[Sample]) -> tuple[list[Sample], int, int, float, int]:
         """Refill rounds after the step's own generation `samples` (`topp_rl.rollout.refill`): (the step's samples,
-        rounds, prompts drawn over all DP ranks, hand-over seconds and bytes). Round r's prompts follow every
-        prompt the step drew before, and so do its prompt groups' numbers (group g of the step is data position
-        `step_start + g`), so no two groups of a step share a number."""
+        rounds, prompts drawn over all DP ranks, hand-over seconds and bytes)."""
         plan = RefillPlan(target=len(ticket.records), max_factor=self.max_refill_factor)
-        step_start = ticket.step * self.prompts_per_step + self.refill_prompts  # data position of group 0
         generated, rounds, drawn, share_seconds, shared_bytes = len(ticket.records), 0, 0, 0.0, 0
-        while True:
-            live = [s for s in samples if s.status != SampleStatus.ABORTED]
-            want = plan.next_round(informative=informative_groups(live, drop=True).informative, generated=generated)
-            sizes = self._round_sizes(want)
-            if not any(sizes):
-                return samples, rounds, drawn, share_seconds, shared_bytes
-            rounds += 1
-            first = self.prompts_per_step + drawn
-            more = refill_ticket(self.task, self.tokenizer, step=ticket.step, round=rounds, start=step_start + first,
-                                 first_group=first, sizes=sizes, dp_rank=self.dp_rank, seed=self.seed)
-            if more.records:
-                _, new, seconds, sent = self._gather(more)
+        with contextlib.ExitStack() as held:
+            while any(sizes := self._round_sizes(plan.next_round(informative=_informative(samples),
+                                                                 generated=generated))):
+                if rounds == 0 and self.peers.is_source:
+                    # A rank with nothing to generate in a round skips `generate`, which is a collective for an
+                    # engine sampling with the FSDP-sharded module: every source holds the gathered weights
+                    # through the rounds instead, entered together here (the sizes are the same on every rank).
+                    held.enter_context(self.ensure_engine().holding_weights())
+                rounds += 1
+                new, seconds, sent = self._refill_round(ticket, number=rounds, first=self.prompts_per_step + drawn,
+                                                        sizes=sizes)
+                continue_indices(samples, new)
+                samples = samples + new
+                generated, drawn = generated + sizes[self.dp_rank], drawn + sum(sizes)
                 share_seconds, shared_bytes = share_seconds + seconds, shared_bytes + sent
-            else:  # nothing to generate here (neither on this rank's source): the round's check is a collective
-                new = []
-                self.rollout_step.check(new, reduce_sum=self.collectives.sum)
-            continue_indices(samples, new)
-            samples = samples + new
-            generated, drawn = generated + len(more.records), drawn + sum(sizes)
+        return samples, rounds, drawn, share_seconds, shared_bytes
+
+    def _refill_round(self, ticket: RolloutTicket, *, number: int, first: int,
+                      sizes: list[int]) -> tuple[list[Sample], float, int]:
+        """Refill round `number`, `sizes[r]` prompts for DP rank r: (this rank's samples, hand-over seconds and bytes).
+        Its prompts follow every prompt the step drew before, and so do its prompt groups' numbers (group g of the
+        step is data position step * prompts_per_step + refill_prompts + g): no two groups of a step share one."""
+        more = refill_ticket(self.task, self.tokenizer, step=ticket.step, number=number, first_group=first,
+                             start=ticket.step * self.prompts_per_step + self.refill_prompts + first, sizes=sizes,
+                             dp_rank=self.dp_rank, seed=self.seed)
+        if not more.records:  # nothing to generate here: the round's check is a collective all the same
+            self.rollout_step.check([], reduce_sum=self.collectives.sum)
+            return [], 0.0, 0
+        _, new, seconds, sent = self._gather(more)
+        return new, seconds, sent
 
     def _round_sizes(self, want: int) -> list[int]:
         """Every DP rank's `want` (the same list on every rank: one all-reduce over the DP group)."""
@@ -360,6 +369,11 @@ class RolloutDataModule(L.LightningDataModule):
         entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._prefetch is not None else None
         if entry is not None and self.peers.is_source:
             self._prefetch.restore(entry, self.step, self.engine)
+
+
+def _informative(samples: list[Sample]) -> int:
+    """Groups of `samples` whose live rewards differ."""
+    return informative_groups([s for s in samples if s.status != SampleStatus.ABORTED], drop=True).informative
 
 
 def _fail_without_samples(step: int, samples: list[Sample]) -> None:

@@ -47,14 +47,14 @@ def make_ticket(task: Task, tokenizer: Any, *, step: int, prompts_per_step: int,
                          first_group=first, seed=_seed(seed, step, dp_rank))
 
 
-def refill_ticket(task: Task, tokenizer: Any, *, step: int, round: int, start: int, first_group: int,
+def refill_ticket(task: Task, tokenizer: Any, *, step: int, number: int, start: int, first_group: int,
                   sizes: list[int], dp_rank: int, seed: int) -> RolloutTicket:
-    """Refill round `round` (1, 2, ...) of step `step`: DP rank r draws `sizes[r]` prompts; the round's prompts
+    """Refill round `number` (1, 2, ...) of step `step`: DP rank r draws `sizes[r]` prompts; the round's prompts
     are data positions [start, start + sum(sizes)), rank-major, and its prompt groups are numbered on from
     `first_group` (step-global, after every group the step generated before)."""
     before = sum(sizes[:dp_rank])
     return RolloutTicket(step=step, records=_records(task, tokenizer, start + before, sizes[dp_rank]),
-                         first_group=first_group + before, seed=_seed(seed, step, dp_rank, round))
+                         first_group=first_group + before, seed=_seed(seed, step, dp_rank, number))
 
 
 def _records(task: Task, tokenizer: Any, start: int, count: int) -> list[PromptRecord]:
