@@ -15,7 +15,9 @@ Data position: a round takes the next prompts of the data stream, after everythi
 prompts, earlier rounds); the prompts refill rounds drew move every later step's prompts on, and the datamodule's
 checkpoint holds their count, so a resumed run draws exactly the prompts (and seeds) of an uninterrupted one.
 Every DP rank runs the same rounds: the round sizes are summed over the DP group (a vector with one entry per DP
-rank), so a rank that needs nothing more still joins each round's collectives, generating nothing.
+rank), so a rank that needs nothing more still joins each round's collectives, generating nothing; an engine whose
+`generate` is a collective (sampling from the FSDP-sharded module) holds its gathered weights through the rounds
+(`RolloutEngine.holding_weights`), so the ranks' calls need not match in number.
 """
 
 import math
