@@ -167,6 +167,16 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("export.on_checkpoint=0", "export.on_checkpoint"),
         ("resume.allow_config_change=yes", "resume.allow_config_change"),
         ("data.drop_zero_variance_groups=yes", "data.drop_zero_variance_groups"),
+        # Dynamic sampling: refill needs the groups it replaces dropped, a bounded factor, and no overlap.
+        ("data.drop_zero_variance_groups=true data.refill=yes", "data.refill"),
+        ("data.refill=true", "data.refill"),
+        ("data.drop_zero_variance_groups=true data.refill=true rollout.overlap=true rollout.engine.share_weights=false "
+         "algo.loss.tis_cap=2.0", "data.refill"),
+        ("data.drop_zero_variance_groups=true data.refill=true data.max_refill_factor=0.5", "data.max_refill_factor"),
+        ("data.max_refill_factor=inf", "data.max_refill_factor"),
+        ("data.max_refill_factor=nan", "data.max_refill_factor"),
+        ("data.max_refill_factor=abc", "data.max_refill_factor"),
+        ("data.max_refill_factor=true", "data.max_refill_factor"),
         ("rollout.engine.share_weights=yes", "rollout.engine.share_weights"),
         ("rollout=sglang rollout.engine.router=yes", "rollout.engine.router"),
         ("rollout=sglang rollout.max_candidates=0", "rollout.max_candidates"),

@@ -12,6 +12,7 @@ from topp_rl.rollout import RolloutDataModule, RolloutEngine, Sample, SampleStat
 from topp_rl.rollout.advantages import BatchAdvantage, GroupAdvantage, NoBaseline, RLOOAdvantage
 from topp_rl.rollout.datamodule import RolloutTicket
 from topp_rl.rollout.packing import pack_samples, plan_micro_batches, plan_step
+from topp_rl.rollout.refill import RefillPlan, continue_indices
 from topp_rl.tasks import CopyDigitTask
 
 TOK = build_char_tokenizer()
@@ -308,3 +309,192 @@ def test_dp_denominators_and_batch_advantages_span_ranks():
     dp1 = [r["dp1"] for r in ranks]
     assert dp1[0]["rewards"] == dp1[1]["rewards"]
     assert dp1[0]["denominators"] == {(float(dp1[0]["loss_tokens"]), 12)}
+
+
+# ----- dynamic sampling (data.refill) -----
+F0, F1 = [0.0] * 8, [1.0] * 8  # zero-variance groups
+ONE_SUCCESS, ONE_FAILURE = [1.0] + [0.0] * 7, [1.0] * 7 + [0.0]  # a row-wise leave-one-out filter splits these
+ONE_LOSER = [0.0] + [0.95] * 7  # seven identical winners once the loser's row is dropped
+BALANCED = [1.0] * 4 + [0.0] * 4
+
+
+class _ScriptedTask(CopyDigitTask):
+    """Rewards from a table, whatever the model answers: the group of data position i gets `patterns[i % len]`,
+    its sample j the pattern's j-th value (single-turn numbering: sample index = group * n + j)."""
+
+    def __init__(self, patterns):
+        super().__init__()
+        self.patterns = patterns
+
+    def score(self, samples, records, tokenizer):
+        for s in samples:
+            pattern = self.patterns[records[s.group_index].index % len(self.patterns)]
+            s.reward = pattern[s.index % len(pattern)]
+        return [s.reward for s in samples]
+
+
+def _trained(batch):
+    """{group: [(sample index, advantage)]} of the trained samples."""
+    out = {}
+    for mb in batch.micro_batches:
+        ends = torch.cumsum(mb.response_lengths, 0) - 1
+        for g, i, a in zip(mb.group_index.tolist(), mb.sample_index.tolist(), mb.advantages[ends].tolist(),
+                           strict=True):
+            out.setdefault(g, []).append((i, a))
+    return out
+
+
+def _reference(estimator, rewards):
+    """The estimator's advantages over one whole group, written out: GRPO (r - mean) / (std + eps), RLOO
+    r - mean of the others."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    if isinstance(estimator, RLOOAdvantage):
+        return (r - (r.sum() - r) / (len(r) - 1)).tolist()
+    return ((r - r.mean()) / (r.std() + estimator.eps)).tolist()
+
+
+@pytest.mark.parametrize("estimator", [GroupAdvantage(), RLOOAdvantage()], ids=["grpo", "rloo"])
+def test_refill_trains_whole_groups_against_the_baselines_that_split_them(engine, estimator):
+    """Refill keeps whole groups and computes each baseline over all of a group's rollouts. Baselines that break
+    this (NeMo-RL #3469, #4158): a row-wise leave-one-out filter drops the one differing rollout of
+    [1, 0, 0, 0, ...] or [0, .95, .95, ...] and recomputes the baseline over the identical rest (advantages all
+    zero); a refill round numbering its groups like the step's first ones merges rollouts of different prompts into
+    one baseline; trimming the surplus by rows cuts a group in two. Each fails the checks below."""
+    patterns = [F0, ONE_LOSER, F1, ONE_SUCCESS, ONE_FAILURE, F0, BALANCED, ONE_LOSER]
+    dm = _datamodule(engine, prompts=4, n=8, task=_ScriptedTask(patterns), advantage=estimator,
+                     drop_zero_variance_groups=True, refill=True)
+    batch = dm.rollout(dm.ticket(0))
+    # Round 0 (positions 0-3) holds 2 informative groups: round 1 draws 2 x 4 / 2 = 4 more (positions 4-7).
+    assert [s.group_index for s in batch.samples] == [g for g in range(8) for _ in range(8)]
+    assert [s.index for s in batch.samples] == list(range(64))
+    trained = _trained(batch)
+    assert sorted(trained) == [1, 3, 4, 6]  # the first 4 informative groups in data order; group 7 is surplus
+    for g, rows in trained.items():
+        assert [i for i, _ in rows] == [g * 8 + j for j in range(8)], g  # every rollout of the group
+        torch.testing.assert_close(torch.tensor([a for _, a in rows]),
+                                   torch.tensor(_reference(estimator, patterns[g]), dtype=torch.float32))
+    if isinstance(estimator, RLOOAdvantage):  # the group #4158 zeroed: the loser -0.95, each winner 0.95 / 7
+        assert [a for _, a in trained[1]] == pytest.approx([-0.95] + [0.95 / 7] * 7)
+    assert batch.stats["rollout/groups_generated"] == (8.0, 1.0)
+    assert batch.stats["rollout/groups_filtered"] == (3.0, 1.0)
+    assert batch.stats["rollout/groups_trained"] == (4.0, 1.0)
+    assert batch.stats["rollout/groups_surplus"] == (1.0, 1.0)
+    assert batch.stats["rollout/refill_rounds"] == (1.0, 1.0)
+    assert batch.stats["rollout/refill_capped"] == (0.0, 1.0)
+    assert batch.stats["rollout/dropped_group_frac"] == (3.0, 8.0)
+    # The next step's prompts follow the refill's: data positions 8-11.
+    assert dm.refill_prompts == 4 and [r.index for r in dm.ticket(1).records] == [8, 9, 10, 11]
+    assert dm.state_dict()["refill_prompts"] == 4
+
+
+def test_refill_stops_at_the_factor_and_trains_what_it_has(engine):
+    # Step 0: positions 0-1 hold one informative group; round 1 draws 2 more (the budget: 2 x 2), both flat.
+    dm = _datamodule(engine, prompts=2, n=8, task=_ScriptedTask([F0, ONE_SUCCESS, F1, F0]),
+                     drop_zero_variance_groups=True, refill=True, max_refill_factor=2)
+    batch = dm.rollout(dm.ticket(0))
+    assert sorted(_trained(batch)) == [1]
+    assert {k: v[0] for k, v in batch.stats.items() if "groups_" in k or "refill_" in k} == {
+        "rollout/groups_generated": 4.0, "rollout/groups_filtered": 3.0, "rollout/groups_trained": 1.0,
+        "rollout/groups_surplus": 0.0, "rollout/refill_rounds": 1.0, "rollout/refill_capped": 1.0}
+    # No informative group at all: the step's own groups train (advantages zero), as without refill.
+    dm = _datamodule(engine, prompts=2, n=8, task=_ScriptedTask([F0]), drop_zero_variance_groups=True,
+                     refill=True, max_refill_factor=2.5)  # budget: 5 groups
+    batch = dm.rollout(dm.ticket(0))
+    trained = _trained(batch)
+    assert sorted(trained) == [0, 1] and all(a == 0.0 for rows in trained.values() for _, a in rows)
+    assert batch.stats["rollout/groups_generated"] == (5.0, 1.0) and batch.stats["rollout/refill_rounds"] == (1.0, 1.0)
+    assert batch.stats["rollout/groups_trained"] == (2.0, 1.0) and batch.stats["rollout/refill_capped"] == (1.0, 1.0)
+    # Refill off: the same metric names as before, no refill keys, no data position moved.
+    dm = _datamodule(engine, prompts=2, n=8, task=_ScriptedTask([F0, ONE_SUCCESS]), drop_zero_variance_groups=True)
+    batch = dm.rollout(dm.ticket(0))
+    assert not any("refill" in k or "surplus" in k for k in batch.stats) and dm.refill_prompts == 0
+    assert batch.stats["rollout/groups_generated"] == (2.0, 1.0) and batch.stats["rollout/groups_filtered"] == (1.0, 1.0)
+
+
+def test_refill_round_sizes():
+    plan = RefillPlan(target=4, max_factor=4)
+    assert plan.budget == 16
+    assert plan.next_round(informative=4, generated=4) == 0  # full
+    assert plan.next_round(informative=2, generated=4) == 4  # 2 missing at 1 in 2 informative
+    assert plan.next_round(informative=3, generated=12) == 4  # 1 missing at 1 in 4
+    assert plan.next_round(informative=0, generated=4) == 12  # none seen: at most the budget
+    assert plan.next_round(informative=1, generated=16) == 0  # budget spent
+    assert RefillPlan(target=10, max_factor=2.3).budget == 23  # not 22: 2.3 * 10 is 22.999... in floats
+    assert RefillPlan(target=3, max_factor=1).next_round(informative=0, generated=3) == 0
+
+
+def test_a_refill_round_numbers_its_samples_past_a_split_trajectory():
+    """A multi-turn step numbers samples from first_group * n on, more than n per group where a trajectory split:
+    round 0's 2 groups x n=2 gave 5 samples (0-4), round 1 starts at group 2 (index 4): moved on to 5."""
+    earlier = [_sample([1], [2], index=i) for i in range(5)]
+    new = [_sample([1], [2], index=i) for i in (4, 5)]
+    continue_indices(earlier, new)
+    assert [s.index for s in new] == [5, 6]
+    apart = [_sample([1], [2], index=i) for i in (8, 9)]  # single-turn numbering never collides: left as it is
+    continue_indices(earlier, apart)
+    assert [s.index for s in apart] == [8, 9]
+
+
+def test_refill_settings_are_refused_at_construction(engine):
+    with pytest.raises(ValueError, match=r"data.refill=True: must be false while data.drop_zero_variance_groups"):
+        _datamodule(engine, refill=True)
+    with pytest.raises(ValueError, match=r"data.max_refill_factor=0.5: must be a finite number >= 1"):
+        _datamodule(engine, drop_zero_variance_groups=True, refill=True, max_refill_factor=0.5)
+    with pytest.raises(ValueError, match=r"data.refill=True: must be false with rollout.overlap=true"):
+        _datamodule(engine, drop_zero_variance_groups=True, refill=True, overlap=True)
+
+
+def test_refill_resume_continues_identically(engine, tmp_path):
+    """A checkpoint after refilled steps holds the prompts they drew: the resumed run draws the same prompts and
+    seeds as the uninterrupted one."""
+    patterns = [F0[:4], [1.0, 0.0, 0.0, 0.0], F1[:4]]  # a third of the groups informative: every step refills
+
+    def make():
+        return _datamodule(engine, prompts=2, n=4, task=_ScriptedTask(patterns), drop_zero_variance_groups=True,
+                           refill=True)
+
+    trainer, first = _fit(make(), 2)
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert trainer.datamodule.refill_prompts > 0
+    _, resumed = _fit(make(), 4, ckpt=str(ckpt))
+    _, straight = _fit(make(), 4)
+    assert [b.step for b in resumed] == [2, 3]
+    for a, b in zip(resumed, straight[2:], strict=True):
+        assert b.stats["rollout/refill_rounds"][0] > 0
+        assert [s.tokens for s in a.samples] == [s.tokens for s in b.samples]
+        assert [s.rollout_log_probs for s in a.samples] == [s.rollout_log_probs for s in b.samples]
+        assert a.stats["rollout/groups_generated"] == b.stats["rollout/groups_generated"]
+
+
+def _dp_refill(rank: int) -> dict:
+    """On each of 2 gloo ranks: a refilled step where rank 0's own groups are all informative and rank 1's are not."""
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer=TOK, seed=0, initializer_range=0.2)
+    engine = EmbeddedEngine(model, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id, progress=False)
+    patterns = [ONE_SUCCESS, ONE_FAILURE, F0, ONE_SUCCESS, F0, F0, F1, BALANCED]
+    dm = _datamodule(engine, prompts=4, n=8, task=_ScriptedTask(patterns), drop_zero_variance_groups=True,
+                     refill=True, max_refill_factor=3, dp_rank=rank, dp_size=2)
+    batch = dm.rollout(dm.ticket(0))
+    return {"groups": [s.group_index for s in batch.samples[::8]],
+            "trained": sorted(_trained(batch)), "stats": batch.stats, "refill_prompts": dm.refill_prompts,
+            "next": [r.index for r in dm.ticket(1).records]}
+
+
+@pytest.mark.distributed
+def test_refill_ranks_run_the_same_rounds():
+    """Rank 0 needs no refill, rank 1 two rounds: rank 0 joins both (generating nothing), so no collective hangs;
+    each rank trains its share, and the step's counts are the same on both ranks."""
+    from dist_utils import run_distributed
+
+    ranks = run_distributed(_dp_refill, 2)
+    # Rank 1 (positions 2-3: one informative group) draws 2 (positions 4-5, both flat), then 2 more (the
+    # budget, 3 x 2: positions 6-7); its groups are numbered as their data positions.
+    assert ranks[0]["groups"] == [0, 1] and ranks[1]["groups"] == [2, 3, 4, 5, 6, 7]
+    assert ranks[0]["trained"] == [0, 1] and ranks[1]["trained"] == [3, 7]
+    expected = {"rollout/groups_generated": 8.0, "rollout/groups_filtered": 4.0, "rollout/groups_trained": 4.0,
+                "rollout/groups_surplus": 0.0, "rollout/refill_rounds": 2.0, "rollout/refill_capped": 0.0}
+    for r in ranks:
+        assert {k: v for k, v in r["stats"].items() if k in expected} == {k: (v, 1.0) for k, v in expected.items()}
+        assert r["refill_prompts"] == 4
+    assert ranks[0]["next"] == [8, 9] and ranks[1]["next"] == [10, 11]

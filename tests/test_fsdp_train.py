@@ -21,6 +21,8 @@ Gradient checkpointing (a tiny 2-rank spawn of `FSDPBackbone` alone, dense and M
 recompute gives the gradients of one without it, bit for bit; and the bf16-mixed GPU policy's dtypes on gloo.
 And `rollout=sglang` at world 2: both data-parallel ranks sample from one real SGLang server (float32), which gets the
 weights gathered from the shards after every step; the trainer's masked log-probs equal the server's within 1e-4.
+And `data.refill=true` at world 2, where a refill round has one rank generating and the other not (the engine's
+`generate` on the sharded module is a collective): the run completes and every step's group counts add up.
 """
 
 import copy
@@ -300,3 +302,32 @@ def test_fsdp_mixed_precision_policy_follows_the_trainer_precision(precision, de
         param_dtype, reduce_dtype = policy
         assert (got.param_dtype, got.reduce_dtype, got.output_dtype) == (param_dtype, reduce_dtype, None)
         assert got.cast_forward_inputs
+
+
+def _refill_worker(rank: int, tmp: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    from helpers import metric_columns
+
+    out = Path(tmp) / "refill"
+    _, steps = _run(out, "parallel=fsdp", "trainer.devices=2", "data.drop_zero_variance_groups=true", "data.refill=true",
+                    "data.max_refill_factor=3")
+    return {"metrics": metric_columns(out) if rank == 0 else {},
+            "groups": [len({s.group_index for s in samples}) for samples in steps]}
+
+
+@pytest.mark.distributed
+def test_fsdp_refill_rounds_with_a_rank_that_generates_nothing(tmp_path):
+    """data.refill=true with the embedded engine sampling from the FSDP-sharded module, whose `generate` is a
+    collective: in a round where one rank needs more groups and the other none, the ranks still meet (the rounds
+    run inside the engine's held weights); without that the run hangs."""
+    ranks = run_distributed(_refill_worker, 2, str(tmp_path), timeout=420, preload=PRELOAD)
+    per_rank = [r["groups"] for r in ranks]
+    assert any(a != b for a, b in zip(*per_rank, strict=True)), per_rank  # a step whose ranks drew differently
+    m = ranks[0]["metrics"]
+    assert len(m["rollout/refill_rounds"]) == 3 and max(m["rollout/refill_rounds"]) > 0
+    for generated, trained, filtered, surplus, capped in zip(
+            m["rollout/groups_generated"], m["rollout/groups_trained"], m["rollout/groups_filtered"],
+            m["rollout/groups_surplus"], m["rollout/refill_capped"], strict=True):
+        assert generated == trained + filtered + surplus and (trained == 4 or capped == 1.0)
+    assert [sum(step) for step in zip(*per_rank, strict=True)] == m["rollout/groups_generated"]

@@ -123,3 +123,21 @@ def test_console_shows_one_bar_and_each_line_once_and_writes_summary_json(tmp_pa
     phases = [column(rows, k) for k in ("perf/generate_s", "perf/old_logprob_s", "perf/optim_s")]
     for step_s, *parts in zip(column(rows, "perf/step_s"), *phases, strict=True):
         assert step_s >= sum(parts)  # the whole step holds its phases
+
+
+def test_refill_keeps_every_step_full_or_counts_the_cap(tmp_path):
+    """data.refill=true end to end: every step trains prompts_per_step groups whose rewards differ, or says it
+    stopped at data.max_refill_factor; the counts add up."""
+    out = tmp_path / "refill"
+    train(compose_cfg(out, "logger=csv", "trainer.max_steps=4", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+                      "data.drop_zero_variance_groups=true", "data.refill=true", "data.max_refill_factor=3"))
+    rows = [r for r in read_metrics(out) if r.get("rollout/groups_generated")]
+    assert len(rows) == 4
+    for r in rows:
+        generated, filtered, trained, surplus, rounds, capped = (float(r[f"rollout/{k}"]) for k in (
+            "groups_generated", "groups_filtered", "groups_trained", "groups_surplus", "refill_rounds",
+            "refill_capped"))
+        assert generated == trained + filtered + surplus and 4 <= generated <= 12, r
+        assert trained == 4 or capped == 1.0, r
+        assert (rounds > 0) == (generated > 4), r
+    assert any(float(r["rollout/refill_rounds"]) > 0 for r in rows)  # the run did refill

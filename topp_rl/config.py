@@ -28,6 +28,7 @@ from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.rollout.refill import check_refill
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
@@ -37,6 +38,7 @@ BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
+    "data.refill",
     "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
 )
 # Below this, a capped engine (SGLangEngine) aborts every sample a truncating sampler keeps two ids for
@@ -548,6 +550,13 @@ def validate_overlap(cfg: DictConfig) -> None:
               "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
 
 
+def validate_refill(cfg: DictConfig) -> None:
+    """data.refill / data.max_refill_factor (dynamic sampling), checked as the datamodule checks them."""
+    data = cfg.data
+    check_refill(refill=data.get("refill", False), drop_zero_variance_groups=data.drop_zero_variance_groups,
+                 max_refill_factor=data.get("max_refill_factor", 4.0), overlap=cfg.rollout.get("overlap", False))
+
+
 def validate_turns(cfg: DictConfig) -> None:
     """rollout.max_turns > 1 needs a multi-turn step (the agent loop): the single-turn step answers once; the
     agent loop needs an environment. It runs at any world size and with either engine: the failure share is summed
@@ -637,6 +646,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
     validate_overlap(cfg)
+    validate_refill(cfg)
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
         check_reward_config(cfg.task)

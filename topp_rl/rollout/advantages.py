@@ -135,17 +135,35 @@ def trajectory_advantages(estimator: AdvantageEstimator, samples: list[Sample], 
     return estimator(rewards, groups, reduce=reduce)[owner_t]
 
 
-def informative_groups(live: list[Sample], *, drop: bool) -> tuple[list[Sample], int, int]:
-    """(samples to train on, dropped groups, groups): with `drop`, the groups of two or more samples whose
-    rewards are all equal are left out. Never drops everything (ranks stay in lockstep)."""
+@dataclass(frozen=True)
+class GroupSelection:
+    """The groups a step trains, of the ones a DP rank generated (whole groups: every live sample of a kept group)."""
+
+    train: list[Sample]  # in sample order
+    groups: int  # generated
+    informative: int  # of them with rewards that differ (all of them without `drop`)
+    filtered: int  # zero-variance groups left out
+    surplus: int = 0  # informative groups past `most`, left out
+
+    @property
+    def trained(self) -> int:
+        return self.groups - self.filtered - self.surplus
+
+
+def informative_groups(live: list[Sample], *, drop: bool, most: int | None = None) -> GroupSelection:
+    """With `drop`, the groups of two or more samples whose rewards are all equal are left out, and of the others
+    only the first `most` in group order (the surplus of a refilled step). Never drops everything (ranks stay in
+    lockstep): with no group carrying signal, the first `most` groups train (group-relative advantages are zero).
+    Whole groups either way: a group's baseline is computed over all its live samples, never over a part."""
     by_group: dict[int, list[Sample]] = {}
     for s in live:
         by_group.setdefault(s.group_index, []).append(s)
     if not drop:
-        return live, 0, len(by_group)
-    keep = [g for g, ss in by_group.items() if len(ss) < 2 or len({s.reward for s in ss}) > 1]
-    if not keep:  # no group carries signal: train on all (advantages are zero) rather than on nothing
-        return live, 0, len(by_group)
-    kept = [s for g in keep for s in by_group[g]]
-    kept.sort(key=lambda s: s.index)
-    return kept, len(by_group) - len(keep), len(by_group)
+        return GroupSelection(train=live, groups=len(by_group), informative=len(by_group), filtered=0)
+    order = sorted(by_group)
+    informative = [g for g in order if len(by_group[g]) < 2 or len({s.reward for s in by_group[g]}) > 1]
+    keep = (informative or order)[:most]
+    kept = sorted((s for g in keep for s in by_group[g]), key=lambda s: s.index)
+    surplus = len(informative) - len(keep) if informative else 0
+    return GroupSelection(train=kept, groups=len(by_group), informative=len(informative),
+                          filtered=len(by_group) - len(keep) - surplus, surplus=surplus)

@@ -22,11 +22,17 @@ trains, one update behind (`topp_rl.rollout.overlap`); samples record their weig
 flight (its samples and the engine's weight version), so a resumed run trains on exactly the rollouts of an
 uninterrupted one.
 
-State (`state_dict`): the next step to generate and the seed; prompts and generation seeds are functions of
-(seed, step, DP rank), so a resumed run continues identically. Aborted samples are kept in
+Dynamic sampling (`refill=True`, with `drop_zero_variance_groups`): after the step's own generation, refill
+rounds on the next prompts until each DP rank holds its share of groups whose rewards differ, or generated
+`max_refill_factor` times that share (`topp_rl.rollout.refill`); not with overlap.
+
+State (`state_dict`): the next step to generate, the seed and the prompts refill rounds drew (they move the data
+position on); prompts and generation seeds are functions of (seed, step, DP rank, that count), so a resumed run
+continues identically. Aborted samples are kept in
 `RolloutBatch.samples` (for stats) but never trained on.
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -45,16 +51,24 @@ from topp_rl.parallel.peers import RolloutPeers
 from topp_rl.rollout.advantages import (
     AdvantageEstimator,
     GroupAdvantage,
+    GroupSelection,
     informative_groups,
     trajectory_advantages,
 )
 from topp_rl.rollout.broadcast import share_samples
 from topp_rl.rollout.overlap import Prefetcher, versioned
 from topp_rl.rollout.packing import pack_samples
+from topp_rl.rollout.refill import RefillPlan, check_refill, continue_indices
 from topp_rl.rollout.sharing import shared_workers
-from topp_rl.rollout.stats import overlap_stats, share_stats, step_stats
+from topp_rl.rollout.stats import group_stats, overlap_stats, share_stats, step_stats
 from topp_rl.rollout.step import RolloutStep, SingleTurnStep
-from topp_rl.rollout.tickets import RolloutTicket, TicketStream, local_prompt_count, make_ticket
+from topp_rl.rollout.tickets import (
+    RolloutTicket,
+    TicketStream,
+    local_prompt_count,
+    make_ticket,
+    refill_ticket,
+)
 from topp_rl.tasks import Task
 
 __all__ = ["EngineFactory", "RolloutDataModule", "RolloutTicket", "SharesRollouts"]
@@ -81,6 +95,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_tokens_per_micro_batch: int = 2048,
         advantage: AdvantageEstimator | None = None,
         drop_zero_variance_groups: bool = False,
+        refill: bool = False,
+        max_refill_factor: float = 4.0,
         seed: int = 0,
         dp_rank: int | None = None,
         dp_size: int | None = None,
@@ -92,6 +108,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step ({prompts_per_step}) must be >= 1")
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch ({max_tokens_per_micro_batch}) must be >= 1")
+        check_refill(refill=refill, drop_zero_variance_groups=drop_zero_variance_groups,
+                     max_refill_factor=max_refill_factor, overlap=overlap)
         if not (isinstance(engine, RolloutEngine) or callable(engine)):
             raise TypeError(
                 f"engine is a {type(engine).__name__}; pass a RolloutEngine or a factory dp_rank -> RolloutEngine"
@@ -120,11 +138,13 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.rollout_step: RolloutStep = rollout_step if rollout_step is not None else SingleTurnStep()
         self.drop_zero_variance_groups = drop_zero_variance_groups
+        self.refill, self.max_refill_factor = refill, max_refill_factor
         self.seed = seed
         self._dp = (dp_rank, dp_size)
         self._collectives: DataParallelCollectives | None = None  # built at setup, or at first use without one
         self.min_micro_batches = 1  # the fewest a step packs: the strategy's (megatron's interleaved schedule), at setup
         self.step = 0  # next rollout step to generate
+        self.refill_prompts = 0  # prompts refill rounds drew before `step`: they move its data position on
         self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
 
     # ----- data parallel layout -----
@@ -194,7 +214,7 @@ class RolloutDataModule(L.LightningDataModule):
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
         return make_ticket(self.task, self.tokenizer, step=step, prompts_per_step=self.prompts_per_step,
-                           dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed)
+                           dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed, offset=self.refill_prompts)
 
     def train_dataloader(self) -> DataLoader:
         local_prompt_count(self.prompts_per_step, self.dp_size)  # fail at start on a bad split
@@ -226,44 +246,109 @@ class RolloutDataModule(L.LightningDataModule):
                                           tokenizer=self.tokenizer)
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
+        if self.refill:  # the step's prompts follow the previous step's refill rounds: known now, not when the
+            ticket = self.ticket(ticket.step)  # dataloader made this ticket (one step ahead)
         start = time.perf_counter()
-        own = self.generate(ticket) if self.peers.is_source else None
+        own, samples, share_seconds, shared_bytes = self._gather(ticket)
         overlapped = own is not None and self._prefetch is not None  # `generate` started the next step
-        generated = time.perf_counter()
-        samples, shared_bytes = share_samples(own, self.peers)
-        share_seconds = time.perf_counter() - generated
-        self.rollout_step.check(samples, reduce_sum=self.collectives.sum)  # every rank: all raise alike
+        rounds = drawn = 0
+        if self.refill:
+            samples, rounds, drawn, more_s, more_bytes = self._refill(ticket, samples)
+            share_seconds, shared_bytes = share_seconds + more_s, shared_bytes + more_bytes
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
-        micro, dropped, groups = self._pack(ticket.step, samples)
-        self.step = ticket.step + 1
+        micro, selection, groups = self._pack(ticket.step, samples,
+                                              most=len(ticket.records) if self.refill else None)
+        self.step, self.refill_prompts = ticket.step + 1, self.refill_prompts + drawn
         # With overlap: the generation's own time (it ran beside the previous step), not the wait for it.
         stats = step_stats(samples, micro, generate_s=self.last_generate_s if overlapped else gen_seconds,
-                           dropped=dropped, groups=groups) | self.rollout_step.stats(samples)
+                           dropped=selection.filtered, groups=selection.groups) | self.rollout_step.stats(samples)
+        if self.drop_zero_variance_groups:
+            stats |= group_stats(groups, refill_rounds=rounds if self.refill else None)
         if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
             stats |= overlap_stats(own, self.engine, wait_s=gen_seconds)
         if self.peers.size > 1:
             stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
 
-    def _pack(self, step: int, samples: list[Sample]) -> tuple[list[PackedBatch], int, int]:
-        """(micro-batches, dropped groups, groups): advantages, DP-global denominators, packing."""
+    def _gather(self, ticket: RolloutTicket) -> tuple[list[Sample] | None, list[Sample], float, int]:
+        """One generation: on the source, handed to its peers, checked on every rank. (The source's own samples
+        or None, this rank's samples, seconds and bytes the hand-over took.)"""
+        own = self.generate(ticket) if self.peers.is_source else None
+        generated = time.perf_counter()
+        samples, shared_bytes = share_samples(own, self.peers)
+        share_seconds = time.perf_counter() - generated
+        self.rollout_step.check(samples, reduce_sum=self.collectives.sum)  # every rank: all raise alike
+        return own, samples, share_seconds, shared_bytes
+
+    def _refill(self, ticket: RolloutTicket, samples: list[Sample]) -> tuple[list[Sample], int, int, float, int]:
+        """Refill rounds after the step's own generation `samples` (`topp_rl.rollout.refill`): (the step's samples,
+        rounds, prompts drawn over all DP ranks, hand-over seconds and bytes)."""
+        plan = RefillPlan(target=len(ticket.records), max_factor=self.max_refill_factor)
+        generated, rounds, drawn, share_seconds, shared_bytes = len(ticket.records), 0, 0, 0.0, 0
+        with contextlib.ExitStack() as held:
+            while any(sizes := self._round_sizes(plan.next_round(informative=_informative(samples),
+                                                                 generated=generated))):
+                if rounds == 0 and self.peers.is_source:
+                    # A rank with nothing to generate in a round skips `generate`, which is a collective for an
+                    # engine sampling with the FSDP-sharded module: every source holds the gathered weights
+                    # through the rounds instead, entered together here (the sizes are the same on every rank).
+                    held.enter_context(self.ensure_engine().holding_weights())
+                rounds += 1
+                new, seconds, sent = self._refill_round(ticket, number=rounds, first=self.prompts_per_step + drawn,
+                                                        sizes=sizes)
+                continue_indices(samples, new)
+                samples = samples + new
+                generated, drawn = generated + sizes[self.dp_rank], drawn + sum(sizes)
+                share_seconds, shared_bytes = share_seconds + seconds, shared_bytes + sent
+        return samples, rounds, drawn, share_seconds, shared_bytes
+
+    def _refill_round(self, ticket: RolloutTicket, *, number: int, first: int,
+                      sizes: list[int]) -> tuple[list[Sample], float, int]:
+        """Refill round `number`, `sizes[r]` prompts for DP rank r: (this rank's samples, hand-over seconds and bytes).
+        Its prompts follow every prompt the step drew before, and so do its prompt groups' numbers (group g of the
+        step is data position step * prompts_per_step + refill_prompts + g): no two groups of a step share one."""
+        more = refill_ticket(self.task, self.tokenizer, step=ticket.step, number=number, first_group=first,
+                             start=ticket.step * self.prompts_per_step + self.refill_prompts + first, sizes=sizes,
+                             dp_rank=self.dp_rank, seed=self.seed)
+        if not more.records:  # nothing to generate here: the round's check is a collective all the same
+            self.rollout_step.check([], reduce_sum=self.collectives.sum)
+            return [], 0.0, 0
+        _, new, seconds, sent = self._gather(more)
+        return new, seconds, sent
+
+    def _round_sizes(self, want: int) -> list[int]:
+        """Every DP rank's `want` (the same list on every rank: one all-reduce over the DP group)."""
+        mine = torch.zeros(self.dp_size, dtype=torch.int64)
+        mine[self.dp_rank] = want
+        return [int(v) for v in self.collectives.sum(mine).tolist()]
+
+    def _pack(self, step: int, samples: list[Sample], *,
+              most: int | None = None) -> tuple[list[PackedBatch], GroupSelection, dict[str, float]]:
+        """(micro-batches, this rank's groups, the DP-global group counts): whole groups selected (at most `most`
+        informative ones), advantages, DP-global denominators, packing."""
         live = [s for s in samples if s.status != SampleStatus.ABORTED]
-        train, dropped, groups = informative_groups(live, drop=self.drop_zero_variance_groups)
+        selection = informative_groups(live, drop=self.drop_zero_variance_groups, most=most)
+        train = selection.train
         dp = self.collectives
         # Per trajectory: a multi-turn trajectory split into several samples is one reward in its group's statistics.
         adv = trajectory_advantages(self.advantage, train, reduce=dp.sum)
+        short = most is not None and selection.informative < most  # a refilled rank stopped at its budget
         totals = dp.sum(torch.tensor(
-            [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train)], dtype=torch.float64))
+            [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train), selection.groups,
+             selection.filtered, selection.surplus, selection.trained, float(short)], dtype=torch.float64))
         if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
             _fail_without_samples(step, samples)
         micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]),
                              num_sequences_global=int(totals[1]),
                              most=lambda count: max(dp.max(count), self.min_micro_batches))
-        return micro, dropped, groups
+        groups = dict(zip(("generated", "filtered", "surplus", "trained", "capped_ranks"), totals[3:].tolist(),
+                          strict=True))
+        return micro, selection, groups
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:
-        state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+        state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step,
+                 "refill_prompts": self.refill_prompts}
         if self._prefetch is not None:  # per DP rank, the generation in flight for `self.step` (waits for it)
             mine = self._prefetch.entry(self.step, self.engine) if self.peers.is_source else None
             # Every rank builds a checkpoint, Lightning writes rank 0's datamodule state: rank 0's DP group holds
@@ -280,9 +365,15 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.step = int(state["step"])
         self.seed = int(state["seed"])
+        self.refill_prompts = int(state.get("refill_prompts", 0))  # 0 in a checkpoint written before refill
         entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._prefetch is not None else None
         if entry is not None and self.peers.is_source:
             self._prefetch.restore(entry, self.step, self.engine)
+
+
+def _informative(samples: list[Sample]) -> int:
+    """Groups of `samples` whose live rewards differ."""
+    return informative_groups([s for s in samples if s.status != SampleStatus.ABORTED], drop=True).informative
 
 
 def _fail_without_samples(step: int, samples: list[Sample]) -> None:

@@ -22,6 +22,21 @@ def step_stats(samples: list[Sample], micro: list[PackedBatch], *, generate_s: f
     }
 
 
+def group_stats(groups: dict[str, float], *, refill_rounds: int | None) -> Stats:
+    """`data.drop_zero_variance_groups=true`: the step's prompt groups over all DP ranks (`groups`: DP-global counts,
+    the same on every rank, so the mean over ranks keeps them). generated = trained + filtered + surplus.
+    `refill_rounds`: with `data.refill=true`, the rounds after the step's own generation."""
+    stats = {f"rollout/groups_{key}": (groups[key], 1.0) for key in ("generated", "filtered", "trained")}
+    if refill_rounds is None:
+        return stats
+    return stats | {
+        "rollout/groups_surplus": (groups["surplus"], 1.0),  # informative groups past prompts_per_step, left out
+        "rollout/refill_rounds": (float(refill_rounds), 1.0),
+        # 1 when a DP rank stopped at data.max_refill_factor short of its share: the step trained fewer groups.
+        "rollout/refill_capped": (float(groups["capped_ranks"] > 0), 1.0),
+    }
+
+
 def overlap_stats(own: list[Sample] | None, engine: VersionedEngine | None, *, wait_s: float) -> Stats:
     """`rollout.overlap=true`: the wait for the step generated ahead, and how many updates old its samples are
     (`own`: the source's samples, None on a peer)."""

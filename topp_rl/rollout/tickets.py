@@ -3,8 +3,10 @@ generation seed), cheap to make because Lightning fetches one batch ahead; the d
 into a `RolloutBatch` right before `training_step`.
 
 Data parallel: `prompts_per_step` counts prompts per step over ALL DP ranks; DP rank r takes the r-th slice of
-each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P)). Prompts and seeds are
-functions of (seed, step, DP rank), so a resumed run continues identically.
+each step's prompts (example indices are consecutive: step k uses [k * P, (k + 1) * P), shifted by the prompts
+refill rounds drew before it, `offset`). Prompts and seeds are functions of (seed, step, DP rank, offset), so a
+resumed run continues identically. A refill round (`data.refill`, `topp_rl.rollout.refill`) takes the next prompts
+of the stream after its step's: `refill_ticket`.
 """
 
 from collections.abc import Iterator
@@ -37,15 +39,33 @@ def local_prompt_count(prompts_per_step: int, dp_size: int) -> int:
 
 
 def make_ticket(task: Task, tokenizer: Any, *, step: int, prompts_per_step: int, dp_rank: int, dp_size: int,
-                seed: int) -> RolloutTicket:
+                seed: int, offset: int = 0) -> RolloutTicket:
+    """Step `step`'s ticket for `dp_rank`; `offset`: the prompts refill rounds drew before this step."""
     local = local_prompt_count(prompts_per_step, dp_size)
     first = dp_rank * local
-    start = step * prompts_per_step + first
-    records = [task.prompt(start + i, tokenizer) for i in range(local)]
+    return RolloutTicket(step=step, records=_records(task, tokenizer, step * prompts_per_step + offset + first, local),
+                         first_group=first, seed=_seed(seed, step, dp_rank))
+
+
+def refill_ticket(task: Task, tokenizer: Any, *, step: int, number: int, start: int, first_group: int,
+                  sizes: list[int], dp_rank: int, seed: int) -> RolloutTicket:
+    """Refill round `number` (1, 2, ...) of step `step`: DP rank r draws `sizes[r]` prompts; the round's prompts
+    are data positions [start, start + sum(sizes)), rank-major, and its prompt groups are numbered on from
+    `first_group` (step-global, after every group the step generated before)."""
+    before = sum(sizes[:dp_rank])
+    return RolloutTicket(step=step, records=_records(task, tokenizer, start + before, sizes[dp_rank]),
+                         first_group=first_group + before, seed=_seed(seed, step, dp_rank, number))
+
+
+def _records(task: Task, tokenizer: Any, start: int, count: int) -> list[PromptRecord]:
+    records = [task.prompt(start + i, tokenizer) for i in range(count)]
     for record in records:
         check_encodable(record, tokenizer)
-    generation_seed = int(np.random.SeedSequence([seed, step, dp_rank]).generate_state(1)[0])
-    return RolloutTicket(step=step, records=records, first_group=first, seed=generation_seed)
+    return records
+
+
+def _seed(*key: int) -> int:
+    return int(np.random.SeedSequence(list(key)).generate_state(1)[0])
 
 
 class TicketSource(Protocol):
