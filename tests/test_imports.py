@@ -45,6 +45,7 @@ LAZY = {
     ("topp_rl", "topp_rl.trainer.hook"): "`import topp_rl` stays light: `topp_rl.ToppLogProb` loads on first use",
     ("topp_rl.api", "topp_rl.train"): "compose() needs Hydra only; Lightning and the models load in fit()",
     ("topp_rl.api", "topp_rl.config"): "compose() needs Hydra only; the config checks import every part",
+    ("topp_rl.api", "topp_rl.run.rundir"): "compose() needs Hydra only; the run name and run dir checks load torch",
     ("topp_rl.cli", "topp_rl.train"): "`topp-rl --help` and `train --help` answer without importing Lightning",
     ("topp_rl.cli", "topp_rl.run.export"): "each subcommand loads only what it runs",
     ("topp_rl.cli", "topp_rl.report"): "each subcommand loads only what it runs (matplotlib for report)",

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig
 
+from topp_rl.parallel.options import parallel_options
 from topp_rl.paths import config_dir
 
 # Sections whose keys are a closed set: everything the code reads there is defined in the shipped yaml, so a key
@@ -61,17 +62,6 @@ def rollout_keys() -> dict[str, frozenset[str]]:
     return out
 
 
-def _parallel_node(path: Path) -> dict:
-    """The `parallel` keys a parallel/ option sets, with those of the options its defaults list (tp2 -> megatron).
-    parallel=none is package `parallel` (its keys at the top); the others are `_global_` with a `parallel` node."""
-    data = yaml.safe_load(path.read_text()) or {}
-    node = dict(data["parallel"]) if "parallel" in data else {k: v for k, v in data.items() if k != "defaults"}
-    for entry in data.get("defaults", []):
-        if isinstance(entry, str) and entry != "_self_":
-            node = {**_parallel_node(path.parent / f"{entry}.yaml"), **node}
-    return node
-
-
 @functools.cache
 def parallel_keys() -> dict[str | None, tuple[frozenset[str], tuple[str, ...]]]:
     """Per layout, keyed by its strategy's `_target_` (None: parallel=none): (the `parallel.*` keys its options
@@ -79,19 +69,12 @@ def parallel_keys() -> dict[str | None, tuple[frozenset[str], tuple[str, ...]]]:
     FSDP's, `+parallel.distributed_optimizer=true` Megatron's)."""
     keys: dict[str | None, set[str]] = {}
     names: dict[str | None, list[str]] = {}
-    for path in sorted((config_dir() / "parallel").glob("*.yaml")):
-        node = _parallel_node(path)
+    for name, node in parallel_options().items():
         strategy = node.get("strategy")
         target = strategy["_target_"] if isinstance(strategy, dict) else None
         keys.setdefault(target, set()).update(node)
-        names.setdefault(target, []).append(path.stem)
+        names.setdefault(target, []).append(name)
     return {target: (frozenset(keys[target]), tuple(names[target])) for target in keys}
-
-
-@functools.cache
-def parallel_options() -> dict[str, dict]:
-    """Each parallel/ option's name -> the `parallel` node it sets (with its defaults' keys: tp2 -> megatron's)."""
-    return {path.stem: _parallel_node(path) for path in sorted((config_dir() / "parallel").glob("*.yaml"))}
 
 
 def _known_keys(cfg: DictConfig, section: str) -> frozenset[str]:

@@ -38,8 +38,8 @@ from hydra.experimental.callback import Callback
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from topp_rl.config_keys import parallel_options
 from topp_rl.parallel.capabilities import WEIGHTS_ONLY_WAY_OUT, Layout, capabilities_of
+from topp_rl.parallel.options import parallel_options
 from topp_rl.run.checkpoint import RECORD_KEY, read_checkpoint, temp_writer
 from topp_rl.run.sharded_checkpoint import is_sharded, read_meta, remove_unreferenced, single_file_refusal
 
