@@ -242,12 +242,11 @@ class InterruptingEnv:
 
 
 def test_a_real_ctrl_c_is_not_taken_for_an_environment_fault(engine, tmp_path):
-    """The environment's own KeyboardInterrupt is a fault (above); a real SIGINT is not: without the run's handler
-    it stops the step (KeyboardInterrupt), and with it (`StopOnSignal`, the training run's) the step finishes and the
-    run's stop flag is set, so the run saves after this step."""
+    """The environment's own KeyboardInterrupt is a fault (above); a real SIGINT is not: under the training run's
+    handler (`StopOnSignal`) the step finishes, nothing is counted as a fault, and the run's stop flag is set, so
+    the run saves after this step. (Without a handler, Python raises KeyboardInterrupt wherever the main thread is,
+    which no test can pin down: in a fresh clone's full run it broke CPython 3.11's ast.parse for the session.)"""
     step = AgentLoopStep(environment=InterruptingEnv(), max_turns=3, max_trajectory_tokens=64)
-    with pytest.raises(KeyboardInterrupt):
-        step.generate(engine, records(1), ONE, seed=0, tokenizer=TOK)
     stop = StopOnSignal(run_dir=tmp_path)
     stop.on_train_start(types.SimpleNamespace(global_rank=0, callbacks=[]), None)
     try:
