@@ -263,8 +263,9 @@ def test_bad_settings_are_refused():
     for frac in (1.5, float("nan"), "abc"):
         with pytest.raises(ValueError, match=r"rollout.step.max_failed_frac=.* must be a number in \[0, 1\]"):
             AgentLoopStep(environment=Echo(), max_turns=2, max_trajectory_tokens=8, max_failed_frac=frac)
-    for seconds in (0, -1.0, float("inf"), float("nan"), "30", True):
-        with pytest.raises(ValueError, match=r"rollout.step.env_timeout_s=.* must be a finite number of seconds > 0"):
+    for seconds in (0, -1.0, 86400.5, float("inf"), float("nan"), "30", True):
+        with pytest.raises(ValueError, match=r"rollout.step.env_timeout_s=.* must be a finite number of seconds in "
+                                             r"\(0, 86400\]"):
             AgentLoopStep(environment=Echo(), max_turns=2, max_trajectory_tokens=8, env_timeout_s=seconds)
 
 

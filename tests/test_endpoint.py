@@ -259,9 +259,10 @@ def test_a_trajectory_that_reaches_the_models_context_ends_truncated():
         run(small, "grows_until_refused", max_trajectory_tokens=context)
 
 
-@pytest.mark.parametrize("seconds", [0, float("inf"), float("nan"), "120"])
+@pytest.mark.parametrize("seconds", [0, 86400.5, float("inf"), float("nan"), "120"])
 def test_agent_timeouts_must_be_finite_and_positive(seconds):
-    with pytest.raises(ValueError, match=r"rollout.step.agent_timeout_s=.* must be a finite number of seconds > 0"):
+    with pytest.raises(ValueError, match=r"rollout.step.agent_timeout_s=.* must be a finite number of seconds in "
+                                         r"\(0, 86400\]"):
         EndpointStep(agent=agent("raises"), max_turns=2, max_trajectory_tokens=8, agent_timeout_s=seconds)
 
 

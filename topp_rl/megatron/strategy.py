@@ -117,7 +117,6 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         return None
 
     # ---- process groups -------------------------------------------------------------------------------------
-
     def setup_distributed(self) -> None:
         super().setup_distributed()
         from megatron.core import parallel_state as ps

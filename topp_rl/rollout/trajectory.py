@@ -19,7 +19,6 @@ them) goes without routes (the trainer routes it itself, as packing does for any
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from topp_rl.data import PromptRecord
 from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.serving.client import MAX_WAIT_S, is_seconds
 from topp_rl.tasks.environment import (
     BAD_RETURN,
     FAULT_KINDS,
@@ -288,9 +288,10 @@ def check_step_settings(*, max_turns: int, max_trajectory_tokens: int, max_faile
         raise ValueError(f"rollout.step.max_failed_frac={max_failed_frac!r} must be a number in [0, 1] (the share of "
                          "a step's trajectories allowed to fail before the step raises)")
     name, seconds = timeout
-    if not _is_number(seconds) or not 0 < seconds < math.inf:
-        raise ValueError(f"rollout.step.{name}={seconds!r} must be a finite number of seconds > 0 (a call past it "
-                         "fails its trajectory; without a bound a hung call would hang the run), e.g. 30")
+    if not is_seconds(seconds, zero_ok=False):  # the bound the config check and the serving client's waits use
+        raise ValueError(f"rollout.step.{name}={seconds!r} must be a finite number of seconds in (0, {MAX_WAIT_S:g}] "
+                         "(a call past it fails its trajectory; without a bound a hung call would hang the run), "
+                         "e.g. 30")
 
 
 def check_context(*, max_trajectory_tokens: int, context: int | None) -> None:
