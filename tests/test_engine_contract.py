@@ -92,7 +92,7 @@ def check_against(subject: Subject, samples, model, params: SamplingParams) -> l
             if set(kept.tolist()) != want:
                 differs = f"{subject.name} token {i}: kept {sorted(kept.tolist())}, want {sorted(want)}"
                 assert not subject.exact_sets, differs
-                assert boundary_explained(scaled[i].exp(), set(kept.tolist()) ^ want, params.top_p)
+                assert boundary_explained(scaled[i].exp(), set(kept.tolist()), want, params.top_p)
             renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)  # the dense log-prob over the kept set
             assert abs(float(renorm) - s.rollout_log_probs[i]) <= subject.tol
             sizes.append(kept.numel())
