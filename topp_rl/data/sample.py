@@ -42,8 +42,12 @@ class Sample:
     index: int = 0
     status: SampleStatus = SampleStatus.COMPLETED
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Which weights sampled it: the number of weight updates its engine had received (`VersionedEngine`).
+    # Which weights sampled it: the number of weight updates its engine had received (`VersionedEngine`); with
+    # per-token versions, the oldest of them.
     weight_version: int = 0
+    # Per response token, the version of the weights that sampled it, where a response spans weight updates
+    # (partial rollouts: `topp_rl.engines.base.InFlightUpdates`). None: every token was sampled by `weight_version`.
+    weight_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -53,6 +57,28 @@ class Sample:
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every response token."""
+        if self.weight_versions is None:
+            return [self.weight_version] * self.response_length
+        return self.weight_versions
+
+    def set_token_versions(self, versions: list[int]) -> None:
+        """Record each response token's weight version; `weight_version` becomes the oldest (None-equivalent when
+        they are all one version)."""
+        versions = [int(v) for v in versions]
+        if len(versions) != self.response_length:
+            raise ValueError(f"{self._name()}: {len(versions)} weight versions for {self.response_length} response "
+                             "tokens; record one per token")
+        if versions:
+            self.weight_version = min(versions)
+        self.weight_versions = versions if len(set(versions)) > 1 else None
+
+    @property
+    def spans_versions(self) -> bool:
+        """Its response was sampled by more than one weight version (a partial rollout across an update)."""
+        return self.weight_versions is not None and len(set(self.weight_versions)) > 1
 
     @property
     def tokens(self) -> list[int]:
@@ -66,15 +92,19 @@ class Sample:
         trainable: bool = True,
         *,
         raw_log_probs: list[float] | None = None,
+        versions: list[int] | None = None,
     ) -> None:
         """Append response tokens (one turn, or a streamed chunk).
 
         Trainable tokens need `log_probs`, and `candidates` (one row each, holding the token) when this sample
         records candidates. Non-trainable tokens (tool output) must pass neither; they get loss mask 0, log-prob
-        0.0 and empty candidate rows.
+        0.0 and empty candidate rows. `versions`: the weight version of each new token (a turn sampled across an
+        update); left out, the new tokens take the newest version recorded so far.
         """
         tokens = [int(t) for t in tokens]
         n = len(tokens)
+        if versions is not None and len(versions) != n:
+            raise ValueError(f"{self._name()}: {n} tokens but {len(versions)} weight versions")
         if self.routes is not None and n:
             raise ValueError(
                 f"{self._name()}: it carries routes for its first {self.routes.shape[0]} tokens; append every "
@@ -89,6 +119,7 @@ class Sample:
             )
         # Start recording candidates on the first trainable chunk that has them; earlier tokens can only be
         # non-trainable (checked in _check_trainable_args), so empty placeholder rows are exact for them.
+        earlier = self.token_versions()  # before the tokens grow
         if self.candidates is None and candidates is not None:
             self.candidates = Candidates.empty(self.response_length)
         if self.rollout_raw_log_probs is None and raw_log_probs is not None:
@@ -103,6 +134,10 @@ class Sample:
         if self.candidates is not None:
             new_rows = candidates if candidates is not None else Candidates.empty(n)
             self.candidates = Candidates.concat([self.candidates, new_rows])
+        if versions is not None or self.weight_versions is not None:
+            latest = max(earlier, default=self.weight_version)
+            self.weight_versions = None  # set_token_versions checks the whole list against the new length
+            self.set_token_versions(earlier + ([int(v) for v in versions] if versions is not None else [latest] * n))
         self.check_lengths()
 
     def _check_trainable_args(
@@ -150,6 +185,8 @@ class Sample:
         lengths = {"loss_mask": len(self.loss_mask), "rollout_log_probs": len(self.rollout_log_probs)}
         if self.rollout_raw_log_probs is not None:
             lengths["rollout_raw_log_probs"] = len(self.rollout_raw_log_probs)
+        if self.weight_versions is not None:
+            lengths["weight_versions"] = len(self.weight_versions)
         if self.candidates is not None:
             lengths["candidates rows"] = self.candidates.num_rows
         if self.routes is not None:

@@ -62,6 +62,26 @@ class RolloutEngine(Protocol):
         self.close()
 
 
+@runtime_checkable
+class InFlightUpdates(Protocol):
+    """An engine whose weight updates land while it generates (partial rollouts, `rollout.partial_rollouts=true`):
+    `generate` may be called from several threads at once (their requests share one decode batch), and an update
+    lands between two decode steps of the requests in flight, which continue under the new weights instead of
+    being dropped or waited for. Every response token records the version of the weights that sampled it
+    (`Sample.weight_versions`, through `Sample.set_token_versions` / `append_response_tokens(versions=...)`), and
+    its recorded log-prob is over the distribution that really sampled it."""
+
+    def update_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load the tensors between two decode steps of the requests in flight (blocking until they are in); the
+        tokens sampled after it record `version`."""
+        ...
+
+    def start_version(self, version: int) -> None:
+        """The version the current weights carry (0 at start; a resumed run's restored version), stamped on the
+        tokens sampled before the next update."""
+        ...
+
+
 class EngineWrapper(RolloutEngine):
     """An engine around another (`inner`), answering with its capabilities."""
 
