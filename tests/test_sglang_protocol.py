@@ -11,6 +11,7 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import SampleStatus
 from topp_rl.engines.serving.client import error_message, parse_answer
 from topp_rl.engines.serving.wire import encode_candidates
+from topp_rl.engines.sglang import SGLangEngine
 from topp_rl.engines.sglang.protocol import (
     SEED_STRIDE,
     SGLANG_OVERFLOW,
@@ -19,8 +20,10 @@ from topp_rl.engines.sglang.protocol import (
     generate_answer,
     mask_cap,
     served_vocab,
+    token_versions,
     vocab_probe_body,
 )
+from topp_rl.engines.sglang.weights import LOADED_NOT_FLUSHED, update_answer
 from topp_rl.ops import Candidates
 
 CODEC = Codec(vocab_size=100, max_candidates=4, b64=True)
@@ -189,6 +192,76 @@ def test_answers_that_break_the_contract_raise_naming_it():
         CODEC.sample([1], _answer([9], None), wants_mask=True)
     with pytest.raises(ValueError, match=r"sampled token 9 at response position 0 is missing from .* \[4\]"):
         CODEC.sample([1], _answer([9], [[4]]), wants_mask=True)
+
+
+def _spans(*spans):
+    return [{"version": v, "start": a, "end": b} for v, a, b in spans]
+
+
+def test_weight_version_spans_become_per_token_versions():
+    """SGLang 0.5.23 splits a response where an update landed mid-request; "default" is the launch weights."""
+    codec = Codec(vocab_size=100, max_candidates=4, b64=True, start_version=5)
+    out = _answer([9, 9, 3, 4], [[9], [9], [3], [4]], version="7")
+    out["meta_info"]["weight_versions"] = _spans(("default", 0, 1), ("6", 1, 3), ("7", 3, 4))
+    sample = codec.sample([1], out, wants_mask=True)
+    assert sample.weight_versions == sample.token_versions() == [5, 6, 6, 7]
+    assert sample.weight_version == 5 and sample.spans_versions
+    out["meta_info"]["weight_versions"] = _spans(("7", 0, 4))  # one version: nothing per token
+    one = codec.sample([1], out, wants_mask=True)
+    assert one.weight_version == 7 and one.weight_versions is None and one.token_versions() == [7] * 4
+    del out["meta_info"]["weight_versions"]  # no spans: the answer's weight_version for every token
+    assert codec.sample([1], out, wants_mask=True).token_versions() == [7] * 4
+    out["meta_info"]["weight_version"] = "default"
+    assert codec.sample([1], out, wants_mask=True).token_versions() == [5] * 4
+    assert CODEC.sample([1], out, wants_mask=True).token_versions() == [0] * 4  # start_version 0 by default
+
+
+@pytest.mark.parametrize(
+    ("spans", "problem"),
+    [
+        ((("1", 0, 2), ("2", 3, 5)), r"span \[3, 5\) after 2 tokens: a gap"),
+        ((("1", 0, 3), ("2", 2, 5)), r"span \[2, 5\) after 3 tokens: a gap or an overlap"),
+        ((("1", 0, 2), ("2", 2, 4)), r"cover 4 tokens, not its 5 output tokens"),
+        ((("1", 0, 2), ("2", 2, 6)), r"cover 6 tokens, not its 5 output tokens"),
+        ((("1", 1, 5),), r"span \[1, 5\) after 0 tokens"),
+    ],
+    ids=["gap", "overlap", "short", "long", "late-start"],
+)
+def test_malformed_version_spans_raise_naming_the_request(spans, problem):
+    meta = {"id": "req-17", "weight_versions": _spans(*spans)}
+    with pytest.raises(RuntimeError, match=rf"SGLang answer 'req-17' .*{problem}"):
+        token_versions(meta, num_tokens=5, start_version=0, name="SGLang answer 'req-17' (3-token prompt)")
+    out = _answer([9] * 5, [[9]] * 5)
+    out["meta_info"].update(meta)
+    with pytest.raises(RuntimeError, match=rf"SGLang answer 'req-17' \(1-token prompt\): .*{problem}"):
+        CODEC.sample([1], out, wants_mask=True)
+
+
+def test_a_version_tag_this_engine_never_pushed_raises():
+    out = _answer([9], [[9]], version="v2")
+    with pytest.raises(RuntimeError, match=r"weight_version 'v2' is neither 'default' nor an integer"):
+        CODEC.sample([1], out, wants_mask=True)
+
+
+def test_an_update_that_loaded_but_could_not_flush_is_a_success():
+    """SGLang 0.5.23 answers an update with requests running (in-place pause) HTTP 400, success false, though the
+    weights changed; any other failure still raises."""
+    loaded = json.dumps({"success": False, "message": f"{LOADED_NOT_FLUSHED} because requests are still running "
+                         "or queued. Retract or finish them, then call /flush_cache."})  # fmt: skip
+    assert update_answer(URL, "/update_weights_from_disk", 400, loaded)["success"] is False
+    with pytest.raises(ValueError, match=r"rejected POST /update_weights_from_disk \(HTTP 400\): .*shape"):
+        update_answer(URL, "/update_weights_from_disk", 400, '{"success": false, "message": "shape mismatch"}')
+    with pytest.raises(ValueError, match=r"\(HTTP 400\): Weights were"):  # not SGLang's JSON answer
+        update_answer(URL, "/update_weights_from_disk", 400, LOADED_NOT_FLUSHED)
+    with pytest.raises(RuntimeError, match="reported failure on /update_weights_from_disk: " + LOADED_NOT_FLUSHED):
+        update_answer(URL, "/update_weights_from_disk", 200, loaded)  # only SGLang's own 400 is the load's success
+    assert update_answer(URL, "/pause_generation", 200, '{"success": true}') == {"success": True}
+
+
+def test_pause_mode_is_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"pause_mode \('abort'\) must be 'retract' .* or 'in_place'"):
+        SGLangEngine(urls=["http://127.0.0.1:1"], vocab_size=64, workdir=tmp_path, pause_mode="abort")
+    assert list(tmp_path.iterdir()) == []  # nothing launched, no work dir made
 
 
 def test_status_codes_and_reported_failures():

@@ -4,7 +4,8 @@ One `/generate` request per sample, sent concurrently from a thread pool: throug
 one, else round-robin over the server URLs. The engine is a facade over its parts, each tested on its own:
 - `fleet.py`: where the workers are (launched, behind a router, or given) and the connect-time checks;
 - `protocol.py`: the codec, SamplingParams -> request body and answer -> Sample (candidate sets, overflow, seeds);
-- `weights.py`: weight sync (pause, push from disk or by broadcast, resume) into every worker directly;
+- `weights.py`: weight sync (pause, push from disk or by broadcast, resume) into every worker directly, between
+  rollouts (`update_weights`) or with requests in flight (`update_weights_in_flight`, partial rollouts);
 and over the engine-neutral serving layer (`topp_rl.engines.serving`): bounded, retried HTTP calls (`Timeouts`,
 `Retries`, the wait lines, the request errors), process groups, the candidate wire format, the weight broadcast.
 """
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
-from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.engines.base import InFlightUpdates, RolloutEngine, check_prompts
 from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts, limits_from
 from topp_rl.engines.serving.weights import WeightSyncStats
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
@@ -28,19 +29,21 @@ from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answ
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
 from topp_rl.engines.sglang.routes import check_capture_device, with_route_capture
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
-from topp_rl.engines.sglang.weights import SyncMethod, WeightSync
+from topp_rl.engines.sglang.weights import InFlightPause, SyncMethod, WeightSync
 from topp_rl.models import save_model
 from topp_rl.models.moe import moe_routing
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(RolloutEngine, InFlightUpdates):
     """Rollouts from SGLang workers, reached in one of three modes (exactly one; see `fleet.worker_mode`):
     - launch (`model_path`, no URLs): `num_servers` servers on `model_path`, and when `num_servers > 1` or
       `router=True` a router (smg) in front of them; all owned, bound to loopback, stopped on `close()`;
     - `router_url`: a running router; its workers are found through its `GET /workers`;
     - `urls`: running servers addressed directly, round-robin per sample (no router).
     `timeouts` and `retries`: a `Timeouts` / `Retries`, or a mapping of some of its fields (the config groups
-    `rollout.engine.timeouts` / `rollout.engine.retries`; a key left out keeps its default)."""
+    `rollout.engine.timeouts` / `rollout.engine.retries`; a key left out keeps its default).
+    `pause_mode`: how `update_weights_in_flight` pauses the requests in flight, "retract" (their KV is recomputed
+    under the new weights) or "in_place" (kept; docs/sglang.md, "Weight updates with requests in flight")."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class SGLangEngine(RolloutEngine):
         wire: WireMode = "auto",
         weight_sync: SyncMethod = "disk",
         weight_bucket_bytes: int = 512 * 2**20,
+        pause_mode: InFlightPause = "retract",
         max_concurrency: int = 64,
         timeouts: Timeouts | Mapping[str, float] | None = None,
         retries: Retries | Mapping[str, float] | None = None,
@@ -77,6 +81,11 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"wire ({wire!r}) must be 'auto', 'b64' or 'nested'")
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"weight_sync ({weight_sync!r}) must be 'disk' or 'distributed'")
+        if pause_mode not in ("retract", "in_place"):
+            raise ValueError(
+                f"pause_mode ({pause_mode!r}) must be 'retract' (the requests in flight recompute their KV under the "
+                "new weights) or 'in_place' (they keep it)"
+            )
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency ({max_concurrency}) must be >= 1")
         if max_candidates < 1 or weight_bucket_bytes < 1:
@@ -92,7 +101,8 @@ class SGLangEngine(RolloutEngine):
         self.routing = routing
         server_kwargs = with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
             else server_kwargs
-        self.weight_sync = weight_sync
+        self.weight_sync, self.pause_mode = weight_sync, pause_mode
+        self.version_at_start = 0  # the trainer's version of the weights before any in-flight update (start_version)
         self.connected = mode != "launch"
         self.progress = progress
         # SGLang-only sampling keys (e.g. {"ignore_eos": True} for benchmarks), added to every request.
@@ -197,7 +207,8 @@ class SGLangEngine(RolloutEngine):
         `extra_sampling_params` may be changed between rollouts)."""
         return Codec(vocab_size=self.vocab_size, max_candidates=self.max_candidates, b64=self.patched,
                      record_candidates=self.record_candidates, record_raw_log_probs=self.record_raw_log_probs,
-                     routing=self.routing, extra=dict(self.extra_sampling_params))  # fmt: skip
+                     routing=self.routing, extra=dict(self.extra_sampling_params),
+                     start_version=self.version_at_start)  # fmt: skip
 
     # ---- the RolloutEngine calls -----------------------------------------------------------------------------
     def generate(
@@ -238,6 +249,28 @@ class SGLangEngine(RolloutEngine):
         self.last_sync = self.weights.update(named_tensors, workers, method=self.weight_sync,
                                              config_dir=self.model_path)  # fmt: skip
         return self.last_sync
+
+    # ---- partial rollouts (InFlightUpdates) --------------------------------------------------------------------
+    def update_weights_in_flight(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> WeightSyncStats:
+        """`update_weights` with the requests in flight neither aborted nor waited for: each live worker is paused
+        in `pause_mode`, the weights are pushed tagged `version` (SGLang's weight_version), and the workers
+        continue; each answer's per-token version spans then say which tokens the new weights sampled."""
+        workers = self.fleet.live_workers(self.client)
+        self.last_sync = self.weights.update(named_tensors, workers, method=self.weight_sync,
+                                             config_dir=self.model_path, pause=self.pause_mode,
+                                             version=str(int(version)))  # fmt: skip
+        return self.last_sync
+
+    def start_version(self, version: int) -> None:
+        """The trainer's version of the weights the workers hold now: every live worker's weight_version becomes
+        `version` (replacing the launch weights' "default" or a synchronous push's count), so the tokens they
+        sample before the next update record it. Call it after any synchronous `update_weights`."""
+        self.version_at_start = int(version)
+        for url in self.fleet.live_workers(self.client):
+            self.client.post(url, "/update_weight_version",
+                             {"new_version": str(self.version_at_start), "abort_all_requests": False})  # fmt: skip
 
     def close(self) -> None:
         """Stop the owned router and servers (whole process groups), release the client threads and remove

@@ -8,7 +8,10 @@ Per response token the Sample gets:
 - `rollout_log_probs`: SGLang's `output_token_sampling_logprobs`, the sampled token's log-prob renormalised
   over the kept set;
 - `rollout_raw_log_probs`: SGLang's `output_token_logprobs` (log_softmax(logits / T) before truncation);
-- MoE models (`Codec.routing`): SGLang's routed experts of every fed token (`topp_rl.engines.sglang.routes`).
+- MoE models (`Codec.routing`): SGLang's routed experts of every fed token (`topp_rl.engines.sglang.routes`);
+- its weight version (`token_versions`): SGLang's `weight_versions` spans ({"version", "start", "end"} over the
+  output tokens, split where an update landed mid-request), each tag the integer an update pushed, or "default"
+  (the launch weights) = `Codec.start_version`.
 Departures from SGLang's defaults: the mask needs a finite top_k, so a request without one (top_k=0), or with
 one above `max_candidates`, is sent as top_k = max_candidates + 1 (at most the vocab size; `mask_cap`), and
 launched servers get `--sampling-mask-max-tokens` = that. A sample whose kept set exceeds `max_candidates` at any
@@ -45,6 +48,7 @@ SGLANG_OVERFLOW = "Sampling support exceeds --sampling-mask-max-tokens"
 _VOCAB_PROBE_ID = 2**31 - 1  # SGLang rejects it in token_ids_logprob, naming its vocab size (checked before
 # the scheduler: an out-of-vocabulary *input* id would crash the server instead)
 _VOCAB_RANGE = re.compile(r"valid range is \[0, (\d+)\)")
+LAUNCH_VERSION = "default"  # SGLang's weight_version of the weights a server was launched with
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Codec:
     routing: MoeRouting | None = None  # ask for and decode the routed experts (servers need the flag)
     # SGLang-only sampling keys added to every request, e.g. {"ignore_eos": True}
     extra: Mapping[str, Any] = field(default_factory=dict)
+    start_version: int = 0  # the version of the launch weights (SGLang's "default"): `SGLangEngine.start_version`
 
     def top_k(self, params: SamplingParams) -> int:
         """The top_k sent: the user's when it bounds the set to max_candidates; else (no top-k, or a larger one)
@@ -151,11 +156,52 @@ class Codec:
             cands if self.record_candidates else None,
             raw_log_probs=raw if self.record_raw_log_probs else None,
         )
+        name = f"SGLang answer {meta.get('id')!r} ({len(prompt)}-token prompt)"
+        sample.set_token_versions(token_versions(meta, num_tokens=len(tokens), start_version=self.start_version,
+                                                 name=name))  # fmt: skip
         if self.routing is not None:
-            sample.routes = decode_routes(meta, self.routing, tokens=len(prompt) + len(tokens) - 1,
-                                          name=f"SGLang answer ({len(prompt)}-token prompt)")
+            sample.routes = decode_routes(meta, self.routing, tokens=len(prompt) + len(tokens) - 1, name=name)
             sample.check_lengths()
         return sample
+
+
+def token_versions(meta: Mapping[str, Any], *, num_tokens: int, start_version: int, name: str) -> list[int]:
+    """The weight version of each of an answer's `num_tokens` output tokens: from its `weight_versions` spans
+    (contiguous, from 0 to `num_tokens`), or without spans its `weight_version` for all; a tag is
+    `weight_version_of`. RuntimeError naming `name` when the spans do not tile the output."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [weight_version_of(meta.get("weight_version"), start_version, name=name)] * num_tokens
+    versions: list[int] = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(versions) or end < start:
+            raise RuntimeError(
+                f"{name}: weight version spans {list(spans)} do not tile its {num_tokens} output tokens (span "
+                f"[{start}, {end}) after {len(versions)} tokens: a gap or an overlap); this client expects "
+                "SGLang 0.5.23's spans"
+            )
+        versions += [weight_version_of(span["version"], start_version, name=name)] * (end - start)
+    if len(versions) != num_tokens:
+        raise RuntimeError(
+            f"{name}: weight version spans {list(spans)} cover {len(versions)} tokens, not its {num_tokens} output "
+            "tokens; this client expects SGLang 0.5.23's spans"
+        )
+    return versions
+
+
+def weight_version_of(tag: str | None, start_version: int, *, name: str) -> int:
+    """An SGLang weight_version tag as the trainer's version: the integer this engine pushed, `start_version`
+    for the launch weights ("default", or no tag at all)."""
+    if tag is None or tag == LAUNCH_VERSION:
+        return start_version
+    try:
+        return int(tag)
+    except ValueError:
+        raise RuntimeError(
+            f"{name}: the server's weight_version {tag!r} is neither {LAUNCH_VERSION!r} nor an integer; its weights "
+            "were pushed by something else than this engine (which tags each push with the trainer's version)"
+        ) from None
 
 
 def generate_answer(url: str, status: int, text: str) -> dict[str, Any] | ServerOverflow:

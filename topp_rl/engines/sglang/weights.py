@@ -3,8 +3,16 @@
 weights`).
 
 `WeightSync.update` is one update of the given workers, each addressed directly (a router routes no control
-calls): pause its generation ("abort": a sample never mixes two weight versions; none is in flight between
-steps), push, resume; every call bounded by the weight timeouts (`Timeouts.weights`: a base + per GB).
+calls): pause its generation, push, resume; every call bounded by the weight timeouts (`Timeouts.weights`: a base
++ per GB). The pause mode (SGLang's `/pause_generation`):
+- "abort" (`SGLangEngine.update_weights`, synchronous runs): a sample never mixes two weight versions; none is in
+  flight between steps;
+- "retract" / "in_place" (`SGLangEngine.update_weights_in_flight`, partial rollouts): the requests in flight
+  continue under the new weights, SGLang recording where each switched (its per-token `weight_versions` spans).
+  "retract" sends them back to the waiting queue, so the prefix cache is empty at the push and flushed by it: they
+  resume by recomputing their KV under the new weights. "in_place" keeps their KV (computed by the old weights)
+  and the push cannot flush the cache: SGLang answers HTTP 400 "Weights were updated, but the cache was not
+  flushed ...", which is the weights' load succeeding (`update_answer`).
 
 The distributed path: the trainer is rank 0 of a `BroadcastGroup` whose other ranks are the servers (server k
 joins as rank k + 1 through `/init_weights_update_group`). Per update: `/begin_weight_update`, then per bucket
@@ -16,6 +24,7 @@ own size.
 
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -24,11 +33,34 @@ from typing import Any, Literal
 
 import torch
 
-from topp_rl.engines.serving.client import HTTPClient
-from topp_rl.engines.serving.weights import BroadcastGroup, WeightSyncStats, iter_buckets, write_checkpoint
+from topp_rl.engines.serving.client import HTTPClient, parse_answer
+from topp_rl.engines.serving.weights import (
+    BroadcastGroup,
+    WeightSyncStats,
+    in_threads,
+    iter_buckets,
+    write_checkpoint,
+)
 
 PostFn = Callable[[str, str, dict[str, Any], int], dict[str, Any]]  # (url, path, body, weight bytes) -> JSON
 SyncMethod = Literal["disk", "distributed"]
+InFlightPause = Literal["retract", "in_place"]  # the modes that keep the requests in flight
+PauseMode = Literal["abort", "retract", "in_place"]
+# SGLang 0.5.23's answer (HTTP 400, success false) to a weight update that loaded the weights but could not flush the
+# prefix cache because requests are still running (`flush_cache_after_weight_update` in its weight_updater.py).
+LOADED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+
+
+def update_answer(url: str, path: str, status: int, text: str) -> dict[str, Any]:
+    """The JSON answer of a control call (`parse_answer`), where SGLang's "loaded, cache not flushed" answer is the
+    weights' load succeeding: it comes only while requests run, i.e. after an in-place pause, whose requests keep
+    their KV anyway (and the servers then run without a prefix cache: `SGLangEngine`)."""
+    if status == 400:
+        with contextlib.suppress(ValueError, AttributeError):
+            answer = json.loads(text)
+            if str(answer.get("message", "")).startswith(LOADED_NOT_FLUSHED):
+                return answer
+    return parse_answer("POST", url, path, status, text, label="SGLang")
 
 
 class WeightSync:
@@ -41,18 +73,19 @@ class WeightSync:
         self.syncs = 0
 
     def _post(self, url: str, path: str, body: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
-        return self.client.post(url, path, body, self.client.timeouts.weights(weight_bytes))
+        bound = self.client.timeouts.weights(weight_bytes)
+        return update_answer(url, path, *self.client.call("POST", url, path, body, bound))
 
     def update(
         self, named: Iterable[tuple[str, torch.Tensor]], workers: list[str], *, method: SyncMethod,
-        config_dir: Path | None,
+        config_dir: Path | None, pause: PauseMode = "abort", version: str | None = None,
     ) -> WeightSyncStats:  # fmt: skip
-        """Pause `workers`, push `named` by `method` (`config_dir`: the model's config files for a disk
-        checkpoint), resume them."""
+        """Pause `workers` (`pause` mode), push `named` by `method` (`config_dir`: the model's config files for a
+        disk checkpoint) tagged `version` (default: the sync count), resume them."""
         start = time.monotonic()
-        version = str(self.syncs + 1)
+        version = str(self.syncs + 1) if version is None else version
         for url in workers:
-            self._post(url, "/pause_generation", {"mode": "abort"}, 0)
+            self._post(url, "/pause_generation", {"mode": pause}, 0)
         if method == "distributed":
             nbytes, buckets = self._distributed(workers).send(
                 named, bucket_bytes=self.bucket_bytes, version=version
@@ -88,10 +121,11 @@ class WeightSync:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         body = {"flush_cache": True, "weight_version": version}
         with write_checkpoint(named, config_dir=config_dir, parent=self.workdir) as path:
-            futures = [self.client.submit(self._post, url, "/update_weights_from_disk",
-                                          {**body, "model_path": str(path)}, nbytes) for url in workers]  # fmt: skip
-            for fut in futures:
-                fut.result()
+            # Threads of their own, not the client's pool: with requests in flight (partial rollouts) every pool
+            # thread may be waiting on a paused /generate.
+            with in_threads([partial(self._post, url, "/update_weights_from_disk", {**body, "model_path": str(path)},
+                                     nbytes) for url in workers]):  # fmt: skip
+                pass
         return nbytes
 
     def close(self) -> None:
