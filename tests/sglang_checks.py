@@ -71,13 +71,14 @@ def boundary_explained(probs_row: torch.Tensor, got: set[int], want: set[int], t
     return all(explained(i, want - got) for i in got - want) and all(explained(i, got - want) for i in want - got)
 
 
-def check_candidates(samples, model, params) -> list[int]:
+def check_candidates(samples, model, params, *, logits_of=None) -> list[int]:
     """Every recorded set equals `sampling_candidates` on HF float32 logits (up to top-p boundary rounding) and
-    holds the sampled token; both log-probs match HF's. Returns the set sizes seen."""
+    holds the sampled token; both log-probs match HF's. `logits_of(sample)`: the reference logits [R, V] (default:
+    `hf_logits(model, sample)`). Returns the set sizes seen."""
     sizes = []
     for s in samples:
         assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.response_length > 0
-        logits = hf_logits(model, s)
+        logits = hf_logits(model, s) if logits_of is None else logits_of(s)
         ref = sampling_candidates(logits, temperature=params.temperature, top_p=params.top_p,
                                   top_k=params.top_k, min_p=params.min_p)  # fmt: skip
         scaled = torch.log_softmax(logits / params.temperature, dim=-1)

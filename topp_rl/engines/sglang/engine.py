@@ -29,7 +29,7 @@ from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answ
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
 from topp_rl.engines.sglang.routes import check_capture_device, with_route_capture
 from topp_rl.engines.sglang.server import SGLangServer, make_workdir
-from topp_rl.engines.sglang.weights import InFlightPause, SyncMethod, WeightSync
+from topp_rl.engines.sglang.weights import InFlightPause, SyncMethod, WeightSync, without_prefix_cache
 from topp_rl.models import save_model
 from topp_rl.models.moe import moe_routing
 
@@ -101,6 +101,8 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         self.routing = routing
         server_kwargs = with_route_capture(server_kwargs or {}) if routing is not None and mode == "launch" \
             else server_kwargs
+        if pause_mode == "in_place" and mode == "launch":
+            server_kwargs = without_prefix_cache(server_kwargs or {})
         self.weight_sync, self.pause_mode = weight_sync, pause_mode
         self.version_at_start = 0  # the trainer's version of the weights before any in-flight update (start_version)
         self.connected = mode != "launch"
@@ -127,7 +129,7 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
                 self.fleet.launch(num_servers, router=router, router_policy=router_policy,
                                   router_kwargs=router_kwargs or {},
                                   server_kwargs={"progress_interval_s": progress_interval_s, **(server_kwargs or {})})  # fmt: skip
-            self.patched = self.fleet.connect(self.client, wire=wire)
+            self.patched = self.fleet.connect(self.client, wire=wire, prefix_cache=pause_mode != "in_place")
         except BaseException:
             self.close()
             raise

@@ -112,10 +112,18 @@ class Fleet:
         return targets
 
     # ---- connect-time checks --------------------------------------------------------------------------------
-    def connect(self, client: HTTPClient, *, wire: WireMode) -> bool:
-        """Per worker (directly, not through the router): served model, mask cap and patch; then that the
-        router passes the candidate sets through. Returns whether the compact (b64) wire format is used."""
+    def connect(self, client: HTTPClient, *, wire: WireMode, prefix_cache: bool = True) -> bool:
+        """Per worker (directly, not through the router): served model, mask cap, patch and, with `prefix_cache`
+        false, that it runs without SGLang's prefix (radix) cache; then that the router passes the candidate sets
+        through. Returns whether the compact (b64) wire format is used."""
         infos = [client.get(url, "/server_info") for url in self.urls]
+        cached = [url for url, info in zip(self.urls, infos, strict=True) if not info.get("disable_radix_cache")]
+        if not prefix_cache and cached:
+            raise ValueError(
+                f"pause_mode='in_place' but SGLang servers {cached} run with a prefix (radix) cache: the KV an update "
+                "leaves behind (computed by the old weights) would serve later requests sharing a prefix, a GRPO "
+                "group's prompt; start them with --disable-radix-cache, or use pause_mode='retract'"
+            )
         if self.model_path is None:
             self.model_path = Path(infos[0]["model_path"])
         if not self.vocab_size:

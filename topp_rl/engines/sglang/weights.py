@@ -9,10 +9,12 @@ calls): pause its generation, push, resume; every call bounded by the weight tim
   flight between steps;
 - "retract" / "in_place" (`SGLangEngine.update_weights_in_flight`, partial rollouts): the requests in flight
   continue under the new weights, SGLang recording where each switched (its per-token `weight_versions` spans).
-  "retract" sends them back to the waiting queue, so the prefix cache is empty at the push and flushed by it: they
-  resume by recomputing their KV under the new weights. "in_place" keeps their KV (computed by the old weights)
-  and the push cannot flush the cache: SGLang answers HTTP 400 "Weights were updated, but the cache was not
-  flushed ...", which is the weights' load succeeding (`update_answer`).
+  "retract" sends them back to the waiting queue, so nothing runs at the push and it flushes the prefix cache:
+  they resume by recomputing their KV under the new weights (every later token exact under them). "in_place"
+  keeps their KV (computed by the old weights) and the push cannot flush the cache: SGLang answers HTTP 400
+  "Weights were updated, but the cache was not flushed ...", which is the weights' load succeeding
+  (`update_answer`); the servers then run without a prefix cache (`without_prefix_cache`), else its old KV would
+  serve later requests sharing a prefix.
 
 The distributed path: the trainer is rank 0 of a `BroadcastGroup` whose other ranks are the servers (server k
 joins as rank k + 1 through `/init_weights_update_group`). Per update: `/begin_weight_update`, then per bucket
@@ -49,6 +51,14 @@ PauseMode = Literal["abort", "retract", "in_place"]
 # SGLang 0.5.23's answer (HTTP 400, success false) to a weight update that loaded the weights but could not flush the
 # prefix cache because requests are still running (`flush_cache_after_weight_update` in its weight_updater.py).
 LOADED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+NO_PREFIX_CACHE = "--disable-radix-cache"
+
+
+def without_prefix_cache(server_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`server_kwargs` with SGLang's prefix (radix) cache turned off, as `pause_mode="in_place"` needs: its update
+    cannot flush the cache (requests are running), which would keep KV of the old weights for later requests."""
+    extra = tuple(server_kwargs.get("extra_args", ()))
+    return {**server_kwargs, "extra_args": extra if NO_PREFIX_CACHE in extra else (*extra, NO_PREFIX_CACHE)}
 
 
 def update_answer(url: str, path: str, status: int, text: str) -> dict[str, Any]:
