@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from topp_rl.engines.serving.weights import in_threads
 from topp_rl.engines.sglang.server import sglang_python
 from topp_rl.models import build_tiny_model
-from topp_rl.ops import sampling_candidates
+from topp_rl.ops import sampling_candidates, token_logprobs
 from topp_rl.rollout import SampleStatus
 
 VOCAB = 512
@@ -147,16 +148,63 @@ def log_size(path: Path) -> int:
     return path.stat().st_size
 
 
+def prefills_logged(path: Path, *, offset: int) -> int:
+    """The requests whose prefill the server has logged past byte `offset` of its log (SGLang logs "Prefill batch,
+    #new-seq: N, ..." as it starts decoding N requests)."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return sum(int(n) for n in _NEW_SEQS.findall(f.read()))
+
+
 def wait_for_prefills(path: Path, *, offset: int, seqs: int, timeout_s: float = 300.0) -> int:
-    """Wait until the server has logged prefill batches for `seqs` requests past byte `offset` of its log (SGLang
-    logs "Prefill batch, #new-seq: N, ..." as it starts decoding N requests): the event a test acts on, instead of
-    a fixed sleep. The bound is generous: reaching it means the server hung. Returns the requests seen."""
+    """Wait until the server has logged prefill batches for `seqs` requests past byte `offset` of its log: the event
+    a test acts on, instead of a fixed sleep. The bound is generous: reaching it means the server hung. Returns the
+    requests seen."""
     deadline, seen = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
-        with path.open("rb") as f:
-            f.seek(offset)
-            seen = sum(int(n) for n in _NEW_SEQS.findall(f.read()))
+        seen = prefills_logged(path, offset=offset)
         if seen >= seqs:
             return seen
         time.sleep(0.05)
     raise AssertionError(f"{path}: prefills for {seen} of {seqs} requests after {timeout_s:.0f} s (a hung server?)")
+
+
+# ---- partial rollouts: an update with requests in flight ------------------------------------------------------
+def perturbed(model, *, seed: int, scale: float = 0.1):
+    """`model` with every weight moved by `scale` times its tensor's std (the attention too: its KV changes)."""
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    return new
+
+
+def generate_across_update(engine, prompts, params, new_model, *, version: int, timeout_s: float = 300.0):
+    """`engine.generate(prompts, params)` in a thread, with `new_model` pushed as `version`
+    (`update_weights_in_flight`) once every server has logged the prefill of every request: each response then
+    has at least its first token from the old weights. Returns the samples."""
+    logs = [srv.log_path for srv in engine.servers]
+    offsets = [log_size(p) for p in logs]
+    wanted, out = len(prompts) * params.n, {}
+    with in_threads([lambda: out.update(samples=engine.generate(prompts, params))]):
+        deadline = time.monotonic() + timeout_s  # reaching it means a hung server
+        while (seen := sum(prefills_logged(p, offset=o) for p, o in zip(logs, offsets, strict=True))) < wanted:
+            assert time.monotonic() < deadline and not out, f"prefills for {seen} of {wanted} requests"
+            time.sleep(0.05)
+        engine.update_weights_in_flight(new_model.named_parameters(), version=version)
+    return out["samples"]
+
+
+def by_version(old_model, new_model, at: int):
+    """The reference logits [R, V] of a sample whose tokens switch versions at `at`: rows before it from
+    `old_model`, the others from `new_model` (HF float32)."""
+    return lambda s: torch.cat([hf_logits(old_model, s)[:at], hf_logits(new_model, s)[at:]])
+
+
+def deviation(sample, logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """|recorded - dense fp32| [R]: each token's recorded log-prob against `topp_rl.ops.token_logprobs` on `logits`
+    over its recorded kept set."""
+    dense = token_logprobs(logits, torch.tensor(sample.response_ids), cands=sample.candidates,
+                           temperature=temperature)  # fmt: skip
+    return (torch.tensor(sample.rollout_log_probs) - dense).abs()

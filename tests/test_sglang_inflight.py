@@ -3,8 +3,9 @@ flight, which are neither aborted nor waited for and continue under the new weig
 version that sampled it (SGLang's `weight_versions` spans).
 
 Each generation runs in a thread; the update lands once every server has logged the prefill of its requests (an
-event, never a fixed sleep), so each response has at least its first token from the old weights, and its 96
-tokens take seconds longer than the update (~0.1 s). The reference is HF transformers in float32 on prompt +
+event, never a fixed sleep: `sglang_checks.generate_across_update`), so each response has at least its first token
+from the old weights; the pause follows within a few decode steps (3-10 of the 96 tokens measured here) and holds
+the requests while the weights load. The reference is HF transformers in float32 on prompt +
 response, each token under the weights of its recorded version, with `topp_rl.ops` over the recorded kept set:
 - pause_mode="retract" (the default; two servers behind the router, distributed sync): every token is exact under
   its own version, the ones after the switch included (their KV is recomputed), and so are later requests sharing
@@ -15,19 +16,24 @@ response, each token under the weights of its recorded version, with `topp_rl.op
   with a prefix cache is refused.
 """
 
-import copy
-import re
-import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
-from sglang_checks import PROMPTS, TOL, check_candidates, hf_logits, log_size, require_sglang, tiny_model
+from sglang_checks import (
+    PROMPTS,
+    TOL,
+    by_version,
+    check_candidates,
+    deviation,
+    generate_across_update,
+    perturbed,
+    require_sglang,
+    tiny_model,
+)
 
-from topp_rl.engines.serving.weights import in_threads
 from topp_rl.models import save_model
-from topp_rl.ops import token_logprobs
 from topp_rl.rollout import SampleStatus, SamplingParams
 
 pytestmark = pytest.mark.sglang
@@ -37,8 +43,8 @@ from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 
 PROMPTS2 = PROMPTS[:2]
 PARAMS = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=96, n=2)  # 4 requests, GRPO groups of 2
+IGNORE_EOS = {"extra_sampling_params": {"ignore_eos": True}}  # every response runs to max_new_tokens
 AFTER = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, n=2)  # later requests, same prompts
-_NEW_SEQS = re.compile(rb"Prefill batch.*?#new-seq: (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -51,43 +57,6 @@ def model_dir(model, tmp_path_factory) -> Path:
     return save_model(model, None, tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-def perturbed(model, seed: int):
-    """`model` with every weight moved by 0.1 of its tensor's std (the attention too: its KV changes)."""
-    new = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.1 * p.std() * torch.randn(p.shape, generator=gen))
-    return new
-
-
-def _prefills(logs: list[Path], offsets: list[int]) -> int:
-    seen = 0
-    for path, offset in zip(logs, offsets, strict=True):
-        with path.open("rb") as f:
-            f.seek(offset)
-            seen += sum(int(n) for n in _NEW_SEQS.findall(f.read()))
-    return seen
-
-
-def generate_across_update(engine, new_model, *, version: int):
-    """Generate PARAMS on PROMPTS in a thread and push `new_model` as `version` once every request is decoding."""
-    logs = [srv.log_path for srv in engine.servers]
-    offsets = [log_size(p) for p in logs]
-    out = {}
-    engine.extra_sampling_params = {"ignore_eos": True}
-    try:
-        with in_threads([lambda: out.update(samples=engine.generate(PROMPTS2, PARAMS))]):
-            deadline = time.monotonic() + 300  # reaching it means a hung server
-            while _prefills(logs, offsets) < len(PROMPTS2) * PARAMS.n:
-                assert time.monotonic() < deadline and not out, f"prefills {_prefills(logs, offsets)} of 4"
-                time.sleep(0.05)
-            engine.update_weights_in_flight(new_model.named_parameters(), version=version)
-    finally:
-        engine.extra_sampling_params = {}
-    return out["samples"]
-
-
 def switch(sample, old: int, new: int) -> int:
     """The first token of version `new`: the sample is `old` up to it and `new` from it, both non-empty."""
     assert sample.status is SampleStatus.TRUNCATED and sample.response_length == PARAMS.max_new_tokens  # no abort
@@ -98,29 +67,17 @@ def switch(sample, old: int, new: int) -> int:
     return at
 
 
-def by_version(old_model, new_model, at: int):
-    """Reference logits of a sample: rows before `at` from `old_model`, the others from `new_model`."""
-    return lambda s: torch.cat([hf_logits(old_model, s)[:at], hf_logits(new_model, s)[at:]])
-
-
-def deviation(sample, logits: torch.Tensor) -> torch.Tensor:
-    """|recorded - dense fp32| [R] of each token's log-prob over its recorded kept set."""
-    dense = token_logprobs(logits, torch.tensor(sample.response_ids), cands=sample.candidates,
-                           temperature=PARAMS.temperature)  # fmt: skip
-    return (torch.tensor(sample.rollout_log_probs) - dense).abs()
-
-
 def test_retract_continues_every_request_exact_under_each_tokens_version(model_dir, model):
     new = perturbed(model, seed=1)
     # Two servers behind the router, stopped before the next test: an idle SGLang CPU server keeps a core busy.
     with SGLangEngine(model_path=model_dir, num_servers=2, router_policy="round_robin", weight_sync="distributed",
-                      progress=False, server_kwargs={"max_total_tokens": 16384}) as eng:  # fmt: skip
+                      progress=False, server_kwargs={"max_total_tokens": 16384}, **IGNORE_EOS) as eng:  # fmt: skip
         with pytest.raises(ValueError, match=r"pause_mode='in_place' but SGLang servers .* prefix \(radix\) cache"):
             SGLangEngine(urls=eng.urls, pause_mode="in_place", progress=False)
         eng.start_version(3)  # e.g. a resumed run: the launch weights ("default") are the trainer's version 3
         versions = [requests.get(f"{url}/model_info", timeout=10).json()["weight_version"] for url in eng.urls]
         assert versions == ["3", "3"]
-        samples = generate_across_update(eng, new, version=4)
+        samples = generate_across_update(eng, PROMPTS2, PARAMS, new, version=4)
         for s in samples:
             check_candidates([s], None, PARAMS, logits_of=by_version(model, new, switch(s, 3, 4)))
         assert eng.last_sync.version == "4" and len(eng.last_sync.workers) == 2  # both workers, directly
@@ -132,14 +89,14 @@ def test_retract_continues_every_request_exact_under_each_tokens_version(model_d
 def test_in_place_keeps_old_kv_and_runs_without_a_prefix_cache(model_dir, model):
     new = perturbed(model, seed=2)
     with SGLangEngine(model_path=model_dir, pause_mode="in_place", progress=False,
-                      server_kwargs={"max_total_tokens": 16384}) as eng:  # fmt: skip
+                      server_kwargs={"max_total_tokens": 16384}, **IGNORE_EOS) as eng:  # fmt: skip
         assert requests.get(f"{eng.urls[0]}/server_info", timeout=10).json()["disable_radix_cache"] is True
-        samples = generate_across_update(eng, new, version=1)  # no start_version: the launch weights are 0
+        samples = generate_across_update(eng, PROMPTS2, PARAMS, new, version=1)  # no start_version: launch weights 0
         later = eng.generate(PROMPTS2, AFTER)
     after_switch = []
     for s in samples:
         at = switch(s, 0, 1)
-        dev = deviation(s, by_version(model, new, at)(s))
+        dev = deviation(s, by_version(model, new, at)(s), temperature=PARAMS.temperature)
         assert float(dev[:at].max()) <= TOL
         after_switch.append(dev[at:])
     # The old KV shows: far from the new weights alone (0.7-0.9 nats per token measured), never exact.
