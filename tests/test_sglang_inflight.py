@@ -88,7 +88,9 @@ def test_retract_continues_every_request_exact_under_each_tokens_version(model_d
 
 def test_in_place_keeps_old_kv_and_runs_without_a_prefix_cache(model_dir, model):
     new = perturbed(model, seed=2)
-    with SGLangEngine(model_path=model_dir, pause_mode="in_place", progress=False,
+    # max_concurrency = the requests in flight: every client thread waits on a paused /generate, so the disk
+    # push must not queue behind them on the client's pool.
+    with SGLangEngine(model_path=model_dir, pause_mode="in_place", progress=False, max_concurrency=4,
                       server_kwargs={"max_total_tokens": 16384}, **IGNORE_EOS) as eng:  # fmt: skip
         assert requests.get(f"{eng.urls[0]}/server_info", timeout=10).json()["disable_radix_cache"] is True
         samples = generate_across_update(eng, PROMPTS2, PARAMS, new, version=1)  # no start_version: launch weights 0
