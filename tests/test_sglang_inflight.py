@@ -4,8 +4,8 @@ version that sampled it (SGLang's `weight_versions` spans).
 
 Each generation runs in a thread; the update lands once every server has logged the prefill of its requests (an
 event, never a fixed sleep: `sglang_checks.generate_across_update`), so each response has at least its first token
-from the old weights; the pause follows within a few decode steps (3-10 of the 96 tokens measured here) and holds
-the requests while the weights load. The reference is HF transformers in float32 on prompt +
+from the old weights; the pause follows within a few decode steps (2-15 of the 200 tokens measured here, which take
+seconds) and holds the requests while the weights load. The reference is HF transformers in float32 on prompt +
 response, each token under the weights of its recorded version, with `topp_rl.ops` over the recorded kept set:
 - pause_mode="retract" (the default; two servers behind the router, distributed sync): every token is exact under
   its own version, the ones after the switch included (their KV is recomputed), and so are later requests sharing
@@ -42,7 +42,7 @@ require_sglang(module=True)
 from topp_rl.engines.sglang import SGLangEngine  # noqa: E402
 
 PROMPTS2 = PROMPTS[:2]
-PARAMS = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=96, n=2)  # 4 requests, GRPO groups of 2
+PARAMS = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=200, n=2)  # 4 requests, GRPO groups of 2
 IGNORE_EOS = {"extra_sampling_params": {"ignore_eos": True}}  # every response runs to max_new_tokens
 AFTER = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, n=2)  # later requests, same prompts
 
