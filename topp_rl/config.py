@@ -8,6 +8,7 @@ can do is asked of its class (`_target_`), never guessed from names.
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
 import typing
 from dataclasses import dataclass
@@ -29,16 +30,19 @@ from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
 from topp_rl.rollout.refill import check_refill
+from topp_rl.rollout.scheduler.staleness import check_staleness_key
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
+
+log = logging.getLogger(__name__)
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
 BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
-    "data.refill",
+    "data.refill", "rollout.partial_rollouts",
     "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
 )
 # Below this, a capped engine (SGLangEngine) aborts every sample a truncating sampler keeps two ids for
@@ -529,32 +533,41 @@ def validate_eval_source(cfg: DictConfig) -> None:
                   f"steps, or drop eval.{key}")
 
 
-def validate_overlap(cfg: DictConfig) -> None:
-    """rollout.overlap=true trains each step on samples one weight update old: the engine must keep its own
-    weights while the trainer updates, and the loss must correct the gap."""
-    overlap = cfg.rollout.get("overlap", False)
-    if not isinstance(overlap, bool):
-        _fail("rollout.overlap", overlap, "true or false", "set rollout.overlap=true or false")
-    if not overlap:
+def validate_staleness(cfg: DictConfig) -> None:
+    """rollout.max_staleness=K >= 1 (or rollout.overlap=true, K = 1) trains on samples up to K weight updates old:
+    the engine must keep its own weights while the trainer updates them; partial rollouts need rollouts ahead."""
+    rollout = cfg.rollout
+    k = check_staleness_key(rollout.get("max_staleness", 0), overlap=rollout.get("overlap", False))
+    partial = rollout.get("partial_rollouts", False)
+    if partial and not k:
+        _fail("rollout.partial_rollouts", True, "false with rollout.max_staleness=0 (every step is generated with "
+              "the weights it trains, so no update meets a response)", "set rollout.max_staleness=1 or more")
+    if not k:
         return
-    if cfg.rollout.engine.get("share_weights"):
-        _fail("rollout.engine.share_weights", True, "false with rollout.overlap=true (the next step is generated "
-              "while this one updates the weights)", "set rollout.engine.share_weights=false (the embedded engine "
-              "keeps its own copy), or use rollout=sglang")
+    if rollout.engine.get("share_weights"):
+        _fail("rollout.engine.share_weights", True, f"false with rollout.max_staleness={k} (the next steps are "
+              "generated while this one updates the weights)", "set rollout.engine.share_weights=false (the "
+              "embedded engine keeps its own copy), or use rollout=sglang")
+    batching = rollout.engine.get("batching")
+    if partial and batching not in (None, "continuous"):
+        _fail("rollout.engine.batching", batching, "continuous with rollout.partial_rollouts=true (a weight update "
+              "lands between two decode steps of the responses in flight)", "set rollout.engine.batching=continuous")
     from hydra.utils import instantiate
 
     loss = instantiate(cfg.algo.loss)  # the loss says what it corrects; cheap, and its own checks run now
     if not loss.corrects_staleness:
-        _fail("algo.loss.tis_cap", None, "set with rollout.overlap=true (samples come from the policy one update "
-              "back; the importance ratio to it needs a correction)",
-              "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
+        log.warning("rollout.max_staleness=%d trains on samples up to %d weight updates old without a correction of "
+                    "the importance ratio to them; set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 "
+                    "algo.loss.icepop_high=2.0) to correct it per token", k, k)
 
 
 def validate_refill(cfg: DictConfig) -> None:
     """data.refill / data.max_refill_factor (dynamic sampling), checked as the datamodule checks them."""
     data = cfg.data
     check_refill(refill=data.get("refill", False), drop_zero_variance_groups=data.drop_zero_variance_groups,
-                 max_refill_factor=data.get("max_refill_factor", 4.0), overlap=cfg.rollout.get("overlap", False))
+                 max_refill_factor=data.get("max_refill_factor", 4.0),
+                 max_staleness=check_staleness_key(cfg.rollout.get("max_staleness", 0),
+                                                   overlap=cfg.rollout.get("overlap", False)))
 
 
 def validate_turns(cfg: DictConfig) -> None:
@@ -645,7 +658,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_weight_sync(cfg)
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
-    validate_overlap(cfg)
+    validate_staleness(cfg)
     validate_refill(cfg)
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
