@@ -197,7 +197,6 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("task=lookup rollout.max_trajectory_tokens=0", "rollout.max_trajectory_tokens"),
         ("task=agent", "task.agent"),
         ("rollout/step=endpoint", "task.agent"),
-        ("task=agent task.agent=topp_rl.tasks.agents.lookup:lookup_agent rollout=sglang", "rollout.engine._target_"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),

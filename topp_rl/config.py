@@ -589,18 +589,6 @@ def validate_turns(cfg: DictConfig) -> None:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
               "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
               "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
-    if not issubclass(step, EndpointStep):
-        return
-    # The endpoint's exactness is measured on one rank with the embedded engine (tests/test_endpoint_train.py);
-    # the agent loop's other layouts and SGLang are measured (tests/test_agent_dist.py), the endpoint's are not.
-    if world_size(cfg) > 1:
-        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with rollout/step=endpoint "
-              f"(world size {world_size(cfg)}): the endpoint runs on one rank so far", "train an agent function "
-              "on one device, or write the agent as an Environment (rollout/step=agent runs at any layout)")
-    engine = str(cfg.rollout.engine._target_)
-    if not engine.startswith("topp_rl.engines.embedded."):
-        _fail("rollout.engine._target_", engine, "the embedded engine with rollout/step=endpoint (its exactness "
-              "through the endpoint is what is measured so far)", "use rollout=embedded")
 
 
 def _check_agent_fn(cfg: DictConfig) -> None:
