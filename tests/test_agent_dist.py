@@ -170,8 +170,13 @@ def _check(results: list[dict], name: str, *, dp: int) -> dict:
     assert all(r["keys"] == ranks[0]["keys"] for r in ranks), name  # every rank logs the same keys
     # DP ranks number their trajectories step-globally: the step's 16 numbers once each over the DP ranks
     numbers = sorted({n for r in ranks for n in r["trajectories"]})
-    assert numbers == list(range(16)) and sum(len(r["trajectories"]) for r in ranks) == 16 * len(ranks) // dp, name
-    assert all(r["trajectories"] == r["indices"] for r in ranks), name
+    assert numbers == list(range(16)), name
+    if "endpoint" in name:  # an agent that rewrites its history splits its trajectory into several samples
+        per_rank = [set(r["trajectories"]) for r in ranks]
+        assert sum(map(len, per_rank)) == 16 * len(ranks) // dp and len(set(map(frozenset, per_rank))) == dp, name
+    else:
+        assert sum(len(r["trajectories"]) for r in ranks) == 16 * len(ranks) // dp, name
+        assert all(r["trajectories"] == r["indices"] for r in ranks), name
     for r in ranks:
         base, same, moved = r["loss"]
         assert r["grads_equal"] and r["grad_nonzero"] and base == same and moved != base, (name, r["loss"])
