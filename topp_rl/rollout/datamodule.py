@@ -279,6 +279,7 @@ class RolloutDataModule(L.LightningDataModule):
         # Ahead: the generation's own time (it ran beside earlier steps), not the wait for it.
         stats = step_stats(samples, micro, generate_s=self.last_generate_s if ahead else gen_seconds,
                            dropped=selection.filtered, groups=selection.groups) | self.rollout_step.stats(samples)
+        stats["rollout/trained_tokens"] = (groups["loss_tokens"], 1.0)  # DP-global: the throughput benchmarks' count
         if self.drop_zero_variance_groups:
             stats |= group_stats(groups, refill_rounds=rounds if self.refill else None)
         if self._ahead is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
@@ -370,7 +371,7 @@ class RolloutDataModule(L.LightningDataModule):
                              num_sequences_global=int(totals[1]), trained_version=trained_version,
                              most=lambda count: max(dp.max(count), self.min_micro_batches))
         groups = dict(zip(("generated", "filtered", "surplus", "trained", "capped_ranks"), totals[3:].tolist(),
-                          strict=True))
+                          strict=True)) | {"loss_tokens": float(totals[0])}
         figures = {} if trained_version is None else staleness_stats(train, trained_version=trained_version,
                                                                      dropped=stale, dp=dp)
         return micro, selection, groups, figures
