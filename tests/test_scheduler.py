@@ -48,7 +48,8 @@ def test_two_updates_ahead_trains_every_step_within_the_bound_and_logs_the_stale
     assert column(rows, "rollout/dropped_stale") == [0.0] * 5
     assert column(rows, "rollout/partial_frac") == [0.0] * 5  # whole responses: one version per sample
     assert [step for step, _ in steps] == [0, 1, 2, 3, 4]
-    trained = [max(v for *_, versions in samples for v in versions) + m for (_, samples), m in zip(steps, most)]
+    trained = [max(v for *_, versions in samples for v in versions) + m
+               for (_, samples), m in zip(steps, most, strict=True)]
     assert trained == [1, 2, 3, 4, 5]  # the start push is version 1, each step's push one more
     # The tokens of the trained weights (step 0's at least) are on-policy to float32 rounding.
     current = column(rows, "train/rollout_logprob_abs_diff_current")
