@@ -162,6 +162,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = 0  # next rollout step to generate
         self.refill_prompts = 0  # prompts refill rounds drew before `step`: they move its data position on
         self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
+        self._decoded = (0, 0)  # the engine's decode counts (rows, steps) at the previous step
 
     # ----- data parallel layout -----
     @property
@@ -225,7 +226,7 @@ class RolloutDataModule(L.LightningDataModule):
             self._ahead.wait()
         if self.engine is not None and self._engine_factory is not None:
             self.engine.close()
-            self.engine = None
+            self.engine, self._decoded = None, (0, 0)
 
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
@@ -280,6 +281,7 @@ class RolloutDataModule(L.LightningDataModule):
         stats = step_stats(samples, micro, generate_s=self.last_generate_s if ahead else gen_seconds,
                            dropped=selection.filtered, groups=selection.groups) | self.rollout_step.stats(samples)
         stats["rollout/trained_tokens"] = (groups["loss_tokens"], 1.0)  # DP-global: the throughput benchmarks' count
+        stats["perf/decode_batch_mean"] = self._decode_batch()
         if self.drop_zero_variance_groups:
             stats |= group_stats(groups, refill_rounds=rounds if self.refill else None)
         if self._ahead is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
@@ -287,6 +289,16 @@ class RolloutDataModule(L.LightningDataModule):
         if self.peers.size > 1:
             stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
+
+    def _decode_batch(self) -> tuple[float, float]:
+        """(responses that sampled a token, decode steps) since the previous step: their ratio is the mean decode
+        batch. (0, 0) on a peer and for an engine that does not count (the key is then left out)."""
+        counts = self.engine.decode_counts if self.peers.is_source and self.engine is not None else None
+        if counts is None:
+            return 0.0, 0.0
+        rows, steps = counts.rows - self._decoded[0], counts.steps - self._decoded[1]
+        self._decoded = (counts.rows, counts.steps)
+        return float(rows), float(steps)
 
     def _trained_version(self) -> int | None:
         """The weight version this step trains (every push so far is in the engine), the source's on every peer;
