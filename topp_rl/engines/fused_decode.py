@@ -222,8 +222,10 @@ class SlotCacheForward:
     def _allocate(self, capacity: int) -> None:
         dec = self.decoder
         shape = (len(self.layers), self.rows, dec.kv_heads, capacity, dec.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # zeros, not empty: a step attends (at weight 0, under the mask) to positions past a shorter row's fill,
+        # and 0 x a NaN left in uninitialised memory would be NaN
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         kept = max(self.fill)
         if self.keys is not None and kept:
             keys[..., :kept, :].copy_(self.keys[..., :kept, :])
