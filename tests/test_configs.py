@@ -165,6 +165,8 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.overlap=true rollout.max_staleness=2", "rollout.overlap"),
         ("rollout.partial_rollouts=true", "rollout.partial_rollouts"),
         ("rollout.partial_rollouts=yes", "rollout.partial_rollouts"),
+        ("rollout.max_staleness=2 rollout.partial_rollouts=true rollout.engine.share_weights=false "
+         "rollout.engine.batching=static", "rollout.engine.batching"),
         # Every boolean key: a string would be truthy ("false" included). Issue 18 part 5f.
         ("module.gradient_checkpointing=yes", "module.gradient_checkpointing"),
         ("module.use_mask=no", "module.use_mask"),

@@ -178,8 +178,9 @@ def target_parameters(target: str) -> list[str] | None:
 
 
 def _signature_names(obj: Any) -> tuple[list[str], bool]:
-    """(the parameter names of `obj`'s signature but self, in order; whether it takes **kwargs)."""
-    params = inspect.signature(obj).parameters.values()
+    """(the parameter names of `obj`'s signature but self, in order; whether it takes **kwargs). A class's are its
+    `__init__`'s, which gets every keyword (a `__new__` that picks a subclass may take **kwargs)."""
+    params = inspect.signature(obj.__init__ if isinstance(obj, type) else obj).parameters.values()
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
