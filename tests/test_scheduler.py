@@ -1,18 +1,25 @@
 """rollout.max_staleness=K: generations up to K weight updates ahead of training, the staleness rule, its
 metrics, and checkpoints that hold every generation in flight."""
 
+import threading
+
 import lightning as L
 import pytest
 import torch
 from helpers import column, compose_cfg, read_metrics
 
 from topp_rl.data.sample import Sample
+from topp_rl.engines.embedded import EmbeddedEngine
+from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.parallel.collectives import DataParallelCollectives
+from topp_rl.rollout import RolloutDataModule, SamplingParams
 from topp_rl.rollout.broadcast import samples_from_state
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.scheduler import check_staleness_key, drop_stale_groups, staleness_stats
+from topp_rl.tasks import CopyDigitTask
 from topp_rl.train import build_run, fit
 
+TOK = build_char_tokenizer()
 AHEAD = ("rollout.max_staleness=2", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0", "logger=csv",
          "rollout.prompts_per_step=4", "rollout.n_samples=4")
 
@@ -99,3 +106,53 @@ def test_staleness_keys_are_refused_naming_the_key(k, overlap, message):
     with pytest.raises(ValueError, match=message):
         check_staleness_key(k, overlap=overlap)
     assert check_staleness_key(0, overlap=True) == 1 and check_staleness_key(3, overlap=False) == 3
+
+
+def test_partial_rollouts_continue_across_an_update_and_pack_each_tokens_staleness():
+    """The datamodule two updates ahead over the continuous embedded engine: step 0 is taken, steps 1 and 2 start;
+    the decode loop is held a few decode steps into them until the trainer's push is requested, so the push
+    lands mid-response. Step 1's samples then span two versions (each token stamped), the packed staleness is 1
+    for its tokens before the update and 0 after, and the step's metrics count the partial samples."""
+    model = build_tiny_model(tokenizer=TOK, seed=0, initializer_range=0.2)
+    engine = EmbeddedEngine(model, batching="continuous", eos_token_id=TOK.eos_token_id,
+                            pad_token_id=TOK.pad_token_id, progress=False)
+    dm = RolloutDataModule(engine=engine, task=CopyDigitTask(), tokenizer=TOK, prompts_per_step=2,
+                           params=SamplingParams(top_p=0.9, max_new_tokens=12, n=2), max_tokens_per_micro_batch=64,
+                           max_staleness=2, partial_rollouts=True)
+    versioned, loop = dm.engine, engine.loop
+    reached, ahead_from = threading.Event(), []
+
+    def hold(steps: int) -> None:  # once: 3 decode steps into the generations ahead, wait for the push
+        if dm._ahead.steps_in_flight and not ahead_from:
+            ahead_from.append(steps)  # the first boundary after steps 1 and 2 were submitted: none of theirs ran
+        if ahead_from and steps == ahead_from[0] + 3 and not reached.is_set():
+            reached.set()
+            with loop.cond:
+                loop.cond.wait_for(lambda: loop.pause_requests > 0, timeout=300)
+
+    loop.boundary_hook = hold
+    try:
+        step0 = dm.on_before_batch_transfer(dm.ticket(0), 0)  # generated in place, then steps 1 and 2 start
+        assert step0.stats["rollout/staleness_max"] == (0.0, 1.0)
+        assert reached.wait(300), "the generations ahead never reached their third decode step"
+        new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        versioned.update_weights(new.items())  # the trainer's push after step 0: lands mid-response
+        step1 = dm.on_before_batch_transfer(dm.ticket(1), 1)
+    finally:
+        loop.boundary_hook = None
+        dm.close_engine()
+        engine.close()
+    assert versioned.version == 1
+    spanning = [s for s in step1.samples if s.spans_versions]
+    assert spanning, "no response was in flight at the update"
+    for s in spanning:  # the old weights' tokens, then the new weights' (how many of each: where it was admitted)
+        old = s.token_versions().count(0)
+        assert s.token_versions() == [0] * old + [1] * (s.response_length - old)
+    staleness = torch.cat([mb.staleness for mb in step1.micro_batches])
+    expected = torch.tensor([1 - v for s in step1.samples for v in s.token_versions()])
+    assert torch.equal(staleness, expected) and set(staleness.tolist()) == {0, 1}
+    partial, count = step1.stats["rollout/partial_frac"]
+    assert partial == len(spanning) and count == len(step1.samples)
+    assert step1.stats["rollout/staleness_max"] == (1.0, 1.0)
+
+
