@@ -126,3 +126,26 @@ def test_a_restored_engine_does_not_count_the_resend_of_its_checkpoint_weights()
     assert engine.version == 7
     engine.update_weights(weights)  # the first step's push: a new version
     assert engine.version == 8
+
+
+def test_partial_updates_stamp_the_versions_the_wrapper_counts_a_restore_included():
+    """With partial rollouts the engine stamps each token with the version the wrapper hands it: a restored run's
+    resend keeps the checkpoint's version, the next push is one more."""
+    model = build_tiny_model(vocab_size=96, seed=0)
+    weights = list(model.state_dict().items())
+    params = SamplingParams(top_p=0.9, max_new_tokens=4, n=2)
+    with pytest.raises(ValueError, match=r"rollout.partial_rollouts=true needs an engine whose weight updates land "
+                                         r"between decode steps, but EmbeddedEngine cannot"):
+        VersionedEngine(EmbeddedEngine(model, progress=False), partial=True)
+    engine = VersionedEngine(EmbeddedEngine(model, batching="continuous", progress=False), partial=True)
+    try:
+        assert engine.concurrent
+        engine.restore(7)
+        engine.update_weights(weights)  # the resumed run's start push: version 7 again
+        samples = engine.generate([[1, 5, 6]], params, seed=3)
+        assert engine.version == 7 and {v for s in samples for v in s.token_versions()} == {7}
+        engine.update_weights(weights)
+        samples = engine.generate([[1, 5, 6]], params, seed=3)
+        assert engine.version == 8 and {s.weight_version for s in samples} == {8}
+    finally:
+        engine.close()
