@@ -330,6 +330,13 @@ class EmbeddedEngine(RolloutEngine):
         """Nothing to release: the model is garbage-collected with the engine."""
 
 
+# inspect.signature (the config's key check, `topp_rl.config.target_parameters`) reads `__new__` first, which only
+# picks the class and passes everything on: the engine's keys are `__init__`'s.
+EmbeddedEngine.__signature__ = inspect.signature(EmbeddedEngine.__init__).replace(
+    parameters=list(inspect.signature(EmbeddedEngine.__init__).parameters.values())[1:]
+)
+
+
 class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
     """`EmbeddedEngine(..., batching="continuous")`: `generate` may be called from several threads at once; every
     call's requests (n per prompt) enter one decode loop on an engine-owned thread (`DecodeLoop`, started at the
