@@ -372,3 +372,22 @@ def test_bad_options_are_refused():
         EmbeddedEngine(_model(family="qwen3_moe"), batching="continuous")
     with _continuous(model) as engine, pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
+
+
+@pytest.mark.gpu
+def test_update_in_flight_exact_on_cuda():
+    """The loop on a CUDA model: an update after step 5, every token against the dense recomputation on the CPU
+    under its version's weights (tolerance 1e-4 as the static engine's CUDA test: other kernels)."""
+    old = _model()
+    new = _perturbed(old)
+    with _continuous(old.cuda()) as engine:
+        samples = _generate_with_update(engine, PROMPTS, PARAMS, seed=3, at_step=5,
+                                        named=new.state_dict().items(), version=1)
+    old, new = old.cpu(), new.cpu()
+    assert any(s.spans_versions for s in samples)
+    for s in samples:
+        for version, model in ((0, old), (1, new)):
+            mine = torch.tensor(s.token_versions()) == version
+            if mine.any():
+                _, masked, _ = _dense(model, s, PARAMS)
+                torch.testing.assert_close(torch.tensor(s.rollout_log_probs)[mine], masked[mine], atol=1e-4, rtol=0)
