@@ -16,7 +16,7 @@ Weight updates (`paused`): the loop stops between two steps (or idles), the call
 tokens sampled after it record the new version. With `recompute` every running request then re-prefills its
 tokens under the new weights, so its next tokens are sampled from the new weights' exact distribution; without,
 it keeps the keys / values the old weights computed (cheaper; a distribution neither version's dense forward
-gives).
+gives). A prefill forward takes at most PREFILL_TOKENS padded tokens (rows longest first, one row at least).
 
 Capacity: the cache holds prompt + max_new_tokens - 1 positions per row (the last sampled token is never fed);
 a request that needs more grows it to max(its need, twice the capacity), capped at the model's context.
@@ -40,6 +40,8 @@ from topp_rl.ops.sampling import nonfinite_row_error
 BATCHING = ("static", "continuous")
 KV_AT_UPDATE = ("recompute", "keep")
 _MASK64 = (1 << 64) - 1
+# Padded tokens (rows x the longest) one prefill forward takes at most.
+PREFILL_TOKENS = 16384
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -284,8 +286,7 @@ class DecodeLoop:
         for row in refill:
             self.cache.fill[row] = 0
         seqs = {row: self.active[row].fed() for row in refill}
-        rows = [row for row in refill if seqs[row]]
-        if rows:
+        for rows in _prefill_chunks({row: len(seq) for row, seq in seqs.items() if seq}):
             self.cache.prefill(rows, [seqs[row] for row in rows])
 
     def _step(self) -> None:
@@ -337,6 +338,18 @@ class DecodeLoop:
         del self.active[end:]
         for row in range(end, self.rows):
             self.cache.fill[row] = 0
+
+
+def _prefill_chunks(lengths: dict[int, int]) -> list[list[int]]:
+    """The rows to prefill (row -> tokens), longest first, in chunks of at most PREFILL_TOKENS padded tokens (one
+    row per chunk at least): a re-prefill of every running row after an update is bounded in memory."""
+    chunks: list[list[int]] = []
+    for row in sorted(lengths, key=lengths.get, reverse=True):
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= PREFILL_TOKENS:
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
+    return chunks
 
 
 def _by_params(requests: list[Request]) -> dict[SamplingParams, list[int]]:
