@@ -118,15 +118,20 @@ def _check_exact(sample: Sample, models: dict[int, torch.nn.Module], params: Sam
     return worst
 
 
-@pytest.mark.parametrize(("family", "prefill_tokens"), [("qwen2", None), ("qwen3", None), ("qwen2", 12)],
-                         ids=["qwen2", "qwen3", "qwen2-prefill-chunks"])
-def test_tokens_after_an_update_are_sampled_from_the_new_weights_exactly(family, prefill_tokens, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "patch"),
+    [("qwen2", {}), ("qwen3", {}), ("qwen2", {(continuous, "PREFILL_TOKENS"): 12}),
+     ("qwen2", {(fused_decode, "FUSE_PROJECTIONS_MAX_BYTES"): 0})],
+    ids=["qwen2", "qwen3", "qwen2-prefill-chunks", "qwen2-separate-projections"],
+)
+def test_tokens_after_an_update_are_sampled_from_the_new_weights_exactly(family, patch, monkeypatch):
     """kv_at_update=recompute: an update after decode step 5 of 8 requests on 4 rows. Tokens before it carry
     version 0 and equal the old weights' dense recomputation, tokens after it version 1 and the new weights'
-    (kept sets equal, log-probs within TOL); the requests admitted after it are version 1 throughout. With a
-    prefill budget of 12 tokens, the re-prefill runs one row per forward."""
-    if prefill_tokens is not None:
-        monkeypatch.setattr(continuous, "PREFILL_TOKENS", prefill_tokens)
+    (kept sets equal, log-probs within TOL); the requests admitted after it are version 1 throughout. Also with a
+    prefill budget of 12 tokens (the re-prefill in several forwards), and with the projections read from the
+    module's parameters instead of concatenated copies (a large model's way)."""
+    for (module, name), value in patch.items():
+        monkeypatch.setattr(module, name, value)
     old = _model(family=family)
     new = _perturbed(old)
     with _continuous(old) as engine:
