@@ -346,7 +346,7 @@ class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
     Weight updates land between two decode steps (`update_weights_in_flight`); every token records the version
     that sampled it. At an update the running requests re-prefill their tokens under the new weights
     (`kv_at_update="recompute"`) or go on with the keys / values the old weights computed (`"keep"`).
-    Runs on the fused decode path only, with the engine's own copy of the weights."""
+    Runs on the fused decode path only, with the engine's own copy of the weights; shows no progress bar."""
 
     def __init__(self, model: PreTrainedModel, **kwargs) -> None:
         super().__init__(model, **kwargs)
