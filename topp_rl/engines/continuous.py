@@ -272,14 +272,11 @@ class DecodeLoop:
         elif need > self.cache.capacity:
             limit = getattr(self.decoder.model.config, "max_position_embeddings", None) or need
             self.cache.grow(max(need, min(2 * self.cache.capacity, limit)))
-        refill = list(range(len(self.active)))
+        recompute = False
         if self.stale:
             self.cache.refresh_weights()
-            self.stale = False
-            if not self.recompute:
-                refill = []
-        else:
-            refill = []
+            self.stale, recompute = False, self.recompute
+        refill = list(range(len(self.active))) if recompute else []
         for request in admitted:
             refill.append(len(self.active))
             self.active.append(request)
