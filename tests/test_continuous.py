@@ -369,8 +369,12 @@ def test_bad_options_are_refused():
         EmbeddedEngine(model, batching="continuous", decode="hf")
     with pytest.raises(ValueError, match="cannot run Qwen3MoeForCausalLM .*not one of.*batching='static'"):
         EmbeddedEngine(_model(family="qwen3_moe"), batching="continuous")
-    with _continuous(model) as engine, pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
+    with _continuous(model) as engine:
+        with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+            engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
+        with pytest.raises(ValueError, match="'nope' is not a parameter"):
+            engine.update_weights_in_flight([("nope", torch.zeros(1))], version=1)
+        assert engine.version == 0
 
 
 @pytest.mark.gpu

@@ -211,9 +211,8 @@ class DecodeLoop:
                 self.pause_requests -= 1
                 self.cond.notify_all()
 
-    def weights_updated(self, version: int) -> None:
-        """Inside `paused`: the model's weights were replaced; the tokens sampled next record `version`."""
-        self.version = version
+    def weights_changed(self) -> None:
+        """Inside `paused`: the model's weights were written (the cache's rows and copies are stale)."""
         self.stale = True
 
     def close(self) -> None:

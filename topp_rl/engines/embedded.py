@@ -400,8 +400,11 @@ class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
         # The tensors are copied on the caller's thread (an iterator that gathers shards runs where it was made)
         # while the loop waits between two steps.
         with self.loop.paused():
-            self._copy_weights(named_tensors)
-            self.loop.weights_updated(version)
+            try:
+                self._copy_weights(named_tensors)
+            finally:  # a refused tensor stops the copy midway: the ones before it are in
+                self.loop.weights_changed()
+            self.loop.version = version
 
     def start_version(self, version: int) -> None:
         with self._updating, self.loop.paused():
