@@ -274,16 +274,19 @@ def test_cache_grows_for_a_longer_request_while_others_run():
     model = _model()
     short, long = [[1, 5, 6]], [[1] + list(range(10, 50))]
     a, b = SamplingParams(top_k=1, max_new_tokens=16), SamplingParams(top_k=1, max_new_tokens=8)
+    capacities = []  # read on the loop's thread at two boundaries
     with _continuous(model, eos_token_id=[], max_batch_size=2) as engine:
-        loop, reached = engine.loop, _hold(engine, {3: lambda loop: bool(loop.waiting)})
+        reached = _hold(engine, {3: lambda loop: capacities.append(loop.cache.capacity) or bool(loop.waiting),
+                                 5: lambda loop: capacities.append(loop.cache.capacity) or True})
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(engine.generate, short, a, seed=0)
             assert reached[3].wait(WAIT)
-            before = loop.cache.capacity  # the loop is held: its cache is not changing
             second = pool.submit(engine.generate, long, b, seed=0)
             got = first.result(WAIT) + second.result(WAIT)
-        after = loop.cache.capacity
-    assert (before, after) == (3 + 16 - 1, 41 + 8 - 1)  # max(need 48, 2 x 18 = 36)
+        with engine.loop.cond:  # idle (parked with nothing to run): its cache freed
+            assert engine.loop.cond.wait_for(lambda: engine.loop.parked, timeout=WAIT)
+            assert engine.loop.cache is None
+    assert capacities[0] == 3 + 16 - 1 and capacities[-1] == 41 + 8 - 1  # max(need 48, 2 x 18 = 36)
     static = EmbeddedEngine(model, eos_token_id=[], progress=False)
     want = static.generate(short, a, seed=0) + static.generate(long, b, seed=0)
     assert [s.response_ids for s in got] == [s.response_ids for s in want]

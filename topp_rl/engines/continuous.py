@@ -19,7 +19,8 @@ it keeps the keys / values the old weights computed (cheaper; a distribution nei
 gives). A prefill forward takes at most PREFILL_TOKENS padded tokens (rows longest first, one row at least).
 
 Capacity: the cache holds prompt + max_new_tokens - 1 positions per row (the last sampled token is never fed);
-a request that needs more grows it to max(its need, twice the capacity), capped at the model's context.
+a request that needs more grows it to max(its need, twice the capacity), capped at the model's context. An idle
+loop frees it; the next request allocates one of its own need.
 """
 
 import collections
@@ -251,6 +252,8 @@ class DecodeLoop:
             self.boundary_hook(self.counts.steps)
         with self.cond:
             while not self.closed and (self.pause_requests or not (self.active or self.waiting)):
+                if not (self.active or self.waiting):
+                    self.cache = None  # idle: the memory goes back until the next request (as a static batch's)
                 self.parked = True
                 self.cond.notify_all()
                 self.cond.wait()
