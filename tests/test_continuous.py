@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.engines import fused_decode
+from topp_rl.engines import continuous, fused_decode
 from topp_rl.engines.base import InFlightUpdates
 from topp_rl.engines.continuous import request_seed
 from topp_rl.engines.embedded import ContinuousEmbeddedEngine, EmbeddedEngine
@@ -53,21 +53,34 @@ def _continuous(model, **kwargs) -> ContinuousEmbeddedEngine:
     return EmbeddedEngine(model, batching="continuous", **kwargs)
 
 
-def _generate_with_update(engine, prompts, params, *, seed, at_step: int, named, version: int) -> list[Sample]:
-    """`generate` on a thread; the loop is held at the boundary after `at_step` decode steps until the update is
-    requested, so the update lands there (never a timing race)."""
-    loop, reached = engine.loop, threading.Event()
+def _hold(engine, until: dict) -> dict[int, threading.Event]:
+    """Hold the loop at the boundary after `step` decode steps until `until[step](loop)` (read under the loop's
+    lock, waited for on its condition: the loop's own events, never a timing race); per step, an Event set when
+    the loop arrives there."""
+    loop = engine.loop
+    reached = {step: threading.Event() for step in until}
 
     def hold(steps: int) -> None:
-        if steps == at_step:
-            reached.set()
+        if steps in until:
+            reached[steps].set()
             with loop.cond:
-                loop.cond.wait_for(lambda: loop.pause_requests > 0, timeout=WAIT)
+                assert loop.cond.wait_for(lambda: until[steps](loop), timeout=WAIT)
 
     loop.boundary_hook = hold
+    return reached
+
+
+def _update_requested(loop) -> bool:
+    return loop.pause_requests > 0
+
+
+def _generate_with_update(engine, prompts, params, *, seed, at_step: int, named, version: int) -> list[Sample]:
+    """`generate` on a thread; the loop is held at the boundary after `at_step` decode steps until the update is
+    requested, so the update lands there."""
+    reached = _hold(engine, {at_step: _update_requested})
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(engine.generate, prompts, params, seed=seed)
-        assert reached.wait(WAIT), f"the loop never reached step {at_step}"
+        assert reached[at_step].wait(WAIT), f"the loop never reached step {at_step}"
         engine.update_weights_in_flight(named, version=version)
         return future.result(WAIT)
 
@@ -105,11 +118,20 @@ def _check_exact(sample: Sample, models: dict[int, torch.nn.Module], params: Sam
     return worst
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_tokens_after_an_update_are_sampled_from_the_new_weights_exactly(family):
+@pytest.mark.parametrize(
+    ("family", "patch"),
+    [("qwen2", {}), ("qwen3", {}), ("qwen2", {(continuous, "PREFILL_TOKENS"): 12}),
+     ("qwen2", {(fused_decode, "FUSE_PROJECTIONS_MAX_BYTES"): 0})],
+    ids=["qwen2", "qwen3", "qwen2-prefill-chunks", "qwen2-separate-projections"],
+)
+def test_tokens_after_an_update_are_sampled_from_the_new_weights_exactly(family, patch, monkeypatch):
     """kv_at_update=recompute: an update after decode step 5 of 8 requests on 4 rows. Tokens before it carry
     version 0 and equal the old weights' dense recomputation, tokens after it version 1 and the new weights'
-    (kept sets equal, log-probs within TOL); the requests admitted after it are version 1 throughout."""
+    (kept sets equal, log-probs within TOL); the requests admitted after it are version 1 throughout. Also with a
+    prefill budget of 12 tokens (the re-prefill in several forwards), and with the projections read from the
+    module's parameters instead of concatenated copies (a large model's way)."""
+    for (module, name), value in patch.items():
+        monkeypatch.setattr(module, name, value)
     old = _model(family=family)
     new = _perturbed(old)
     with _continuous(old) as engine:
@@ -188,14 +210,7 @@ def test_greedy_tokens_equal_static_batching(family):
 
 def _hold_until_queued(engine, requests: int) -> None:
     """Hold the loop at its first boundary until `requests` requests wait (all calls submitted)."""
-    loop = engine.loop
-
-    def hold(steps: int) -> None:
-        if steps == 0:
-            with loop.cond:
-                loop.cond.wait_for(lambda: len(loop.waiting) >= requests, timeout=WAIT)
-
-    loop.boundary_hook = hold
+    _hold(engine, {0: lambda loop: len(loop.waiting) >= requests})
 
 
 def test_same_tokens_alone_and_beside_another_call():
@@ -259,23 +274,18 @@ def test_cache_grows_for_a_longer_request_while_others_run():
     model = _model()
     short, long = [[1, 5, 6]], [[1] + list(range(10, 50))]
     a, b = SamplingParams(top_k=1, max_new_tokens=16), SamplingParams(top_k=1, max_new_tokens=8)
+    capacities = []  # read on the loop's thread at two boundaries
     with _continuous(model, eos_token_id=[], max_batch_size=2) as engine:
-        loop, capacities, reached = engine.loop, [], threading.Event()
-
-        def hold(steps: int) -> None:
-            if loop.cache is not None:
-                capacities.append(loop.cache.capacity)
-            if steps == 3:
-                reached.set()
-                with loop.cond:
-                    loop.cond.wait_for(lambda: loop.waiting, timeout=WAIT)
-
-        loop.boundary_hook = hold
+        reached = _hold(engine, {3: lambda loop: capacities.append(loop.cache.capacity) or bool(loop.waiting),
+                                 5: lambda loop: capacities.append(loop.cache.capacity) or True})
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(engine.generate, short, a, seed=0)
-            assert reached.wait(WAIT)
+            assert reached[3].wait(WAIT)
             second = pool.submit(engine.generate, long, b, seed=0)
             got = first.result(WAIT) + second.result(WAIT)
+        with engine.loop.cond:  # idle (parked with nothing to run): its cache freed
+            assert engine.loop.cond.wait_for(lambda: engine.loop.parked, timeout=WAIT)
+            assert engine.loop.cache is None
     assert capacities[0] == 3 + 16 - 1 and capacities[-1] == 41 + 8 - 1  # max(need 48, 2 x 18 = 36)
     static = EmbeddedEngine(model, eos_token_id=[], progress=False)
     want = static.generate(short, a, seed=0) + static.generate(long, b, seed=0)
@@ -319,18 +329,10 @@ def test_close_joins_the_thread_and_fails_a_waiting_call():
         engine.generate(PROMPTS[:1], PARAMS, seed=0)
 
     engine = _continuous(model)
-    loop, reached = engine.loop, threading.Event()
-
-    def hold(steps: int) -> None:
-        if steps == 2:
-            reached.set()
-            with loop.cond:
-                loop.cond.wait_for(lambda: loop.closed, timeout=WAIT)
-
-    loop.boundary_hook = hold
+    loop, reached = engine.loop, _hold(engine, {2: lambda loop: loop.closed})
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(engine.generate, PROMPTS, PARAMS, seed=0)
-        assert reached.wait(WAIT)
+        assert reached[2].wait(WAIT)
         engine.close()
         with pytest.raises(RuntimeError, match="closed while this generate call ran"):
             call.result(WAIT)
@@ -370,5 +372,53 @@ def test_bad_options_are_refused():
         EmbeddedEngine(model, batching="continuous", decode="hf")
     with pytest.raises(ValueError, match="cannot run Qwen3MoeForCausalLM .*not one of.*batching='static'"):
         EmbeddedEngine(_model(family="qwen3_moe"), batching="continuous")
-    with _continuous(model) as engine, pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
+    with _continuous(model) as engine:
+        with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+            engine.generate([[1] * 30], SamplingParams(max_new_tokens=1000))
+        with pytest.raises(ValueError, match="'nope' is not a parameter"):
+            engine.update_weights_in_flight([("nope", torch.zeros(1))], version=1)
+        assert engine.version == 0
+
+
+@pytest.mark.gpu
+def test_update_in_flight_exact_on_cuda():
+    """The loop on a CUDA model: an update after step 5, every token against the dense recomputation on the CPU
+    under its version's weights (tolerance 1e-4 as the static engine's CUDA test: other kernels)."""
+    old = _model()
+    new = _perturbed(old)
+    with _continuous(old.cuda()) as engine:
+        samples = _generate_with_update(engine, PROMPTS, PARAMS, seed=3, at_step=5,
+                                        named=new.state_dict().items(), version=1)
+    old, new = old.cpu(), new.cpu()
+    assert any(s.spans_versions for s in samples)
+    for s in samples:
+        for version, model in ((0, old), (1, new)):
+            mine = torch.tensor(s.token_versions()) == version
+            if mine.any():
+                _, masked, _ = _dense(model, s, PARAMS)
+                torch.testing.assert_close(torch.tensor(s.rollout_log_probs)[mine], masked[mine], atol=1e-4, rtol=0)
+
+
+def test_concurrent_calls_across_two_updates_are_exact():
+    """Three calls sharing 4 rows, updates landing after decode steps 4 and 9: every token of every call records
+    the version that sampled it (non-decreasing along each response, all three versions seen, some responses
+    spanning two updates) and equals the dense recomputation under that version's weights."""
+    models = {0: _model()}
+    models[1] = _perturbed(models[0], seed=1)
+    models[2] = _perturbed(models[1], seed=2)
+    calls = [(PROMPTS[:2], 5), (PROMPTS[2:], 6), ([[1, 60, 61]], 7)]
+    with _continuous(models[0]) as engine:
+        queued = 2 * sum(len(p) for p, _ in calls)
+        reached = _hold(engine, {0: lambda loop: len(loop.waiting) >= queued, 4: _update_requested,
+                                 9: _update_requested})
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures = [pool.submit(engine.generate, prompts, PARAMS, seed=seed) for prompts, seed in calls]
+            for step, version in ((4, 1), (9, 2)):
+                assert reached[step].wait(WAIT)
+                engine.update_weights_in_flight(models[version].state_dict().items(), version=version)
+            samples = [s for f in futures for s in f.result(WAIT)]
+    versions = [s.token_versions() for s in samples]
+    assert all(v == sorted(v) for v in versions)
+    assert set().union(*map(set, versions)) == {0, 1, 2} and any(v[0] == 0 and v[-1] == 2 for v in versions)
+    for s in samples:
+        _check_exact(s, models, PARAMS)

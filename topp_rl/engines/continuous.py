@@ -16,10 +16,11 @@ Weight updates (`paused`): the loop stops between two steps (or idles), the call
 tokens sampled after it record the new version. With `recompute` every running request then re-prefills its
 tokens under the new weights, so its next tokens are sampled from the new weights' exact distribution; without,
 it keeps the keys / values the old weights computed (cheaper; a distribution neither version's dense forward
-gives).
+gives). A prefill forward takes at most PREFILL_TOKENS padded tokens (rows longest first, one row at least).
 
 Capacity: the cache holds prompt + max_new_tokens - 1 positions per row (the last sampled token is never fed);
-a request that needs more grows it to max(its need, twice the capacity), capped at the model's context.
+a request that needs more grows it to max(its need, twice the capacity), capped at the model's context. An idle
+loop frees it; the next request allocates one of its own need.
 """
 
 import collections
@@ -40,6 +41,8 @@ from topp_rl.ops.sampling import nonfinite_row_error
 BATCHING = ("static", "continuous")
 KV_AT_UPDATE = ("recompute", "keep")
 _MASK64 = (1 << 64) - 1
+# Padded tokens (rows x the longest) one prefill forward takes at most.
+PREFILL_TOKENS = 16384
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -209,9 +212,8 @@ class DecodeLoop:
                 self.pause_requests -= 1
                 self.cond.notify_all()
 
-    def weights_updated(self, version: int) -> None:
-        """Inside `paused`: the model's weights were replaced; the tokens sampled next record `version`."""
-        self.version = version
+    def weights_changed(self) -> None:
+        """Inside `paused`: the model's weights were written (the cache's rows and copies are stale)."""
         self.stale = True
 
     def close(self) -> None:
@@ -250,6 +252,8 @@ class DecodeLoop:
             self.boundary_hook(self.counts.steps)
         with self.cond:
             while not self.closed and (self.pause_requests or not (self.active or self.waiting)):
+                if not (self.active or self.waiting):
+                    self.cache = None  # idle: the memory goes back until the next request (as a static batch's)
                 self.parked = True
                 self.cond.notify_all()
                 self.cond.wait()
@@ -270,22 +274,18 @@ class DecodeLoop:
         elif need > self.cache.capacity:
             limit = getattr(self.decoder.model.config, "max_position_embeddings", None) or need
             self.cache.grow(max(need, min(2 * self.cache.capacity, limit)))
-        refill = list(range(len(self.active)))
+        recompute = False
         if self.stale:
             self.cache.refresh_weights()
-            self.stale = False
-            if not self.recompute:
-                refill = []
-        else:
-            refill = []
+            self.stale, recompute = False, self.recompute
+        refill = list(range(len(self.active))) if recompute else []
         for request in admitted:
             refill.append(len(self.active))
             self.active.append(request)
         for row in refill:
             self.cache.fill[row] = 0
         seqs = {row: self.active[row].fed() for row in refill}
-        rows = [row for row in refill if seqs[row]]
-        if rows:
+        for rows in _prefill_chunks({row: len(seq) for row, seq in seqs.items() if seq}):
             self.cache.prefill(rows, [seqs[row] for row in rows])
 
     def _step(self) -> None:
@@ -337,6 +337,18 @@ class DecodeLoop:
         del self.active[end:]
         for row in range(end, self.rows):
             self.cache.fill[row] = 0
+
+
+def _prefill_chunks(lengths: dict[int, int]) -> list[list[int]]:
+    """The rows to prefill (row -> tokens), longest first, in chunks of at most PREFILL_TOKENS padded tokens (one
+    row per chunk at least): a re-prefill of every running row after an update is bounded in memory."""
+    chunks: list[list[int]] = []
+    for row in sorted(lengths, key=lengths.get, reverse=True):
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= PREFILL_TOKENS:
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
+    return chunks
 
 
 def _by_params(requests: list[Request]) -> dict[SamplingParams, list[int]]:

@@ -330,6 +330,13 @@ class EmbeddedEngine(RolloutEngine):
         """Nothing to release: the model is garbage-collected with the engine."""
 
 
+# inspect.signature (the config's key check, `topp_rl.config.target_parameters`) reads `__new__` first, which only
+# picks the class and passes everything on: the engine's keys are `__init__`'s.
+EmbeddedEngine.__signature__ = inspect.signature(EmbeddedEngine.__init__).replace(
+    parameters=list(inspect.signature(EmbeddedEngine.__init__).parameters.values())[1:]
+)
+
+
 class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
     """`EmbeddedEngine(..., batching="continuous")`: `generate` may be called from several threads at once; every
     call's requests (n per prompt) enter one decode loop on an engine-owned thread (`DecodeLoop`, started at the
@@ -339,7 +346,7 @@ class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
     Weight updates land between two decode steps (`update_weights_in_flight`); every token records the version
     that sampled it. At an update the running requests re-prefill their tokens under the new weights
     (`kv_at_update="recompute"`) or go on with the keys / values the old weights computed (`"keep"`).
-    Runs on the fused decode path only, with the engine's own copy of the weights."""
+    Runs on the fused decode path only, with the engine's own copy of the weights; shows no progress bar."""
 
     def __init__(self, model: PreTrainedModel, **kwargs) -> None:
         super().__init__(model, **kwargs)
@@ -393,8 +400,11 @@ class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
         # The tensors are copied on the caller's thread (an iterator that gathers shards runs where it was made)
         # while the loop waits between two steps.
         with self.loop.paused():
-            self._copy_weights(named_tensors)
-            self.loop.weights_updated(version)
+            try:
+                self._copy_weights(named_tensors)
+            finally:  # a refused tensor stops the copy midway: the ones before it are in
+                self.loop.weights_changed()
+            self.loop.version = version
 
     def start_version(self, version: int) -> None:
         with self._updating, self.loop.paused():
