@@ -8,10 +8,10 @@ rank 0 once per alarm kind and run start: the first time it turns on, on its own
   `max_mismatch` (default by the trainer's precision: 1e-3 at 32 bits, where engines agree to ~1e-6; 1e-2 at
   16 bits, where bf16 scoring alone gives ~2e-3 (measured: tiny model, CPU bf16-mixed, top_p 0.9). Above it
   the engine samples with other weights, e.g. a missing weight sync, or another model). Needs `LogProbMismatch`.
-  Under `rollout.overlap=true` a step's samples come from the policy one update back by design (the batch's
-  `rollout/weight_staleness` > 0), and the mismatch then measures that gap, which TIS / ICEPOP correct; the
-  alarm checks only the steps whose samples carry the weights being trained (staleness 0: the first step, and
-  every step of a run whose engine never receives an update) and logs 0 on the others.
+  With rollouts ahead (`rollout.max_staleness >= 1`) a step's samples come from older weights by design (the
+  batch's `rollout/weight_staleness` > 0), and the mismatch then measures that gap, which TIS / ICEPOP correct;
+  the alarm then checks `train/rollout_logprob_abs_diff_current`, the tokens sampled by the trained weights
+  (partial rollouts, steps whose generation started after the last update), and logs 0 where there are none.
 - `health/zero_grad_alarm`: `train/grad_norm` is exactly 0 for `zero_grad_steps` steps in a row (every
   advantage zero: all groups tied, or a collapsed policy whose samples all get one reward).
 - `health/entropy_collapse_alarm`: `train/entropy` below `entropy_collapse_frac` of its first step's value
@@ -29,7 +29,8 @@ from topp_rl.trainer.module import PolicyModule
 from topp_rl.trainer.step_metrics import StepMetrics
 
 # The logged figures the alarms read (each one host read per step, not one per logged figure).
-_WATCHED = ("train/rollout_logprob_abs_diff", "train/grad_norm", "train/entropy")
+_WATCHED = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_current", "train/grad_norm",
+            "train/entropy")
 
 
 def _rollout_step(outputs, batch_idx: int) -> int:
@@ -41,7 +42,7 @@ def _rollout_step(outputs, batch_idx: int) -> int:
 
 
 def _stale(outputs) -> bool:
-    """Whether the step trained on samples of older weights than the trained ones (`rollout.overlap`)."""
+    """Whether the step trained on samples of older weights than the trained ones (`rollout.max_staleness`)."""
     stats = getattr((outputs or {}).get("rollout"), "stats", None) or {}
     staleness, _ = stats.get("rollout/weight_staleness", (0.0, 0.0))
     return staleness > 0
@@ -73,10 +74,14 @@ class TrainingHealth(Callback):
         alarms: dict[str, str | None] = {}
         mismatch = metrics.get("train/rollout_logprob_abs_diff")
         if mismatch is not None and _stale(outputs):
-            alarms["health/mismatch_alarm"] = None  # one update behind on purpose (rollout.overlap)
-        elif mismatch is not None:
+            # Older weights on purpose (rollouts ahead): only the tokens the trained weights sampled must agree.
+            mismatch = metrics.get("train/rollout_logprob_abs_diff_current")
+            if mismatch is None:
+                alarms["health/mismatch_alarm"] = None  # no token of this step was sampled by the trained weights
+        if mismatch is not None and "health/mismatch_alarm" not in alarms:
             alarms["health/mismatch_alarm"] = (
-                f"masked on-policy mismatch train/rollout_logprob_abs_diff={mismatch:.3g} > {self.max_mismatch:g}: "
+                f"masked on-policy mismatch train/rollout_logprob_abs_diff{'_current' if _stale(outputs) else ''}="
+                f"{mismatch:.3g} > {self.max_mismatch:g}: "
                 "the engine is not sampling with the trained weights (is callbacks.weight_sync set?) or scores "
                 "another model; the run is training off-policy"
             ) if not mismatch <= self.max_mismatch else None

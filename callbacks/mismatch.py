@@ -2,7 +2,9 @@
 
 The old-log-prob pass runs with the weights the engine sampled with, so for every trainable token
 d = log pi_train(y) - log pi_rollout(y) should be ~0 when the trainer scores over the recorded candidate set;
-the `_unmasked` figures score over the full vocabulary and show the bias the mask removes. Per token:
+the `_unmasked` figures score over the full vocabulary and show the bias the mask removes. With rollouts ahead
+(`rollout.max_staleness >= 1`) most tokens were sampled by older weights; `rollout_logprob_abs_diff_current` is the
+masked |d| over the tokens sampled by the weights this step trains, which stays at the on-policy level. Per token:
 |d| (mean, max, p99), the IS ratio exp(d) (mean, min, max, share outside [0.9, 1.1]) and the k3 estimate of
 KL(pi_rollout || pi_train) = exp(d) - 1 - d, and the share of extreme tokens, |d| > ln 2 (the ratio beyond a
 factor of two either way: `rollout_extreme_frac`). Only these mismatch figures: the module logs its own training
@@ -46,6 +48,10 @@ class LogProbMismatch(Callback):
         totals = per_row.sum(dim=2).tolist()  # [figure][masked, unmasked]
         sums = {f"train/{name}{suffix}": (totals[i][j], n)
                 for i, name in enumerate(names) for j, suffix in enumerate(suffixes)}
+        if record.staleness is not None:  # rollouts ahead: the tokens sampled by the very weights this step trains
+            current = keep & (record.staleness == 0)
+            d_current = record.logprobs[current].double() - record.rollout_logprobs[current].double()
+            sums["train/rollout_logprob_abs_diff_current"] = (float(d_current.abs().sum()), float(current.sum()))
         # rows: abs_diff, abs_diff_unmasked, ratio, ratio_unmasked (the histograms' and order statistics' columns)
         gathered = gather_columns(trainer, torch.cat([abs_d, ratio]).cpu())
         extra = {}

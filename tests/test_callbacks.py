@@ -35,6 +35,7 @@ def make_record(step: int, rank: int = 0) -> OnPolicyRecord:
         loss_mask=(torch.rand(n, generator=g) > 0.25).float(),
         entropy=torch.rand(n, generator=g) * 2,
         support_size=support,
+        staleness=torch.randint(0, 3, (n,), generator=g),  # rollouts ahead: some tokens of the trained weights
     )
 
 
@@ -143,7 +144,8 @@ def expected_mismatch(records: list[OnPolicyRecord]) -> dict[str, float]:
         for f in records[0].__dataclass_fields__
         if f != "routing_agreement"
     }
-    out = {}
+    current = col["staleness"] == 0
+    out = {"train/rollout_logprob_abs_diff_current": np.abs(col["logprobs"] - col["rollout_logprobs"])[current].mean()}
     for suffix, lp in (("", col["logprobs"]), ("_unmasked", col["logprobs_unmasked"])):
         d = lp - col["rollout_logprobs"]
         ratio = np.exp(d)

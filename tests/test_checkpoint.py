@@ -268,6 +268,54 @@ def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, re
     _assert_same_rollouts(_lines(dump)[done:], reference, done + 1)
 
 
+AHEAD = ("rollout.max_staleness=2", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0")
+
+
+def _held_responses(last: Path) -> dict[int, list[list[int]]]:
+    """The responses of every generation in flight a checkpoint holds, by rollout step."""
+    from topp_rl.rollout.broadcast import samples_from_state
+
+    state = torch.load(last, weights_only=True)["RolloutDataModule"]
+    return {step: [s.response_ids for s in samples_from_state(entry["samples"])]
+            for step, entry in state["in_flight"][0]["steps"].items()}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_two_updates_ahead_a_stopped_run_resumes_training_no_step_twice_and_losing_none(tmp_path, signum):
+    """Two updates ahead, the checkpoint holds the generations of the next two steps; after SIGKILL (resumed from
+    the last periodic checkpoint) or SIGTERM (which saves), the resumed run trains those samples first, then the
+    rest: every rollout step of the 6 once over the two runs' checkpointed and resumed steps."""
+    out, dump = tmp_path / "run", tmp_path / "run.jsonl"
+    last = out / "checkpoints" / "last.ckpt"
+    if signum == signal.SIGKILL:
+        proc = subprocess.Popen(_cmd(out, dump, "checkpoint.every_n_steps=2", "trainer.max_steps=40", *AHEAD),
+                                cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + 240
+        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        proc, stderr = _start_and_signal(out, dump, signal.SIGTERM, "checkpoint.every_n_steps=0", *AHEAD)
+        assert proc.returncode == 143, stderr[-3000:]
+    saved = read_record(last)[1]
+    held = _held_responses(last)
+    assert sorted(held) == [saved, saved + 1]  # the next two steps, generated while the saved step trained
+    before = [line["step"] for line in _lines(dump)][:saved]
+    killed = len(_lines(dump))
+    resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=0", "ckpt_path=last", "trainer.max_steps=6",
+                                  *AHEAD), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _lines(dump)[killed:]
+    assert before + [line["step"] for line in after] == list(range(6))
+    for line in after[:2]:  # the checkpoint's generations, not new ones
+        assert line["responses"] == held[line["step"]], line["step"]
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_path):

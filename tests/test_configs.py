@@ -154,10 +154,19 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("rollout.n_samples=true", "rollout.n_samples"),
         ("trainer.max_steps=abc", "trainer.max_steps"),
         ("callbacks.weight_sync=null", "callbacks.weight_sync"),  # off-policy without saying so
-        # Overlap: the engine must keep its own weights, and the one-update gap must be corrected.
+        # Rollouts ahead: the engine must keep its own weights; K is one integer; partial rollouts need K >= 1
+        # and an engine whose updates land between decode steps.
         ("rollout.overlap=true", "rollout.engine.share_weights"),
-        ("rollout.overlap=true rollout.engine.share_weights=false", "algo.loss.tis_cap"),
+        ("rollout.max_staleness=2", "rollout.engine.share_weights"),
         ("rollout.overlap=yes", "rollout.overlap"),
+        ("rollout.max_staleness=-1", "rollout.max_staleness"),
+        ("rollout.max_staleness=1.5", "rollout.max_staleness"),
+        ("rollout.max_staleness=true", "rollout.max_staleness"),
+        ("rollout.overlap=true rollout.max_staleness=2", "rollout.overlap"),
+        ("rollout.partial_rollouts=true", "rollout.partial_rollouts"),
+        ("rollout.partial_rollouts=yes", "rollout.partial_rollouts"),
+        ("rollout.max_staleness=2 rollout.partial_rollouts=true rollout.engine.share_weights=false "
+         "rollout.engine.batching=static", "rollout.engine.batching"),
         # Every boolean key: a string would be truthy ("false" included). Issue 18 part 5f.
         ("module.gradient_checkpointing=yes", "module.gradient_checkpointing"),
         ("module.use_mask=no", "module.use_mask"),
@@ -190,7 +199,6 @@ def test_default_parts_instantiate_on_cpu(tmp_path):
         ("task=lookup rollout.max_trajectory_tokens=0", "rollout.max_trajectory_tokens"),
         ("task=agent", "task.agent"),
         ("rollout/step=endpoint", "task.agent"),
-        ("task=agent task.agent=topp_rl.tasks.agents.lookup:lookup_agent rollout=sglang", "rollout.engine._target_"),
         # Group advantages need groups, whatever the algorithm is called.
         ("algo=reinforce_pp algo.advantage._target_=topp_rl.rollout.advantages.GroupAdvantage "
          "rollout.n_samples=1", "rollout.n_samples"),
@@ -553,7 +561,8 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
         validate_config(_compose(["+rollout.topp=0.9"], tmp_path))
     assert str(info.value) == (
         "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_new_tokens, "
-        "max_trajectory_tokens, max_turns, min_p, n_samples, overlap, prompts_per_step, record_routes, routing_replay, sampling, step, stop_token_ids, "
+        "max_staleness, max_trajectory_tokens, max_turns, min_p, n_samples, overlap, partial_rollouts, prompts_per_step, "
+        "record_routes, routing_replay, sampling, step, stop_token_ids, "
         "temperature, top_k, top_p); "
         "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
         "this one)"

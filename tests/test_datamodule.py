@@ -440,7 +440,7 @@ def test_refill_settings_are_refused_at_construction(engine):
         _datamodule(engine, refill=True)
     with pytest.raises(ValueError, match=r"data.max_refill_factor=0.5: must be a finite number >= 1"):
         _datamodule(engine, drop_zero_variance_groups=True, refill=True, max_refill_factor=0.5)
-    with pytest.raises(ValueError, match=r"data.refill=True: must be false with rollout.overlap=true"):
+    with pytest.raises(ValueError, match=r"data.refill=True: must be false with rollout.max_staleness=1 \(or rollout.overlap=true\)"):
         _datamodule(engine, drop_zero_variance_groups=True, refill=True, overlap=True)
 
 

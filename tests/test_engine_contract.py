@@ -1,4 +1,5 @@
-"""The `RolloutEngine` contract, one suite run against every engine: the embedded engine always, the real
+"""The `RolloutEngine` contract, one suite run against every engine: the embedded engine always (static and
+continuous batching), the real
 SGLang server (one for the module, float32) under the `sglang` marker.
 
 Each engine samples from the tiny float32 Qwen2 its own tests use (tests/test_embedded_engine.py,
@@ -55,6 +56,16 @@ def _embedded() -> Subject:
     return Subject("embedded", engine, model, tol=1e-5, exact_sets=True)
 
 
+def _embedded_continuous() -> Subject:
+    """The embedded engine with continuous batching (its own decode loop, per-row caches): the same float32
+    forward per row, the same tolerance."""
+    from test_embedded_engine import _model
+
+    model = _model()
+    engine = EmbeddedEngine(model, batching="continuous", record_raw_log_probs=True, progress=False)
+    return Subject("embedded_continuous", engine, model, tol=1e-5, exact_sets=True)
+
+
 def _sglang(tmp_path_factory) -> Subject:
     require_sglang()
     from topp_rl.engines.sglang import SGLangEngine
@@ -65,10 +76,12 @@ def _sglang(tmp_path_factory) -> Subject:
     return Subject("sglang", engine, model, tol=TOL, exact_sets=False)
 
 
-@pytest.fixture(scope="module", params=["embedded", pytest.param("sglang", marks=pytest.mark.sglang)])
+@pytest.fixture(scope="module", params=["embedded", "embedded_continuous",
+                                        pytest.param("sglang", marks=pytest.mark.sglang)])
 def subject(request, tmp_path_factory):
     """One engine per kind for the module (pytest runs the module's tests per kind, so one SGLang server)."""
-    built = _embedded() if request.param == "embedded" else _sglang(tmp_path_factory)
+    makers = {"embedded": _embedded, "embedded_continuous": _embedded_continuous}
+    built = makers[request.param]() if request.param in makers else _sglang(tmp_path_factory)
     yield built
     built.engine.close()
 
@@ -126,7 +139,7 @@ def test_capabilities(subject):
     assert engine.shares_trainer_weights is False  # both hold their own copy here
     assert engine.shared_by_ranks is False  # launched here / in-process: every rank has its own
     assert engine.records_routes is False  # a dense model has no routes to record
-    assert engine.max_candidates == (None if subject.name == "embedded" else 4096)
+    assert engine.max_candidates == (None if subject.name.startswith("embedded") else 4096)
     assert engine.vocab_size == subject.model.config.vocab_size
 
 

@@ -135,7 +135,7 @@ def test_train_py_through_megatron_tp2_and_cp2(tmp_path):
     # The last checkpoint holds the source rank's generation in flight (step 3, gathered over the ranks).
     ckpt = torch.load(tmp_path / "cp2_overlap" / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)
     in_flight = ckpt["RolloutDataModule"]["in_flight"]
-    assert ckpt["global_step"] == 3 and list(in_flight) == [0] and in_flight[0]["step"] == 3
+    assert ckpt["global_step"] == 3 and list(in_flight) == [0] and list(in_flight[0]["steps"]) == [3]
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/weight_staleness"):
         assert metrics[key] == pytest.approx(overlap_ref[key], rel=1e-4, abs=1e-6), ("cp2_overlap", key)
     resumed, _ = results[0]["resumed"]

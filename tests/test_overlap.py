@@ -13,7 +13,7 @@ from topp_rl.engines import VersionedEngine
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_tiny_model
 from topp_rl.rollout import SamplingParams
-from topp_rl.rollout.overlap import Prefetcher
+from topp_rl.rollout.scheduler import RolloutScheduler
 from topp_rl.train import build_run, fit
 
 OVERLAP = ("rollout.overlap=true", "rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0",
@@ -92,26 +92,29 @@ def test_versioned_engine_stamps_the_weights_that_sampled():
     assert [s.rollout_log_probs for s in out["s"]] == [s.rollout_log_probs for s in again]
 
 
-def test_prefetcher_hands_over_only_its_own_step_and_reraises():
-    prefetch = Prefetcher()
-    prefetch.submit(3, lambda: ["three"])
-    assert prefetch.take(2) is None and prefetch.take(3) is None  # step 2 dropped the pending step 3
-    prefetch.submit(4, lambda: ["four"])
-    samples, seconds = prefetch.take(4)
-    assert samples == ["four"] and seconds >= 0
+def test_scheduler_starts_k_steps_ahead_hands_over_only_its_own_step_and_reraises():
+    ahead = RolloutScheduler(2)
+    assert ahead.take(0) is None  # nothing started ahead of the first step: it is generated in place
+    started = []
+    ahead.start_ahead(0, lambda step: started.append(step) or [f"s{step}"], concurrent=False)
+    assert ahead.steps_in_flight == [1, 2]
+    samples, seconds = ahead.take(1)
+    assert samples == ["s1"] and seconds >= 0
+    ahead.start_ahead(1, lambda step: [f"again{step}"], concurrent=False)  # step 2 is in flight: only 3 starts
+    assert ahead.steps_in_flight == [2, 3] and ahead.take(2)[0] == ["s2"] and started == [1, 2]
+    assert ahead.take(4) is None and ahead.steps_in_flight == []  # step 3 was passed over: dropped
 
-    def fail():
-        raise RuntimeError("engine down")
+    def fail(step):
+        raise RuntimeError(f"engine down at {step}")
 
-    prefetch.submit(5, fail)
-    with pytest.raises(RuntimeError, match="engine down"):
-        prefetch.take(5)
-    prefetch.submit(6, lambda: ["six"])
-    assert prefetch.peek(5) is None and prefetch.peek(6)[0] == ["six"]  # peek leaves it in place
-    assert prefetch.take(6)[0] == ["six"] and prefetch.peek(6) is None
-    prefetch.put(7, ["seven"], 1.5)  # restored from a checkpoint
-    assert prefetch.take(7) == (["seven"], 1.5)
-    prefetch.close()
+    ahead.start_ahead(4, fail, concurrent=False)
+    with pytest.raises(RuntimeError, match="engine down at 5"):
+        ahead.take(5)
+    ahead.put(7, ["seven"], 1.5)  # restored from a checkpoint
+    assert ahead.take(7) == (["seven"], 1.5)
+    ahead.close()
+    with pytest.raises(ValueError, match=r"max_staleness=0 must be an integer >= 1 \(0: no scheduler\)"):
+        RolloutScheduler(0)
 
 
 def test_a_restored_engine_does_not_count_the_resend_of_its_checkpoint_weights():
@@ -123,3 +126,26 @@ def test_a_restored_engine_does_not_count_the_resend_of_its_checkpoint_weights()
     assert engine.version == 7
     engine.update_weights(weights)  # the first step's push: a new version
     assert engine.version == 8
+
+
+def test_partial_updates_stamp_the_versions_the_wrapper_counts_a_restore_included():
+    """With partial rollouts the engine stamps each token with the version the wrapper hands it: a restored run's
+    resend keeps the checkpoint's version, the next push is one more."""
+    model = build_tiny_model(vocab_size=96, seed=0)
+    weights = list(model.state_dict().items())
+    params = SamplingParams(top_p=0.9, max_new_tokens=4, n=2)
+    with pytest.raises(ValueError, match=r"rollout.partial_rollouts=true needs an engine whose weight updates land "
+                                         r"between decode steps, but EmbeddedEngine cannot"):
+        VersionedEngine(EmbeddedEngine(model, progress=False), partial=True)
+    engine = VersionedEngine(EmbeddedEngine(model, batching="continuous", progress=False), partial=True)
+    try:
+        assert engine.concurrent
+        engine.restore(7)
+        engine.update_weights(weights)  # the resumed run's start push: version 7 again
+        samples = engine.generate([[1, 5, 6]], params, seed=3)
+        assert engine.version == 7 and {v for s in samples for v in s.token_versions()} == {7}
+        engine.update_weights(weights)
+        samples = engine.generate([[1, 5, 6]], params, seed=3)
+        assert engine.version == 8 and {s.weight_version for s in samples} == {8}
+    finally:
+        engine.close()

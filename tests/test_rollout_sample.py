@@ -145,15 +145,39 @@ def test_samples_survive_a_checkpoint_read_with_the_safe_loader(tmp_path):
     samples = engine.generate([[1, 5, 6], [1, 7]], SamplingParams(top_p=0.9, max_new_tokens=5, n=2), seed=3)
     samples[1].status, samples[1].metadata = SampleStatus.ABORTED, {"finish_reason": {"type": "abort"}}
     samples[2].weight_version = 4
+    samples[3].set_token_versions([2] * 2 + [3] * (samples[3].response_length - 2))  # spans an update
+    assert samples[3].spans_versions
     buffer = io.BytesIO()
     torch.save({"in_flight": samples_to_state(samples)}, buffer)
     buffer.seek(0)
     back = samples_from_state(torch.load(buffer, weights_only=True)["in_flight"])
     fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_log_probs", "rollout_raw_log_probs", "reward",
-              "group_index", "index", "status", "metadata", "weight_version")
+              "group_index", "index", "status", "metadata", "weight_version", "weight_versions")
     for a, b in zip(samples, back, strict=True):
         assert all(getattr(a, f) == getattr(b, f) for f in fields)
         assert torch.equal(a.candidates.ids, b.candidates.ids) and torch.equal(a.candidates.offsets, b.candidates.offsets)
+
+
+def test_per_token_weight_versions_grow_with_the_tokens():
+    """A response that spans weight updates records the version of every token; `weight_version` is the oldest,
+    and a list of one version collapses to None (every token by `weight_version`)."""
+    s = Sample(prompt_ids=[1], weight_version=5)
+    s.append_response_tokens([2, 3], [-0.1, -0.2])
+    assert s.weight_versions is None and s.token_versions() == [5, 5] and not s.spans_versions
+    s.append_response_tokens([4], [-0.3], versions=[6])  # the next turn, after an update
+    assert s.token_versions() == [5, 5, 6] and s.weight_version == 5 and s.spans_versions
+    s.append_response_tokens([7, 8], trainable=False)  # tool output: the newest version so far
+    assert s.token_versions() == [5, 5, 6, 6, 6]
+    fresh = Sample(prompt_ids=[1])
+    fresh.append_response_tokens([2, 3], [-0.1, -0.2], versions=[3, 3])
+    assert fresh.weight_version == 3 and fresh.weight_versions is None
+    with pytest.raises(ValueError, match=r"2 tokens but 1 weight versions"):
+        fresh.append_response_tokens([4, 5], [-0.1, -0.2], versions=[4])
+    with pytest.raises(ValueError, match=r"1 weight versions for 2 response tokens; record one per token"):
+        fresh.set_token_versions([1])
+    with pytest.raises(ValueError, match=r"weight_versions=1"):
+        Sample(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1, 1], rollout_log_probs=[0.0, 0.0],
+               weight_versions=[1])
 
 
 def test_samples_are_numbered_in_one_place_step_global_and_prompt_major():

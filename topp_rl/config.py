@@ -8,6 +8,7 @@ can do is asked of its class (`_target_`), never guessed from names.
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
 import typing
 from dataclasses import dataclass
@@ -29,16 +30,19 @@ from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
 from topp_rl.rollout.refill import check_refill
+from topp_rl.rollout.scheduler.staleness import check_staleness_key
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.reward_import import check_reward_config
+
+log = logging.getLogger(__name__)
 
 # Keys read with `if value:` / passed on as flags: a string such as "yes" would be truthy (and "false" too).
 BOOLEAN_KEYS = (
     "allow_stale_weights", "module.use_mask", "module.gradient_checkpointing", "rollout.overlap",
     "rollout.engine.share_weights", "rollout.engine.router", "rollout.engine.progress", "export.hf",
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
-    "data.refill",
+    "data.refill", "rollout.partial_rollouts",
     "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
 )
 # Below this, a capped engine (SGLangEngine) aborts every sample a truncating sampler keeps two ids for
@@ -174,8 +178,9 @@ def target_parameters(target: str) -> list[str] | None:
 
 
 def _signature_names(obj: Any) -> tuple[list[str], bool]:
-    """(the parameter names of `obj`'s signature but self, in order; whether it takes **kwargs)."""
-    params = inspect.signature(obj).parameters.values()
+    """(the parameter names of `obj`'s signature but self, in order; whether it takes **kwargs). A class's are its
+    `__init__`'s, which gets every keyword (a `__new__` that picks a subclass may take **kwargs)."""
+    params = inspect.signature(obj.__init__ if isinstance(obj, type) else obj).parameters.values()
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
@@ -529,32 +534,41 @@ def validate_eval_source(cfg: DictConfig) -> None:
                   f"steps, or drop eval.{key}")
 
 
-def validate_overlap(cfg: DictConfig) -> None:
-    """rollout.overlap=true trains each step on samples one weight update old: the engine must keep its own
-    weights while the trainer updates, and the loss must correct the gap."""
-    overlap = cfg.rollout.get("overlap", False)
-    if not isinstance(overlap, bool):
-        _fail("rollout.overlap", overlap, "true or false", "set rollout.overlap=true or false")
-    if not overlap:
+def validate_staleness(cfg: DictConfig) -> None:
+    """rollout.max_staleness=K >= 1 (or rollout.overlap=true, K = 1) trains on samples up to K weight updates old:
+    the engine must keep its own weights while the trainer updates them; partial rollouts need rollouts ahead."""
+    rollout = cfg.rollout
+    k = check_staleness_key(rollout.get("max_staleness", 0), overlap=rollout.get("overlap", False))
+    partial = rollout.get("partial_rollouts", False)
+    if partial and not k:
+        _fail("rollout.partial_rollouts", True, "false with rollout.max_staleness=0 (every step is generated with "
+              "the weights it trains, so no update meets a response)", "set rollout.max_staleness=1 or more")
+    if not k:
         return
-    if cfg.rollout.engine.get("share_weights"):
-        _fail("rollout.engine.share_weights", True, "false with rollout.overlap=true (the next step is generated "
-              "while this one updates the weights)", "set rollout.engine.share_weights=false (the embedded engine "
-              "keeps its own copy), or use rollout=sglang")
+    if rollout.engine.get("share_weights"):
+        _fail("rollout.engine.share_weights", True, f"false with rollout.max_staleness={k} (the next steps are "
+              "generated while this one updates the weights)", "set rollout.engine.share_weights=false (the "
+              "embedded engine keeps its own copy), or use rollout=sglang")
+    batching = rollout.engine.get("batching")
+    if partial and batching not in (None, "continuous"):
+        _fail("rollout.engine.batching", batching, "continuous with rollout.partial_rollouts=true (a weight update "
+              "lands between two decode steps of the responses in flight)", "set rollout.engine.batching=continuous")
     from hydra.utils import instantiate
 
     loss = instantiate(cfg.algo.loss)  # the loss says what it corrects; cheap, and its own checks run now
     if not loss.corrects_staleness:
-        _fail("algo.loss.tis_cap", None, "set with rollout.overlap=true (samples come from the policy one update "
-              "back; the importance ratio to it needs a correction)",
-              "set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 algo.loss.icepop_high=2.0)")
+        log.warning("rollout.max_staleness=%d trains on samples up to %d weight updates old without a correction of "
+                    "the importance ratio to them; set algo.loss.tis_cap=2.0 (or algo.loss.icepop_low=0.5 "
+                    "algo.loss.icepop_high=2.0) to correct it per token", k, k)
 
 
 def validate_refill(cfg: DictConfig) -> None:
     """data.refill / data.max_refill_factor (dynamic sampling), checked as the datamodule checks them."""
     data = cfg.data
     check_refill(refill=data.get("refill", False), drop_zero_variance_groups=data.drop_zero_variance_groups,
-                 max_refill_factor=data.get("max_refill_factor", 4.0), overlap=cfg.rollout.get("overlap", False))
+                 max_refill_factor=data.get("max_refill_factor", 4.0),
+                 max_staleness=check_staleness_key(cfg.rollout.get("max_staleness", 0),
+                                                   overlap=cfg.rollout.get("overlap", False)))
 
 
 def validate_turns(cfg: DictConfig) -> None:
@@ -576,18 +590,6 @@ def validate_turns(cfg: DictConfig) -> None:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
               "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
               "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
-    if not issubclass(step, EndpointStep):
-        return
-    # The endpoint's exactness is measured on one rank with the embedded engine (tests/test_endpoint_train.py);
-    # the agent loop's other layouts and SGLang are measured (tests/test_agent_dist.py), the endpoint's are not.
-    if world_size(cfg) > 1:
-        _fail("trainer.devices", cfg.trainer.devices, f"1 (and trainer.num_nodes 1) with rollout/step=endpoint "
-              f"(world size {world_size(cfg)}): the endpoint runs on one rank so far", "train an agent function "
-              "on one device, or write the agent as an Environment (rollout/step=agent runs at any layout)")
-    engine = str(cfg.rollout.engine._target_)
-    if not engine.startswith("topp_rl.engines.embedded."):
-        _fail("rollout.engine._target_", engine, "the embedded engine with rollout/step=endpoint (its exactness "
-              "through the endpoint is what is measured so far)", "use rollout=embedded")
 
 
 def _check_agent_fn(cfg: DictConfig) -> None:
@@ -645,7 +647,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_weight_sync(cfg)
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
-    validate_overlap(cfg)
+    validate_staleness(cfg)
     validate_refill(cfg)
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads

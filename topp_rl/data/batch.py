@@ -26,6 +26,9 @@ class PackedBatch:
     # int16 [T, moe_layers, top_k] aligned with `tokens`: each token's recorded experts, NO_ROUTE (-1) rows where
     # none was recorded (every sequence's last token); None when no sample here carries routes
     routes: torch.Tensor | None = None
+    # int64 [R]: weight updates between the weights that sampled each response token and the weights this step
+    # trains (`Sample.token_versions`); None: every token was sampled by them (on-policy)
+    staleness: torch.Tensor | None = None
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]
     sample_index: torch.Tensor  # int64 [B], position in the rollout step

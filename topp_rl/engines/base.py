@@ -11,7 +11,7 @@ What an engine can do is asked of its capabilities below, never of its class: wr
 
 import contextlib
 from collections.abc import Iterable
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -38,6 +38,9 @@ class RolloutEngine(Protocol):
     # The model's context in tokens (prompt + response of one call); None: not known. A multi-turn step ends a
     # trajectory that has no room left for a turn (`topp_rl.rollout.trajectory.room_for_turn`).
     max_context: int | None = None
+    # Decode work so far, for the mean decode batch (`perf/decode_batch_mean`): an object whose `rows` (responses
+    # that sampled a token) and `steps` (decode steps) only grow; None: the engine does not count (a server).
+    decode_counts: Any = None
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
@@ -106,6 +109,10 @@ class EngineWrapper(RolloutEngine):
     @property
     def max_context(self) -> int | None:
         return self.inner.max_context
+
+    @property
+    def decode_counts(self) -> Any:
+        return self.inner.decode_counts
 
     def holding_weights(self) -> contextlib.AbstractContextManager:
         return self.inner.holding_weights()

@@ -6,8 +6,11 @@ dense Llama / Qwen2 / Qwen3 / Mistral models), else through the HF module's own 
 Every step applies SGLang's truncation rule (`topp_rl.ops.sampling_candidates`, convention "sglang") to
 logits / temperature and draws the token from the renormalised kept set, so the recorded set, the recorded
 log-prob and the draw all come from the same probabilities. Departures from SGLang: float32 sampling on
-whatever device the model lives on, no continuous batching (finished rows idle until the batch ends), and the
-draw uses one seeded `torch.Generator` per `generate` call, so the same seed gives the same rollout.
+whatever device the model lives on, and the draw uses one seeded `torch.Generator` per `generate` call, so the
+same seed gives the same rollout. `batching="static"` (the default) decodes each call's rows as one batch
+(finished rows idle until the batch ends); `batching="continuous"` builds a `ContinuousEmbeddedEngine`: every
+call's requests share one decode loop (`topp_rl.engines.continuous`) whose batch refills as requests finish, and
+weight updates land between two decode steps (`InFlightUpdates`).
 MoE models (`record_routes`, default on): every sample also gets the experts each MoE layer picked for every
 token fed through the model (prompt and response but the last token), read from HF's router (`topp_rl.models.moe`).
 """
@@ -17,6 +20,7 @@ import copy
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -26,7 +30,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.engines.base import RolloutEngine, check_prompts
+from topp_rl.engines.base import InFlightUpdates, RolloutEngine, check_prompts
+from topp_rl.engines.continuous import BATCHING, KV_AT_UPDATE, DecodeCounts, DecodeLoop, Request
 from topp_rl.engines.fused_decode import FusedDecoder, unsupported_reason
 from topp_rl.models.moe import RouteRecorder, moe_routing
 from topp_rl.ops import Candidates
@@ -37,6 +42,13 @@ from topp_rl.ops.sampling import nonfinite_row_error
 class EmbeddedEngine(RolloutEngine):
     shared_by_ranks = False  # in-process: every rank has its own
     max_candidates = None  # records kept sets of any size
+
+    def __new__(cls, *args, batching: str = "static", **kwargs) -> "EmbeddedEngine":
+        """`batching="continuous"` builds the subclass that batches concurrent calls and takes in-flight updates
+        (so that `isinstance(engine, InFlightUpdates)` holds for it alone)."""
+        if cls is EmbeddedEngine and batching == "continuous":
+            cls = ContinuousEmbeddedEngine
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -51,11 +63,15 @@ class EmbeddedEngine(RolloutEngine):
         share_weights: bool = False,
         progress: bool = True,
         decode: str = "auto",
+        batching: str = "static",
+        kv_at_update: str = "recompute",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1")
         if decode not in ("auto", "hf", "fused"):
             raise ValueError(f"decode ({decode!r}) must be 'auto', 'hf' or 'fused'")
+        _check_batching(batching, kv_at_update)
+        self.batching, self.kv_at_update = batching, kv_at_update
         # Own copy (the default): training updates reach the engine only through update_weights, as they reach
         # a separate server. Shared: the engine samples with the caller's module itself (no second copy of the
         # weights in memory; an optimizer step is visible at once), leaving its grad flags alone and switching
@@ -83,6 +99,9 @@ class EmbeddedEngine(RolloutEngine):
         # later); `decode_path` / `decode_reason` say which one ran last and why not fused.
         self.decode = decode
         self.decode_path, self.decode_reason = self._resolve_decode()
+        # Rows that sampled a token, and decode steps run: rows / steps is the mean decode batch size (a finished
+        # row idling in a static batch is not counted).
+        self.decode_counts = DecodeCounts()
 
     @classmethod
     def for_policy(cls, *, model: PreTrainedModel, tokenizer, workdir: Path, **kwargs) -> "EmbeddedEngine":
@@ -107,14 +126,7 @@ class EmbeddedEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
     ) -> list[Sample]:
-        check_prompts(prompts, self.vocab_size)
-        longest = max(map(len, prompts), default=0) + params.max_new_tokens
-        limit = self.max_context
-        if limit is not None and longest > limit:
-            raise ValueError(
-                f"longest prompt + max_new_tokens = {longest} exceeds the model's max_position_embeddings "
-                f"({limit}); shorten the prompts or lower max_new_tokens"
-            )
+        self._check_context(prompts, params)
         generator = torch.Generator(device=self.device)
         # No seed: fresh entropy, without touching torch's global RNG (torch.seed() would reseed it).
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -127,6 +139,16 @@ class EmbeddedEngine(RolloutEngine):
                 chunk = expanded[start : start + self.max_batch_size]
                 samples += self._generate_batch([p for _, p in chunk], params, generator)
         return samples
+
+    def _check_context(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        check_prompts(prompts, self.vocab_size)
+        longest = max(map(len, prompts), default=0) + params.max_new_tokens
+        limit = self.max_context
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"longest prompt + max_new_tokens = {longest} exceeds the model's max_position_embeddings "
+                f"({limit}); shorten the prompts or lower max_new_tokens"
+            )
 
     def _generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
@@ -149,6 +171,7 @@ class EmbeddedEngine(RolloutEngine):
         with (RouteRecorder(self.model, self.routing) if self.routing else contextlib.nullcontext() as recorder,
               torch.inference_mode()):
             lengths, done = self._decode(input_ids, mask, positions, padded, params, generator, steps, recorder)
+        self.decode_counts.add(steps=len(steps.tokens), rows=int(lengths.sum()))
         return steps.to_samples(prompts, lengths.tolist(), done.tolist(), raw=self.record_raw_log_probs)
 
     def _decode(self, step_ids, mask, positions, padded, params, generator, steps, recorder):
@@ -169,7 +192,8 @@ class EmbeddedEngine(RolloutEngine):
             logits = forward(step_ids, positions)[:, : self.vocab_size]
             if recorder is not None:
                 steps.routes.append(recorder.take().unflatten(0, (batch, -1)))  # [B, tokens this forward, L, k]
-            tokens, log_probs, raw, cands, finite = self._sample(logits, params, generator, record=record)
+            u = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
+            tokens, log_probs, raw, cands, finite = self._sample(logits, params, u, record=record)
             steps.add(tokens, log_probs, raw, cands)
             hits.append(torch.isin(tokens, stop_ids))
             done |= hits[-1]
@@ -209,13 +233,12 @@ class EmbeddedEngine(RolloutEngine):
         return forward
 
     def _sample(
-        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, record: bool
+        self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor, *, record: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Candidates | None, torch.Tensor | None]:
-        """Draw one token per row from the kept set; return (tokens, renormalised log-probs, raw, candidates,
-        finite [B]: whether each row's logits define a distribution, checked by the caller with its step sync;
-        None where sampling already raised on such a row)."""
+        """Draw one token per row from the kept set at the uniforms `u` [B] (float64); return (tokens,
+        renormalised log-probs, raw, candidates, finite [B]: whether each row's logits define a distribution,
+        checked by the caller with its step sync; None where sampling already raised on such a row)."""
         scaled = logits if params.temperature == 1.0 else logits / params.temperature  # x / 1.0 is x exactly
-        u = torch.rand(logits.shape[0], generator=generator, device=logits.device, dtype=torch.float64)
         if params.truncates:
             cands, tokens, chosen = sample_kept(
                 logits, scaled, u, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -285,6 +308,9 @@ class EmbeddedEngine(RolloutEngine):
             # The trainer's own LoRA-adapted module: what it exports is its merged view under the plain HF
             # names, which this module does not hold (it holds base_layer + lora_A / lora_B); nothing to copy.
             return
+        self._copy_weights(named_tensors)
+
+    def _copy_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict()  # views of the live parameters (taken now: the model may have moved)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -302,6 +328,103 @@ class EmbeddedEngine(RolloutEngine):
 
     def close(self) -> None:
         """Nothing to release: the model is garbage-collected with the engine."""
+
+
+# inspect.signature (the config's key check, `topp_rl.config.target_parameters`) reads `__new__` first, which only
+# picks the class and passes everything on: the engine's keys are `__init__`'s.
+EmbeddedEngine.__signature__ = inspect.signature(EmbeddedEngine.__init__).replace(
+    parameters=list(inspect.signature(EmbeddedEngine.__init__).parameters.values())[1:]
+)
+
+
+class ContinuousEmbeddedEngine(EmbeddedEngine, InFlightUpdates):
+    """`EmbeddedEngine(..., batching="continuous")`: `generate` may be called from several threads at once; every
+    call's requests (n per prompt) enter one decode loop on an engine-owned thread (`DecodeLoop`, started at the
+    first call, joined by `close`), a request starting as soon as one of the `max_batch_size` rows frees. Request
+    k = i * n + j of a call (prompt i, copy j) draws from its own uniforms, seeded by `request_seed(seed, k)`, so
+    a call samples the same tokens alone or beside others (up to float rounding of batched matmuls).
+    Weight updates land between two decode steps (`update_weights_in_flight`); every token records the version
+    that sampled it. At an update the running requests re-prefill their tokens under the new weights
+    (`kv_at_update="recompute"`) or go on with the keys / values the old weights computed (`"keep"`).
+    Runs on the fused decode path only, with the engine's own copy of the weights; shows no progress bar."""
+
+    def __init__(self, model: PreTrainedModel, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        if self.share_weights:
+            raise ValueError(
+                "batching='continuous' needs the engine's own copy of the weights (share_weights=false): updates "
+                "land between its decode steps, while a shared module changes whenever the trainer steps"
+            )
+        if self.decode_path != "fused":
+            raise ValueError(
+                f"batching='continuous' runs on the fused decode path, which cannot run {type(self.model).__name__} "
+                f"({self.model.config.model_type}): {self.decode_reason}; use batching='static'"
+            )
+        self.loop = DecodeLoop(
+            FusedDecoder(self.model), sample=self._sample, rows=self.max_batch_size, vocab_size=self.vocab_size,
+            stop_ids=self.eos_token_ids, record_candidates=self.record_candidates,
+            record_raw=self.record_raw_log_probs, recompute=self.kv_at_update == "recompute",
+            counts=self.decode_counts,
+        )
+        self._updating = threading.Lock()  # one weight update at a time
+
+    @property
+    def version(self) -> int:
+        """The version of the weights sampling now."""
+        return self.loop.version
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None
+    ) -> list[Sample]:
+        self._check_context(prompts, params)
+        if seed is None:  # fresh entropy, without touching torch's global RNG
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        requests = [
+            Request.start(prompt, params, seed=seed, index=i * params.n + j)
+            for i, prompt in enumerate(prompts) for j in range(params.n)
+        ]
+        return self.loop.run(requests)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`update_weights_in_flight` at the next version."""
+        with self._updating:
+            self._update(named_tensors, self.loop.version + 1)
+
+    def update_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Copy the tensors into the engine's model between two decode steps (at once while the loop is idle),
+        the loop waiting meanwhile; the tokens sampled after it record `version`. Blocks until they are in."""
+        with self._updating:
+            self._update(named_tensors, version)
+
+    def _update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        # The tensors are copied on the caller's thread (an iterator that gathers shards runs where it was made)
+        # while the loop waits between two steps.
+        with self.loop.paused():
+            try:
+                self._copy_weights(named_tensors)
+            finally:  # a refused tensor stops the copy midway: the ones before it are in
+                self.loop.weights_changed()
+            self.loop.version = version
+
+    def start_version(self, version: int) -> None:
+        with self._updating, self.loop.paused():
+            self.loop.version = version
+
+    def close(self) -> None:
+        """Stop the decode loop (a call still waiting gets an error) and join its thread; idempotent."""
+        self.loop.close()
+
+
+def _check_batching(batching: str, kv_at_update: str) -> None:
+    if batching not in BATCHING:
+        raise ValueError(f"batching ({batching!r}) must be one of {', '.join(map(repr, BATCHING))}")
+    if kv_at_update not in KV_AT_UPDATE:
+        raise ValueError(f"kv_at_update ({kv_at_update!r}) must be one of {', '.join(map(repr, KV_AT_UPDATE))}")
+    if kv_at_update != "recompute" and batching != "continuous":
+        raise ValueError(
+            f"kv_at_update={kv_at_update!r} applies to weight updates that land mid-generation, which need "
+            "batching='continuous'; set batching='continuous' or leave kv_at_update at 'recompute'"
+        )
 
 
 def _response_lengths(hits: list[torch.Tensor], done: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

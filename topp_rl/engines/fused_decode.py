@@ -158,55 +158,191 @@ class StaticCacheForward:
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, q, d]
         h = F.embedding(ids, self.model.model.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer, _rms_norm(h, layer.attn_norm, self.decoder.eps), i, cos, sin, bias)
-            x = _rms_norm(h, layer.mlp_norm, self.decoder.eps)
-            if self.fused is None:
-                gate, up = _linear(x, layer.gate), _linear(x, layer.up)
-            else:
-                gate, up = F.linear(x, self.fused[i].gate_up).split(self.fused[i].gate_up_split, -1)
-            h = h + _linear(layer.act(gate) * up, layer.down)
+            fused = None if self.fused is None else self.fused[i]
+            h = h + self._attention(layer, fused, _rms_norm(h, layer.attn_norm, self.decoder.eps), i, cos, sin, bias)
+            h = h + _mlp(layer, fused, _rms_norm(h, layer.mlp_norm, self.decoder.eps))
         self.filled = end
-        h = _rms_norm(h[:, -1:], self.model.model.norm, self.decoder.eps)
-        head = self.model.get_output_embeddings()
-        logits = _linear(h, head)[:, -1]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return _last_logits(self.model, h, self.decoder.eps)
 
-    def _attention(self, layer: _Layer, x, i: int, cos, sin, bias) -> torch.Tensor:
+    def _attention(self, layer: _Layer, fused: "_Fused | None", x, i: int, cos, sin, bias) -> torch.Tensor:
         """o_proj(softmax(q k^T / sqrt(d) + bias) v) over the cache, this call's k / v written into it first."""
         batch, q_len, _ = x.shape
         dec, start, end = self.decoder, self.filled, self.filled + q_len
-        if self.fused is None:
-            q, k, v = _linear(x, layer.q), _linear(x, layer.k), _linear(x, layer.v)
-        else:
-            fused = self.fused[i]
-            q, k, v = F.linear(x, fused.qkv, fused.qkv_bias).split(fused.qkv_split, -1)
-        q = q.view(batch, q_len, dec.heads, dec.head_dim)
-        k = k.view(batch, q_len, dec.kv_heads, dec.head_dim)
-        v = v.view(batch, q_len, dec.kv_heads, dec.head_dim)
-        if layer.q_norm is not None:
-            q, k = _rms_norm(q, layer.q_norm, dec.eps), _rms_norm(k, layer.k_norm, dec.eps)
-        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [B, heads, q, d]
+        q, k, v = _rotated_qkv(dec, layer, fused, x, cos, sin)
         keys, values = self.keys[i], self.values[i]  # [B, kv_heads, capacity, d]
         keys.narrow(2, start, q_len).copy_(k)
         values.narrow(2, start, q_len).copy_(v.transpose(1, 2))
-        scale = dec.head_dim**-0.5
         if q_len > 1:  # the prefill: SDPA's fused kernel never materialises the [q, q] scores per head
             out = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=bias, scale=scale, enable_gqa=True
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=bias, scale=dec.head_dim**-0.5, enable_gqa=True
             )
             return _linear(out.transpose(1, 2).reshape(batch, q_len, -1), layer.o)
-        # One token: HF's eager attention (matmul, scale, add the mask, softmax, matmul), GQA on the kv heads
-        # with each group's queries as rows ([B x kv_heads, group, d]: no repeated cache). 2x faster than
-        # SDPA here at batch 32 (measured, hidden 128, 1 thread).
-        rows, group = batch * dec.kv_heads, dec.heads // dec.kv_heads
-        keys = self.keys_flat[i][:, :end]  # [B x kv_heads, end, d]
-        scores = torch.bmm(q.reshape(rows, group, dec.head_dim), keys.transpose(1, 2)).mul_(scale)
-        if bias is not None:
-            scores.view(batch, dec.kv_heads, group, end).add_(bias)
-        weights = scores.softmax(-1, dtype=torch.float32)  # HF: a float32 softmax, cast back
-        weights = weights if scores.dtype == torch.float32 else weights.to(scores.dtype)
-        out = torch.bmm(weights, self.values_flat[i][:, :end])  # [B x kv_heads, group, d]
-        return _linear(out.view(batch, 1, -1), layer.o)
+        out = _one_token_attention(dec, q, self.keys_flat[i][:, :end], self.values_flat[i][:, :end], bias)
+        return _linear(out, layer.o)
+
+
+class SlotCacheForward:
+    """A static KV cache of `rows` independent sequences (continuous batching, `topp_rl.engines.continuous`).
+
+    Row r holds the keys / values of its first `fill[r]` tokens at cache positions 0..fill[r]-1, which are their
+    rope positions too (no padding). `prefill` writes whole sequences into chosen rows; `step` feeds one token to
+    each of the first A rows, each at its own position, attending through an additive mask of its own length,
+    and returns their logits; `move` copies a row (the caller keeps its running rows first); `grow` reallocates
+    a longer cache. The same ops as `StaticCacheForward` per layer (norms, rope, projections, the one-token
+    eager attention); the prefill of right-padded sequences attends through SDPA's causal mask (a padded tail
+    only writes keys past the row's fill, which its steps overwrite before they attend to them).
+    After an in-place weight update, `refresh_weights` re-reads the concatenated projections.
+    """
+
+    def __init__(self, decoder: FusedDecoder, rows: int, capacity: int) -> None:
+        self.decoder, self.model = decoder, decoder.model
+        self.layers = decoder.layers()
+        weight = self.model.model.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.rows = rows
+        self.fill = [0] * rows
+        self.keys = self.values = None
+        self.refresh_weights()
+        self._allocate(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def refresh_weights(self) -> None:
+        """Concatenate the projections again (small models): they are copies of the module's weights."""
+        small = self.decoder.projection_bytes() <= FUSE_PROJECTIONS_MAX_BYTES
+        self.fused = [_Fused.of(layer) for layer in self.layers] if small else None
+
+    def grow(self, capacity: int) -> None:
+        """A cache of `capacity` positions per row, holding every row's filled positions."""
+        if capacity > self.capacity:
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        dec = self.decoder
+        shape = (len(self.layers), self.rows, dec.kv_heads, capacity, dec.head_dim)
+        # zeros, not empty: a step attends (at weight 0, under the mask) to positions past a shorter row's fill,
+        # and 0 x a NaN left in uninitialised memory would be NaN
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kept = max(self.fill)
+        if self.keys is not None and kept:
+            keys[..., :kept, :].copy_(self.keys[..., :kept, :])
+            values[..., :kept, :].copy_(self.values[..., :kept, :])
+        self.keys, self.values = keys, values
+        flat = (len(self.layers), self.rows * dec.kv_heads, capacity, dec.head_dim)
+        self.keys_flat, self.values_flat = keys.view(flat), values.view(flat)
+        self.cos, self.sin = _rope_tables(self.model.model.rotary_emb.inv_freq, capacity, self.dtype, self.device)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s filled keys / values into row `dst`."""
+        n = self.fill[src]
+        self.keys[:, dst, :, :n].copy_(self.keys[:, src, :, :n])
+        self.values[:, dst, :, :n].copy_(self.values[:, src, :, :n])
+        self.fill[dst] = n
+
+    def prefill(self, rows: list[int], seqs: list[list[int]]) -> None:
+        """Write the keys / values of `seqs[j]` (non-empty) into row `rows[j]` at positions 0..len - 1."""
+        dec, width = self.decoder, max(map(len, seqs))
+        if width > self.capacity:
+            raise ValueError(f"{width} positions exceed the cache's capacity ({self.capacity})")
+        ids = torch.full((len(seqs), width), 0, dtype=torch.long, device=self.device)
+        for j, seq in enumerate(seqs):
+            ids[j, : len(seq)] = torch.tensor(seq, device=self.device)
+        index = torch.tensor(rows, device=self.device)
+        cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]  # [1, 1, W, d]
+        h = F.embedding(ids, self.model.model.embed_tokens.weight)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            fused = None if self.fused is None else self.fused[i]
+            q, k, v = _rotated_qkv(dec, layer, fused, _rms_norm(h, layer.attn_norm, dec.eps), cos, sin)
+            v = v.transpose(1, 2)
+            self.keys[i][:, :, :width].index_copy_(0, index, k)
+            self.values[i][:, :, :width].index_copy_(0, index, v)
+            if i == last:  # the keys / values are all a prefill leaves behind
+                break
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dec.head_dim**-0.5, enable_gqa=True)
+            h = h + _linear(out.transpose(1, 2).reshape(len(seqs), width, -1), layer.o)
+            h = h + _mlp(layer, fused, _rms_norm(h, layer.mlp_norm, dec.eps))
+        for row, seq in zip(rows, seqs, strict=True):
+            self.fill[row] = len(seq)
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ids[r] [A] to row r at position fill[r] (r < A); the logits [A, V] (float32) after it."""
+        dec, active = self.decoder, ids.shape[0]
+        at = torch.tensor(self.fill[:active], device=self.device)  # [A]
+        end = max(self.fill[:active]) + 1
+        if end > self.capacity:
+            raise ValueError(f"{end} positions exceed the cache's capacity ({self.capacity})")
+        keys = torch.arange(end, device=self.device)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        bias = torch.where(keys <= at[:, None], zero, torch.finfo(self.dtype).min)[:, None, None]  # [A, 1, 1, end]
+        positions = at[:, None]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [A, 1, 1, d]
+        # row b x kv_heads + h of the flat cache, written at the row's own position
+        flat_rows = torch.arange(active * dec.kv_heads, device=self.device)
+        flat_at = at.repeat_interleave(dec.kv_heads)
+        h = F.embedding(ids[:, None], self.model.model.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
+            fused = None if self.fused is None else self.fused[i]
+            q, k, v = _rotated_qkv(dec, layer, fused, _rms_norm(h, layer.attn_norm, dec.eps), cos, sin)
+            keys_i, values_i = self.keys_flat[i], self.values_flat[i]
+            keys_i.index_put_((flat_rows, flat_at), k.reshape(-1, dec.head_dim))
+            values_i.index_put_((flat_rows, flat_at), v.reshape(-1, dec.head_dim))
+            rows = active * dec.kv_heads
+            out = _one_token_attention(dec, q, keys_i[:rows, :end], values_i[:rows, :end], bias)
+            h = h + _linear(out, layer.o)
+            h = h + _mlp(layer, fused, _rms_norm(h, layer.mlp_norm, dec.eps))
+        for r in range(active):
+            self.fill[r] += 1
+        return _last_logits(self.model, h, dec.eps)
+
+
+def _rotated_qkv(dec: FusedDecoder, layer: _Layer, fused: "_Fused | None", x, cos, sin):
+    """q [B, heads, q, d] and k [B, kv_heads, q, d] normed (Qwen3) and rotated, v [B, q, kv_heads, d]."""
+    batch, q_len, _ = x.shape
+    if fused is None:
+        q, k, v = _linear(x, layer.q), _linear(x, layer.k), _linear(x, layer.v)
+    else:
+        q, k, v = F.linear(x, fused.qkv, fused.qkv_bias).split(fused.qkv_split, -1)
+    q = q.view(batch, q_len, dec.heads, dec.head_dim)
+    k = k.view(batch, q_len, dec.kv_heads, dec.head_dim)
+    v = v.view(batch, q_len, dec.kv_heads, dec.head_dim)
+    if layer.q_norm is not None:
+        q, k = _rms_norm(q, layer.q_norm, dec.eps), _rms_norm(k, layer.k_norm, dec.eps)
+    return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
+
+
+def _one_token_attention(dec: FusedDecoder, q, keys, values, bias) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v for one query per row [B, 1, heads x d], before o_proj.
+
+    HF's eager attention (matmul, scale, add the mask, softmax, matmul), GQA on the kv heads with each group's
+    queries as rows ([B x kv_heads, group, d]: no repeated cache); `keys` / `values` [B x kv_heads, end, d].
+    2x faster than SDPA here at batch 32 (measured, hidden 128, 1 thread)."""
+    batch = q.shape[0]
+    rows, group, end = batch * dec.kv_heads, dec.heads // dec.kv_heads, keys.shape[1]
+    scores = torch.bmm(q.reshape(rows, group, dec.head_dim), keys.transpose(1, 2)).mul_(dec.head_dim**-0.5)
+    if bias is not None:
+        scores.view(batch, dec.kv_heads, group, end).add_(bias)
+    weights = scores.softmax(-1, dtype=torch.float32)  # HF: a float32 softmax, cast back
+    weights = weights if scores.dtype == torch.float32 else weights.to(scores.dtype)
+    return torch.bmm(weights, values).view(batch, 1, -1)  # [B x kv_heads, group, d] -> [B, 1, heads x d]
+
+
+def _mlp(layer: _Layer, fused: "_Fused | None", x: torch.Tensor) -> torch.Tensor:
+    if fused is None:
+        gate, up = _linear(x, layer.gate), _linear(x, layer.up)
+    else:
+        gate, up = F.linear(x, fused.gate_up).split(fused.gate_up_split, -1)
+    return _linear(layer.act(gate) * up, layer.down)
+
+
+def _last_logits(model: nn.Module, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final norm and the LM head at the last position: logits [B, V] float32."""
+    h = _rms_norm(h[:, -1:], model.model.norm, eps)
+    logits = _linear(h, model.get_output_embeddings())[:, -1]
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ TP / CP peers train on the same sequences, so they must hold byte-identical roll
 (its first rank: TP rank 0, CP rank 0) runs the engine and the reward; it sends the scored samples to its
 peers as a few packed tensors plus a small header:
 - header (one `broadcast_object_list`): per sample the prompt / response lengths, status, index, group index,
-  reward and metadata, and which optional fields travel;
+  reward, metadata, weight version(s), and which optional fields travel;
 - tensors (one `broadcast` each): prompt ids and response ids (int64), loss mask (int8), rollout log-probs and
   raw log-probs (float64: what the engine recorded, bit for bit), candidate row lengths and ids (int32), MoE
   routes ([rows, moe_layers, top_k], uint8 when every sample's are, else int32: gloo and NCCL have no int16;
@@ -42,6 +42,15 @@ def share_samples(samples: list[Sample] | None, peers: RolloutPeers) -> tuple[li
     return (samples if peers.is_source else _unpack(meta, tensors)), sent
 
 
+def share_object(value: object, peers: RolloutPeers) -> object:
+    """The source's `value` (small, picklable) on every peer: one `broadcast_object_list`."""
+    if peers.size == 1:
+        return value
+    box = [value if peers.is_source else None]
+    dist.broadcast_object_list(box, src=peers.source, group=peers.group)
+    return box[0]
+
+
 def samples_to_state(samples: list[Sample]) -> dict:
     """`samples` as plain lists and tensors (the broadcast's header and tensors), which a checkpoint holds and
     torch's safe loader (`weights_only=True`) reads back; `samples_from_state` inverts it exactly."""
@@ -67,6 +76,7 @@ def _header(samples: list[Sample]) -> dict:
         "group_index": [s.group_index for s in samples],
         "reward": [s.reward for s in samples],
         "weight_version": [s.weight_version for s in samples],
+        "weight_versions": [s.weight_versions for s in samples],  # per token, None where one version sampled all
         "metadata": [s.metadata for s in samples],
         "has_raw": [s.rollout_raw_log_probs is not None for s in samples],
         "has_candidates": [s.candidates is not None for s in samples],
@@ -141,6 +151,7 @@ def _unpack(meta: dict, t: dict[str, torch.Tensor]) -> list[Sample]:
             rollout_raw_log_probs=next(raw).tolist() if meta["has_raw"][i] else None, candidates=candidates,
             reward=meta["reward"][i], group_index=meta["group_index"][i], index=meta["index"][i],
             status=meta["status"][i], metadata=meta["metadata"][i], weight_version=meta["weight_version"][i],
+            weight_versions=meta.get("weight_versions", [None] * (i + 1))[i],  # absent before partial rollouts
             routes=_route_tensor(next(routes), meta["route_dtype"][i]) if _has_routes(meta, i) else None,
         ))
     return samples

@@ -16,15 +16,16 @@ only their source rank creates the engine (`engine` may be a factory `dp_rank ->
 `setup`, after the process groups exist), generates and scores, and `share_samples` hands the scored samples
 to the peers, so they hold byte-identical rollouts.
 
-Overlap (`overlap=True`, off by default): step k + 1's generation runs on a background thread while step k
-trains, one update behind (`topp_rl.rollout.overlap`); samples record their weight version and
-`rollout/weight_staleness` logs the gap (1 in the steady state). A checkpoint also holds the generation in
-flight (its samples and the engine's weight version), so a resumed run trains on exactly the rollouts of an
-uninterrupted one.
+Rollouts ahead (`max_staleness=K`, 0 by default; `overlap=True` means K = 1): the generations of up to K steps
+run on background threads while a step trains (`topp_rl.rollout.scheduler`); every token records the weight
+version that sampled it, a group with a token more than K updates older than the trained weights is dropped, and
+`rollout/staleness_*` log the gap. `partial_rollouts=True`: responses in flight continue across a weight update
+(an `InFlightUpdates` engine). A checkpoint also holds the generations in flight (their samples and the
+engine's weight version), so a resumed run trains no sample twice and loses none.
 
 Dynamic sampling (`refill=True`, with `drop_zero_variance_groups`): after the step's own generation, refill
 rounds on the next prompts until each DP rank holds its share of groups whose rewards differ, or generated
-`max_refill_factor` times that share (`topp_rl.rollout.refill`); not with overlap.
+`max_refill_factor` times that share (`topp_rl.rollout.refill`); on-policy only (K = 0).
 
 State (`state_dict`): the next step to generate, the seed and the prompts refill rounds drew (they move the data
 position on); prompts and generation seeds are functions of (seed, step, DP rank, that count), so a resumed run
@@ -55,12 +56,18 @@ from topp_rl.rollout.advantages import (
     informative_groups,
     trajectory_advantages,
 )
-from topp_rl.rollout.broadcast import share_samples
-from topp_rl.rollout.overlap import Prefetcher, versioned
+from topp_rl.rollout.broadcast import share_object, share_samples
 from topp_rl.rollout.packing import pack_samples
 from topp_rl.rollout.refill import RefillPlan, check_refill, continue_indices
+from topp_rl.rollout.scheduler import (
+    RolloutScheduler,
+    check_staleness_key,
+    drop_stale_groups,
+    staleness_stats,
+    versioned,
+)
 from topp_rl.rollout.sharing import shared_workers
-from topp_rl.rollout.stats import group_stats, overlap_stats, share_stats, step_stats
+from topp_rl.rollout.stats import ahead_stats, group_stats, share_stats, step_stats
 from topp_rl.rollout.step import RolloutStep, SingleTurnStep
 from topp_rl.rollout.tickets import (
     RolloutTicket,
@@ -101,6 +108,8 @@ class RolloutDataModule(L.LightningDataModule):
         dp_rank: int | None = None,
         dp_size: int | None = None,
         overlap: bool = False,
+        max_staleness: int = 0,
+        partial_rollouts: bool = False,
         rollout_step: RolloutStep | None = None,
     ) -> None:
         super().__init__()
@@ -108,15 +117,22 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"prompts_per_step ({prompts_per_step}) must be >= 1")
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch ({max_tokens_per_micro_batch}) must be >= 1")
+        self.max_staleness = check_staleness_key(max_staleness, overlap=overlap)
+        if partial_rollouts and not self.max_staleness:
+            raise ValueError("config rollout.partial_rollouts=true: needs rollout.max_staleness >= 1 (at 0 every "
+                             "step is generated with the weights it trains, so no update meets a response); set "
+                             "rollout.max_staleness=1 or more, or rollout.partial_rollouts=false")
+        self.partial_rollouts = partial_rollouts
         check_refill(refill=refill, drop_zero_variance_groups=drop_zero_variance_groups,
-                     max_refill_factor=max_refill_factor, overlap=overlap)
+                     max_refill_factor=max_refill_factor, max_staleness=self.max_staleness)
         if not (isinstance(engine, RolloutEngine) or callable(engine)):
             raise TypeError(
                 f"engine is a {type(engine).__name__}; pass a RolloutEngine or a factory dp_rank -> RolloutEngine"
             )
-        self._prefetch = Prefetcher() if overlap else None  # None: on-policy, generated in place
+        # None: on-policy, each step generated in place
+        self._ahead = RolloutScheduler(self.max_staleness) if self.max_staleness else None
         self.engine: RolloutEngine | None = (
-            self._for_overlap(engine) if isinstance(engine, RolloutEngine) else None
+            self._for_schedule(engine) if isinstance(engine, RolloutEngine) else None
         )
         self._engine_factory = None if isinstance(engine, RolloutEngine) else engine
         self._shared: dict[str, Any] | None = None  # SharedWorkersEngine's settings, set at setup
@@ -146,6 +162,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = 0  # next rollout step to generate
         self.refill_prompts = 0  # prompts refill rounds drew before `step`: they move its data position on
         self.last_generate_s = 0.0  # the engine time of the latest step's samples (wherever it ran)
+        self._decoded = (0, 0)  # the engine's decode counts (rows, steps) at the previous step
 
     # ----- data parallel layout -----
     @property
@@ -190,26 +207,26 @@ class RolloutDataModule(L.LightningDataModule):
             engine = self._engine_factory(self.dp_rank)
             if self._shared is not None:  # rebuilt after close_engine: the same sources share its workers
                 engine = SharedWorkersEngine(engine, **self._shared)
-            self.engine = self._for_overlap(engine)
+            self.engine = self._for_schedule(engine)
         return self.engine
 
     def _share_workers(self) -> None:
         """Every rank (a collective): engines reaching the same workers push weights once (`sharing`)."""
-        self._shared = shared_workers(self.engine, self.peers, overlap=self._prefetch is not None)
+        self._shared = shared_workers(self.engine, self.peers, max_staleness=self.max_staleness)
         if self._shared is not None:
             self.engine = SharedWorkersEngine(self.engine, **self._shared)
 
-    def _for_overlap(self, engine: RolloutEngine) -> RolloutEngine:
-        return engine if self._prefetch is None else versioned(engine)
+    def _for_schedule(self, engine: RolloutEngine) -> RolloutEngine:
+        return engine if self._ahead is None else versioned(engine, partial=self.partial_rollouts)
 
     def close_engine(self) -> None:
         """Release a factory-built engine (servers, work dirs); idempotent, rebuilt on next use. An engine passed
-        in as an instance belongs to the caller, who closes it. A generation in flight finishes first."""
-        if self._prefetch is not None:
-            self._prefetch.wait()
+        in as an instance belongs to the caller, who closes it. The generations in flight finish first."""
+        if self._ahead is not None:
+            self._ahead.wait()
         if self.engine is not None and self._engine_factory is not None:
             self.engine.close()
-            self.engine = None
+            self.engine, self._decoded = None, (0, 0)
 
     # ----- tickets -----
     def ticket(self, step: int) -> RolloutTicket:
@@ -226,18 +243,18 @@ class RolloutDataModule(L.LightningDataModule):
     # ----- one rollout step -----
     def generate(self, ticket: RolloutTicket) -> list[Sample]:
         """This DP rank's scored samples of one step (on the source rank: the engine and the reward run here).
-        With overlap the next step's generation starts first, so it runs while this step's rewards are computed
-        (the same weights either way: no update comes in between)."""
-        ahead = self._prefetch.take(ticket.step) if self._prefetch is not None else None
+        With rollouts ahead the following steps' generations start first, so they run while this step's rewards
+        are computed (the same weights either way: no update comes in between)."""
+        ahead = self._ahead.take(ticket.step) if self._ahead is not None else None
         if ahead is not None:
             samples, self.last_generate_s = ahead
         else:
             start = time.perf_counter()
             samples = self._sample(ticket)
             self.last_generate_s = time.perf_counter() - start
-        if self._prefetch is not None:  # also after the last step: the final checkpoint holds it (extensible runs)
-            following = self.ticket(ticket.step + 1)
-            self._prefetch.submit(following.step, lambda: self._sample(following))
+        if self._ahead is not None:  # also after the last step: the final checkpoint holds them (extensible runs)
+            self._ahead.start_ahead(ticket.step, lambda step: self._sample(self.ticket(step)),
+                                    concurrent=self.ensure_engine().concurrent)
         return self.rollout_step.score(samples, ticket.records, self.params, task=self.task,
                                        tokenizer=self.tokenizer, first_group=ticket.first_group)
 
@@ -250,25 +267,45 @@ class RolloutDataModule(L.LightningDataModule):
             ticket = self.ticket(ticket.step)  # dataloader made this ticket (one step ahead)
         start = time.perf_counter()
         own, samples, share_seconds, shared_bytes = self._gather(ticket)
-        overlapped = own is not None and self._prefetch is not None  # `generate` started the next step
+        ahead = own is not None and self._ahead is not None  # `generate` started the following steps
         rounds = drawn = 0
         if self.refill:
             samples, rounds, drawn, more_s, more_bytes = self._refill(ticket, samples)
             share_seconds, shared_bytes = share_seconds + more_s, shared_bytes + more_bytes
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
-        micro, selection, groups = self._pack(ticket.step, samples,
-                                              most=len(ticket.records) if self.refill else None)
+        trained_version = self._trained_version()
+        micro, selection, groups, ahead_figures = self._pack(ticket.step, samples, trained_version=trained_version,
+                                                             most=len(ticket.records) if self.refill else None)
         self.step, self.refill_prompts = ticket.step + 1, self.refill_prompts + drawn
-        # With overlap: the generation's own time (it ran beside the previous step), not the wait for it.
-        stats = step_stats(samples, micro, generate_s=self.last_generate_s if overlapped else gen_seconds,
+        # Ahead: the generation's own time (it ran beside earlier steps), not the wait for it.
+        stats = step_stats(samples, micro, generate_s=self.last_generate_s if ahead else gen_seconds,
                            dropped=selection.filtered, groups=selection.groups) | self.rollout_step.stats(samples)
+        stats["rollout/trained_tokens"] = (groups["loss_tokens"], 1.0)  # DP-global: the throughput benchmarks' count
+        stats["perf/decode_batch_mean"] = self._decode_batch()
         if self.drop_zero_variance_groups:
             stats |= group_stats(groups, refill_rounds=rounds if self.refill else None)
-        if self._prefetch is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
-            stats |= overlap_stats(own, self.engine, wait_s=gen_seconds)
+        if self._ahead is not None:  # on every rank (peers count 0): all ranks reduce the same metric keys
+            stats |= ahead_stats(own, self.engine, wait_s=gen_seconds) | ahead_figures
         if self.peers.size > 1:
             stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
+
+    def _decode_batch(self) -> tuple[float, float]:
+        """(responses that sampled a token, decode steps) since the previous step: their ratio is the mean decode
+        batch. (0, 0) on a peer and for an engine that does not count (the key is then left out)."""
+        counts = self.engine.decode_counts if self.peers.is_source and self.engine is not None else None
+        if counts is None:
+            return 0.0, 0.0
+        rows, steps = counts.rows - self._decoded[0], counts.steps - self._decoded[1]
+        self._decoded = (counts.rows, counts.steps)
+        return float(rows), float(steps)
+
+    def _trained_version(self) -> int | None:
+        """The weight version this step trains (every push so far is in the engine), the source's on every peer;
+        None when on-policy."""
+        if self._ahead is None:
+            return None
+        return share_object(self.engine.version if self.peers.is_source else None, self.peers)
 
     def _gather(self, ticket: RolloutTicket) -> tuple[list[Sample] | None, list[Sample], float, int]:
         """One generation: on the source, handed to its peers, checked on every rank. (The source's own samples
@@ -322,11 +359,15 @@ class RolloutDataModule(L.LightningDataModule):
         mine[self.dp_rank] = want
         return [int(v) for v in self.collectives.sum(mine).tolist()]
 
-    def _pack(self, step: int, samples: list[Sample], *,
-              most: int | None = None) -> tuple[list[PackedBatch], GroupSelection, dict[str, float]]:
-        """(micro-batches, this rank's groups, the DP-global group counts): whole groups selected (at most `most`
-        informative ones), advantages, DP-global denominators, packing."""
+    def _pack(self, step: int, samples: list[Sample], *, trained_version: int | None,
+              most: int | None = None) -> tuple[list[PackedBatch], GroupSelection, dict[str, float], dict]:
+        """(micro-batches, this rank's groups, the DP-global group counts, the staleness metrics): whole groups
+        selected (none with a token older than max_staleness updates; at most `most` informative ones),
+        advantages, DP-global denominators, packing."""
         live = [s for s in samples if s.status != SampleStatus.ABORTED]
+        stale = 0
+        if trained_version is not None:
+            live, stale = drop_stale_groups(live, trained_version=trained_version, max_staleness=self.max_staleness)
         selection = informative_groups(live, drop=self.drop_zero_variance_groups, most=most)
         train = selection.train
         dp = self.collectives
@@ -339,18 +380,20 @@ class RolloutDataModule(L.LightningDataModule):
         if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
             _fail_without_samples(step, samples)
         micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]),
-                             num_sequences_global=int(totals[1]),
+                             num_sequences_global=int(totals[1]), trained_version=trained_version,
                              most=lambda count: max(dp.max(count), self.min_micro_batches))
         groups = dict(zip(("generated", "filtered", "surplus", "trained", "capped_ranks"), totals[3:].tolist(),
-                          strict=True))
-        return micro, selection, groups
+                          strict=True)) | {"loss_tokens": float(totals[0])}
+        figures = {} if trained_version is None else staleness_stats(train, trained_version=trained_version,
+                                                                     dropped=stale, dp=dp)
+        return micro, selection, groups, figures
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "seed": self.seed, "prompts_per_step": self.prompts_per_step,
                  "refill_prompts": self.refill_prompts}
-        if self._prefetch is not None:  # per DP rank, the generation in flight for `self.step` (waits for it)
-            mine = self._prefetch.entry(self.step, self.engine) if self.peers.is_source else None
+        if self._ahead is not None:  # per DP rank, the generations in flight from `self.step` on (waits for them)
+            mine = self._ahead.state(self.step, self.engine) if self.peers.is_source else None
             # Every rank builds a checkpoint, Lightning writes rank 0's datamodule state: rank 0's DP group holds
             # the source of every DP rank.
             entries = self.collectives.gather_objects((self.dp_rank, mine))
@@ -366,9 +409,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = int(state["step"])
         self.seed = int(state["seed"])
         self.refill_prompts = int(state.get("refill_prompts", 0))  # 0 in a checkpoint written before refill
-        entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._prefetch is not None else None
+        entry = (state.get("in_flight") or {}).get(self.dp_rank) if self._ahead is not None else None
         if entry is not None and self.peers.is_source:
-            self._prefetch.restore(entry, self.step, self.engine)
+            self._ahead.restore(entry, self.step, self.ensure_engine())
 
 
 def _informative(samples: list[Sample]) -> int:

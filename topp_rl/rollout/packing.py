@@ -74,12 +74,14 @@ def pack_samples(
     num_loss_tokens_global: float | None = None,
     num_sequences_global: int | None = None,
     most: Callable[[int], int] | None = None,
+    trained_version: int | None = None,
 ) -> list[PackedBatch]:
     """Micro-batches of `samples` (in order) under `max_tokens` (`plan_step`); `advantages` is one value per
     sample.
 
     The global denominators default to this call's own totals (one DP rank); the datamodule passes the values
-    summed over all DP ranks, and `most` (the max over DP ranks) for the micro-batch count.
+    summed over all DP ranks, and `most` (the max over DP ranks) for the micro-batch count. `trained_version`: the
+    weight version this step trains, against which each token's staleness is counted (None: on-policy, all 0).
     """
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv.numel() != len(samples):
@@ -94,7 +96,8 @@ def pack_samples(
         num_sequences_global = len(samples)
     plan = plan_step(samples, max_tokens=max_tokens, most=most)
     return [
-        _pack([samples[i] for i in idx], adv[idx], float(num_loss_tokens_global), int(num_sequences_global))
+        _pack([samples[i] for i in idx], adv[idx], float(num_loss_tokens_global), int(num_sequences_global),
+              trained_version)
         for idx in plan
     ]
 
@@ -103,7 +106,14 @@ def sequence_lengths(samples: list[Sample]) -> list[int]:
     return [len(s.prompt_ids) + s.response_length for s in samples]
 
 
-def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequences: int) -> PackedBatch:
+def token_staleness(samples: list[Sample], trained_version: int) -> torch.Tensor:
+    """int64 [R]: per response token, in sample order, the weight updates between its version and `trained_version`."""
+    versions = torch.tensor([v for s in samples for v in s.token_versions()], dtype=torch.int64)
+    return trained_version - versions
+
+
+def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequences: int,
+          trained_version: int | None) -> PackedBatch:
     prompt_len = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
     resp_len = torch.tensor([s.response_length for s in samples], dtype=torch.long)
     seq_len = prompt_len + resp_len
@@ -126,6 +136,7 @@ def _pack(samples: list[Sample], adv: torch.Tensor, loss_tokens: float, sequence
         response_tokens=response_tokens,
         candidates=_candidates(samples, loss_mask),
         routes=_routes(samples),
+        staleness=None if trained_version is None else token_staleness(samples, trained_version),
         rewards=torch.tensor(
             [0.0 if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
         ),

@@ -27,7 +27,7 @@ from topp_rl.data.sample import Sample
 
 
 def check_refill(*, refill: bool, drop_zero_variance_groups: bool, max_refill_factor: object,
-                 overlap: bool) -> None:
+                 max_staleness: int) -> None:
     """The settings of dynamic sampling, refused naming the key (`data.*`)."""
     factor = max_refill_factor
     if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor) or factor < 1:
@@ -40,11 +40,11 @@ def check_refill(*, refill: bool, drop_zero_variance_groups: bool, max_refill_fa
         raise ValueError("config data.refill=True: must be false while data.drop_zero_variance_groups=false (refill "
                          "replaces the zero-variance groups that option drops; without it nothing is dropped, so "
                          "nothing needs refilling); set data.drop_zero_variance_groups=true, or data.refill=false")
-    if overlap:
-        raise ValueError("config data.refill=True: must be false with rollout.overlap=true (overlap generates step "
-                         "k + 1 before step k's rewards are known, but refill takes step k + 1's prompts after those "
-                         "step k's refill rounds drew, which depend on those rewards); set rollout.overlap=false, or "
-                         "data.refill=false")
+    if max_staleness:
+        raise ValueError(f"config data.refill=True: must be false with rollout.max_staleness={max_staleness} (or "
+                         "rollout.overlap=true): rollouts ahead generate step k + 1 before step k's rewards are known, "
+                         "but refill takes step k + 1's prompts after those step k's refill rounds drew, which depend "
+                         "on those rewards; set rollout.max_staleness=0 and rollout.overlap=false, or data.refill=false")
 
 
 @dataclass(frozen=True, kw_only=True)

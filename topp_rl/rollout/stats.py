@@ -37,9 +37,9 @@ def group_stats(groups: dict[str, float], *, refill_rounds: int | None) -> Stats
     }
 
 
-def overlap_stats(own: list[Sample] | None, engine: VersionedEngine | None, *, wait_s: float) -> Stats:
-    """`rollout.overlap=true`: the wait for the step generated ahead, and how many updates old its samples are
-    (`own`: the source's samples, None on a peer)."""
+def ahead_stats(own: list[Sample] | None, engine: VersionedEngine | None, *, wait_s: float) -> Stats:
+    """Rollouts ahead (`rollout.max_staleness >= 1`): the wait for the step generated ahead, and how many updates
+    old its samples' oldest tokens are (`own`: the source's samples, None on a peer)."""
     if own is None:
         return {"perf/rollout_wait_s": (0.0, 0.0), "rollout/weight_staleness": (0.0, 0.0)}
     return {"perf/rollout_wait_s": (wait_s, 1.0),

@@ -124,7 +124,8 @@ class Trajectory:
         ids = out.response_ids[:keep]
         self.sample.append_response_tokens(
             ids, out.rollout_log_probs[:keep], out.candidates[:keep] if out.candidates is not None else None,
-            raw_log_probs=out.rollout_raw_log_probs[:keep] if out.rollout_raw_log_probs is not None else None)
+            raw_log_probs=out.rollout_raw_log_probs[:keep] if out.rollout_raw_log_probs is not None else None,
+            versions=out.token_versions()[:keep])  # a trajectory's turns may span weight updates
         self.turns += 1
         if out.routes is not None:
             self.routes[len(self.samples) - 1] = out.routes  # this sample's latest call (set on it in `finish`)

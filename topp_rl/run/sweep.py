@@ -105,6 +105,17 @@ def run_dir_override(path: str | Path) -> str:
 
 
 def register_resolvers() -> None:
-    """`${topp_rl.job_subdir:num,run_name,sweep_dir,overrides}` for conf/config.yaml's `hydra.sweep.subdir`."""
+    """`${topp_rl.job_subdir:num,run_name,sweep_dir,overrides}` for conf/config.yaml's `hydra.sweep.subdir`, and
+    `${topp_rl.pick:flag,if_true,if_false}` (a value that follows a boolean key, e.g. the embedded engine's
+    batching, continuous under rollout.partial_rollouts)."""
     if not OmegaConf.has_resolver("topp_rl.job_subdir"):
         OmegaConf.register_new_resolver("topp_rl.job_subdir", job_subdir)
+    if not OmegaConf.has_resolver("topp_rl.pick"):
+        OmegaConf.register_new_resolver("topp_rl.pick", pick)
+
+
+def pick(flag: object, if_true: object, if_false: object) -> object:
+    """`if_true` when `flag` is true, `if_false` when false; anything else is refused naming the value."""
+    if not isinstance(flag, bool):
+        raise ValueError(f"${{topp_rl.pick:...}} got {flag!r}: the flag must be true or false")
+    return if_true if flag else if_false

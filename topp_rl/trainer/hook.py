@@ -132,4 +132,5 @@ class ToppLogProb:
             logprobs=masked.detach(), logprobs_unmasked=torch.cat(unmasked),
             rollout_logprobs=batch.rollout_log_probs[token_index].float(),
             loss_mask=batch.loss_mask[token_index].float(), entropy=torch.cat(entropy), support_size=sizes,
+            staleness=None if batch.staleness is None else batch.staleness[token_index],
         )
