@@ -31,13 +31,14 @@ def test_lookup_through_sglang_stays_exact(tmp_path, tiny_sglang_url):
     assert column(rows, "rollout/trajectories_failed") == [0.0] * 3
 
 
-def test_the_endpoint_through_sglang_two_updates_ahead(tmp_path, tiny_sglang_url):
+def test_the_endpoint_through_sglang_two_updates_ahead_with_partial_rollouts(tmp_path, tiny_sglang_url):
     """Agent code against the OpenAI-compatible endpoint, served by SGLang, generating two weight updates ahead of
-    training: every step within the bound, the tokens the trained weights sampled on-policy to float32 rounding."""
+    training, weight updates landing in the requests in flight (retract): every step within the bound, the tokens
+    the trained weights sampled on-policy to float32 rounding."""
     train(compose_cfg(tmp_path, "task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent", "rollout=sglang",
                       f"rollout.engine.urls=['{tiny_sglang_url}']", "logger=csv", "rollout.top_p=0.9",
                       "rollout.prompts_per_step=4", "rollout.n_samples=4", "trainer.max_steps=3",
-                      "rollout.max_staleness=2", "algo.loss.tis_cap=2.0"))
+                      "rollout.max_staleness=2", "rollout.partial_rollouts=true", "algo.loss.tis_cap=2.0"))
     rows = read_metrics(tmp_path)
     current = column(rows, "train/rollout_logprob_abs_diff_current")
     print("sglang endpoint ahead: current", current, "staleness", column(rows, "rollout/staleness_max"))
