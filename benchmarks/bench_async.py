@@ -5,11 +5,12 @@
 
 throughput: a long-tail workload (the tiny Qwen2 widened to hidden 256 x 4 layers, copy_digit prompts, up to 256
 new tokens: the random-init model ends a response with p ~ 1/128 per token, so lengths run from 1 to 256, ~14%
-cut at 256), 8 prompts x 8 samples a step, the embedded engine with its own weights. Arms: K=0 (on-policy), K=1
-(one step ahead, static batching), K=2 with partial rollouts (continuous batching). Each arm runs on shared cores
-(the process on every core; `num_threads=1`, so the trainer and the engine take one each when they run at once) and
-on separate cores (the trainer's thread pinned to core 0, every other thread, the engine's, to core 1: a miniature
-of separate inference and training devices). Figures per arm: trained tokens per second (`rollout/trained_tokens`
+cut at 256), 8 prompts x 8 samples a step, the embedded engine with its own weights, learning rate 1e-12 (the same
+length distribution in every arm and step; the weight push, the versions and the staleness run as in training). Arms: K=0 (on-policy), K=1
+(one step ahead, static batching), K=2 with partial rollouts (continuous batching). `--cores`: `one` (every thread
+pinned to core 0: engine and trainer share one core, as on one shared device), `separate` (the trainer's thread
+pinned to core 0, every other thread, the engine's, to core 1: a miniature of separate inference and training
+devices), `free` (no pinning; with `num_threads=1` the two threads take a core each when they run at once). Figures per arm: trained tokens per second (`rollout/trained_tokens`
 over `perf/step_s`, after the first K + 1 steps), the mean decode batch (`perf/decode_batch_mean`: the responses
 in flight per decode step), the mean staleness; medians over repeats, arms interleaved so load changes hit all.
 
@@ -31,8 +32,11 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
+# optimizer.lr=1e-12 (0 is refused): the policy stays the random init, so every arm samples the same length
+# distribution (learning moves the lengths a lot, arm by arm: 74 to 227 tokens mean in 8 steps); the weights are
+# still pushed every step.
 LONG_TAIL = ["model.hidden=256", "model.layers=4", "rollout.max_new_tokens=256", "rollout.prompts_per_step=8",
-             "rollout.n_samples=8", "rollout.top_p=0.9", "data.max_tokens_per_micro_batch=4096"]
+             "rollout.n_samples=8", "rollout.top_p=0.9", "data.max_tokens_per_micro_batch=4096", "optimizer.lr=1e-12"]
 COMMON = ["rollout.engine.share_weights=false", "algo.loss.tis_cap=2.0", "logger=csv", "checkpoint.every_n_steps=0",
           "trainer.enable_progress_bar=false", "export.hf=false", "num_threads=1"]
 ARMS = {"K0": ["rollout.max_staleness=0"], "K1": ["rollout.max_staleness=1"],
@@ -41,23 +45,24 @@ PIN = ["+callbacks.pin_threads._target_=bench_async.PinThreads"]
 
 
 class PinThreads(Callback):
-    """Loaded by a run through PYTHONPATH=benchmarks: the trainer's thread on core 0, every other thread of the
-    process (the scheduler's, the engine's decode loop) on core 1, checked each step (threads start lazily)."""
+    """Loaded by a run through PYTHONPATH=benchmarks, checked each step (threads start lazily). BENCH_CORES=separate:
+    the trainer's thread on core 0, every other thread of the process (the scheduler's, the engine's decode loop) on
+    core 1; one: every thread on core 0 (engine and trainer share one core)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        main = threading.main_thread()
+        main, separate = threading.main_thread(), os.environ["BENCH_CORES"] == "separate"
         for thread in threading.enumerate():
             if thread.native_id is not None:
-                os.sched_setaffinity(thread.native_id, {0} if thread is main else {1})
+                os.sched_setaffinity(thread.native_id, {0} if thread is main or not separate else {1})
 
 
-def run(overrides: list[str], *, pinned: bool) -> list[dict[str, float]]:
-    """One train.py run; its metrics rows (one per step)."""
+def run(overrides: list[str], *, cores: str) -> list[dict[str, float]]:
+    """One train.py run (`cores`: free, separate or one, see PinThreads); its metrics rows (one per step)."""
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONPATH=str(ROOT / "benchmarks"))
+                   PYTHONPATH=str(ROOT / "benchmarks"), BENCH_CORES=cores)
         cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp}/run", *COMMON, *overrides,
-               *(PIN if pinned else [])]
+               *(PIN if cores != "free" else [])]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode:
             raise RuntimeError(f"{' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
@@ -83,10 +88,9 @@ def throughput_figures(rows: list[dict[str, float]], skip: int) -> dict[str, flo
 def throughput(args: argparse.Namespace) -> dict:
     results: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
-        for cores in ("shared", "separate"):
+        for cores in args.cores:
             for arm, keys in ARMS.items():
-                rows = run([*LONG_TAIL, *keys, f"trainer.max_steps={args.steps}", f"seed={repeat}"],
-                           pinned=cores == "separate")
+                rows = run([*LONG_TAIL, *keys, f"trainer.max_steps={args.steps}", f"seed={repeat}"], cores=cores)
                 figures = throughput_figures(rows, skip=int(arm[1]) + 1)
                 results.setdefault(f"{arm}/{cores}", []).append(figures)
                 print(f"repeat {repeat} {cores:<8} {arm:<11} " + " ".join(f"{k}={v:.3g}" for k, v in figures.items()),
@@ -105,7 +109,7 @@ def learning(args: argparse.Namespace) -> dict:
     for seed in args.seeds:
         for arm in ("K0", "K2_partial"):
             rows = run([*ARMS[arm], f"trainer.max_steps={args.steps}", f"seed={seed}", "rollout.top_p=0.9"],
-                       pinned=False)
+                       cores="free")
             wall, curve = 0.0, []
             for r in rows:
                 wall += r.get("perf/step_s", 0.0)
@@ -147,6 +151,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--cores", nargs="+", choices=["one", "separate", "free"], default=["one", "separate"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
