@@ -149,3 +149,25 @@ def test_partial_updates_stamp_the_versions_the_wrapper_counts_a_restore_include
         assert engine.version == 8 and {s.weight_version for s in samples} == {8}
     finally:
         engine.close()
+
+
+def test_scheduler_restores_its_own_checkpoint_state_and_the_one_step_overlap_format():
+    from topp_rl.rollout.broadcast import samples_to_state
+
+    model = build_tiny_model(vocab_size=96, seed=0)
+    engine = VersionedEngine(EmbeddedEngine(model, progress=False))
+    samples = EmbeddedEngine(model, progress=False).generate([[1, 5]], SamplingParams(max_new_tokens=3, n=2), seed=1)
+    ahead = RolloutScheduler(2)
+    ahead.put(4, samples, 0.5)
+    ahead.put(5, samples[:1], 0.25)
+    state = ahead.state(4, engine)
+    assert sorted(state["steps"]) == [4, 5] and state["engine_version"] == 0
+    restored = RolloutScheduler(2)
+    restored.restore(state, 4, engine)
+    assert [s.response_ids for s in restored.take(4)[0]] == [s.response_ids for s in samples]
+    old = {"step": 7, "samples": samples_to_state(samples), "seconds": 1.0, "engine_version": 3}  # rollout.overlap's
+    restored.restore(old, 7, engine)
+    assert restored.take(7)[1] == 1.0 and engine.version == 3
+    with pytest.raises(ValueError, match=r"checkpoint holds the rollouts in flight for steps \[7\], but its data "
+                                         r"position is step 6"):
+        RolloutScheduler(1).restore(old, 6, engine)
