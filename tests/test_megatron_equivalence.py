@@ -86,7 +86,7 @@ def packed_batch(vocab: int):
         response_tokens=response_tokens, candidates=Candidates.from_lists(rows),
         weights=torch.randn(int(response_lengths.sum()), generator=g),
         rollout_log_probs=torch.zeros(int(response_lengths.sum())), loss_mask=torch.ones(int(response_lengths.sum())),
-        routes=None,  # no recorded MoE routes (PackedBatch's default)
+        routes=None, staleness=None,  # no recorded MoE routes, on-policy tokens (PackedBatch's defaults)
     )
 
 

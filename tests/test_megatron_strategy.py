@@ -46,7 +46,7 @@ def micro_batch(seed: int, *, vocab: int, num_loss_tokens_global: float, num_seq
         rollout_log_probs=-torch.rand(r_total, generator=g),
         sample_index=torch.tensor([seed % 7, seed % 7 + 1]),
         num_loss_tokens_global=num_loss_tokens_global, num_sequences_global=num_sequences_global,
-        routes=None,  # no recorded MoE routes (PackedBatch's default); both backbones read the field
+        routes=None, staleness=None,  # no recorded MoE routes, on-policy tokens (PackedBatch's defaults)
     )
 
 
