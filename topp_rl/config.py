@@ -121,6 +121,7 @@ ENGINE_NUMBERS: dict[str, NumberRange] = {
     "rollout.engine.retries.backoff_s": _seconds(Retries.backoff_s, zero_ok=True),
     "rollout.engine.retries.max_backoff_s": _seconds(Retries.max_backoff_s, zero_ok=True),
     "rollout.engine.num_servers": _count(1, 1024, 1),
+    "rollout.engine.tp_size": _count(1, 64, 1),  # GPUs per server, on one node
     "rollout.engine.weight_bucket_bytes": _count(1, 2**40, 536870912),
     "rollout.engine.max_concurrency": _count(1, 65536, 64),
     "rollout.engine.max_batch_size": _count(1, 65536, 64),

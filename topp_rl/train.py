@@ -86,14 +86,18 @@ def _without_switch(entry: DictConfig) -> dict:
     return resolved
 
 
+def engine_settings(cfg: DictConfig) -> dict:
+    """`rollout.engine` resolved, less the placement plan's keys (`placement_of` reads them, the engine does not)."""
+    settings = OmegaConf.to_container(cfg.rollout.engine, resolve=True)
+    return {key: value for key, value in settings.items() if key not in ENGINE_KEYS}
+
+
 def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
                engine_model: Callable[[], torch.nn.Module] | None = None) -> Callable[[int], RolloutEngine]:
     """The engine factory the datamodule calls on each rank that generates (one per TP x CP group), once the
     process groups exist; each data-parallel rank's engine gets its own work dir. `engine_model`, when given,
     makes the model the engine is built on instead of `policy` (LoRA: the merged weights)."""
-    # The placement keys are the plan's (`placement_of`), not the engine's.
-    engine = {k: v for k, v in OmegaConf.to_container(cfg.rollout.engine, resolve=True).items() if k not in ENGINE_KEYS}
-    factory = instantiate(engine)
+    factory = instantiate(engine_settings(cfg))
 
     def build(dp_rank: int) -> RolloutEngine:
         model = engine_model() if engine_model is not None else policy
