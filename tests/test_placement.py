@@ -10,12 +10,13 @@ import sys
 
 import pytest
 from helpers import ROOT, compose_config, train_env
+from hydra.utils import instantiate
 from megatron.core.parallel_state import RankGenerator
 
-from topp_rl.config import placement_of, validate_config
+from topp_rl.config import placement_of, target_parameters, validate_config
 from topp_rl.parallel.placement import TRAINER_SHARE, parse_gpus, plan_placement, render, replica_ranks, span
 from topp_rl.parallel.plan import ParallelPlan
-from topp_rl.train import engine_settings
+from topp_rl.train import engine_settings, print_placement
 
 LAYOUTS = {"fsdp": {"fsdp": True}, "tp": {"tp": 2}, "tp_cp": {"tp": 2, "cp": 2}, "ep": {"ep": 2}, "pp": {"pp": 2}}
 
@@ -151,8 +152,18 @@ def test_the_config_keys_reach_the_plan_and_not_the_engine(tmp_path):
     p = placement_of(cfg)
     assert (p.mode, [s.gpus for s in p.servers], p.servers[0].mem_fraction) == ("disaggregated",
                                                                                 [(4,), (5,), (6,), (7,)], 0.7)
-    settings = engine_settings(cfg)
-    assert not {"placement", "gpus", "tp_size", "mem_fraction"} & set(settings) and settings["num_servers"] == 1
+    factory = instantiate(engine_settings(cfg))  # what engine_for builds each rank's engine with
+    assert not {"placement", "gpus", "tp_size", "mem_fraction"} & set(factory.keywords)
+    assert set(factory.keywords) <= set(target_parameters(str(cfg.rollout.engine._target_)))
+    assert factory.keywords["num_servers"] == 1 and factory.keywords["max_candidates"] == 4096  # resolved
+
+
+def test_the_block_is_printed_at_start_for_sglang_on_gpus_only(tmp_path, capsys):
+    print_placement(compose_config(tmp_path))
+    print_placement(compose_config(tmp_path, "rollout=sglang"))
+    assert capsys.readouterr().out == ""  # the default run and CPU servers: unchanged output
+    print_placement(compose_config(tmp_path, *GPU8))
+    assert capsys.readouterr().out.startswith("[topp_rl] placement: colocated, 1 node(s) x 8 trainer rank(s)")
 
 
 def test_cpu_runs_and_the_embedded_engine_have_no_placement(tmp_path):

@@ -86,9 +86,13 @@ def _without_switch(entry: DictConfig) -> dict:
     return resolved
 
 
-def engine_settings(cfg: DictConfig) -> dict:
-    """`rollout.engine` resolved, less the placement plan's keys (`placement_of` reads them, the engine does not)."""
-    settings = OmegaConf.to_container(cfg.rollout.engine, resolve=True)
+def engine_settings(cfg: DictConfig) -> DictConfig | dict:
+    """`rollout.engine`, less the placement plan's keys where it has them (resolved then: `placement_of` reads
+    them, the engine does not)."""
+    engine = cfg.rollout.engine
+    if not any(key in engine for key in ENGINE_KEYS):
+        return engine
+    settings = OmegaConf.to_container(engine, resolve=True)
     return {key: value for key, value in settings.items() if key not in ENGINE_KEYS}
 
 

@@ -250,11 +250,10 @@ def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: 
 def render(placement: Placement) -> str:
     """The plan as printed at start and by `topp-rl plan`: a headline, then per node its trainer ranks and its
     servers (GPUs, the launch settings, who pushes the weights)."""
-    p, plan = placement, placement.plan
-    fractions = sorted({s.mem_fraction for s in p.servers})
+    p, plan, first = placement, placement.plan, placement.servers[0]  # every replica has a server
     lines = [f"[topp_rl] placement: {p.mode}, {p.nodes} node(s) x {p.devices} trainer rank(s) (dp={plan.dp} "
-             f"tp={plan.tp} cp={plan.cp} pp={plan.pp}), {len(p.servers)} server(s) of tp_size "
-             f"{p.servers[0].tp_size if p.servers else 0} at mem_fraction {', '.join(f'{f:g}' for f in fractions)}"]
+             f"tp={plan.tp} cp={plan.cp} pp={plan.pp}), {len(p.servers)} server(s) of tp_size {first.tp_size} at "
+             f"mem_fraction {first.mem_fraction:g}"]
     for node in range(p.nodes):
         ranks = [t for t in p.trainer if t.node == node]
         lines.append(f"  node {node}: trainer ranks {span(t.rank for t in ranks)} on GPUs {span(t.gpu for t in ranks)}")
