@@ -88,6 +88,16 @@ def test_a_pipeline_across_two_nodes_keeps_each_server_with_its_replicas_source(
         "from rank 0 (replica 0)"]
 
 
+def test_disaggregated_servers_sit_on_the_node_of_the_rank_that_pushes_to_them_while_it_has_gpus():
+    p = plan_placement(ParallelPlan(world=8, tp=2), nodes=2, devices=4, gpus="4-7")
+    assert [(s.node, s.gpus, s.pushed_by) for s in p.servers] == [(0, (4,), 0), (0, (5,), 2), (1, (4,), 4),
+                                                                   (1, (5,), 6)]
+    # PP over the nodes' ranks: every source (stage 0) on node 0, whose two server GPUs fill first.
+    p = plan_placement(ParallelPlan(world=8, pp=2), nodes=2, devices=4, gpus="4-5")
+    assert [(s.node, s.gpus, s.pushed_by) for s in p.servers] == [(0, (4,), 0), (0, (5,), 1), (1, (4,), 2),
+                                                                   (1, (5,), 3)]
+
+
 def test_disaggregated_servers_fill_the_named_gpus_node_by_node():
     p = plan_placement(ParallelPlan(world=8, fsdp=True), nodes=2, devices=4, gpus=[4, 5, 6, 7], mem_fraction=0.8)
     assert p.mode == "disaggregated"  # the default once gpus is set

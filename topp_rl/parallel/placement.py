@@ -10,8 +10,9 @@ Rules:
 - colocated: a replica's servers sit on the GPUs of its own ranks (in rank order, `tp_size` GPUs each), so weights
   can go over CUDA IPC; each server takes `mem_fraction` of its GPUs and leaves `TRAINER_SHARE` to the trainer,
   whose weights, gradients and optimizer state stay resident while the server generates.
-- disaggregated: the servers get the GPUs `gpus` names on every node (none of them a trainer rank's), filled node by
-  node, `tp_size` GPUs each; weights go over NCCL as before.
+- disaggregated: the servers get the GPUs `gpus` names on every node (none of them a trainer rank's), `tp_size`
+  GPUs each, on the node of the rank that pushes to them while it has some free (else the first node that does);
+  weights go over NCCL as before.
 - A server's GPUs lie on one node (SGLang's TP runs inside one node); at most one server per GPU.
 A server process is started with `CUDA_VISIBLE_DEVICES` = its GPUs and SGLang's `base_gpu_id=0`, `tp_size` = their
 count (SGLang maps CUDA IPC handles by device UUID, so the two sides of a colocated push may number GPUs differently).
@@ -224,7 +225,7 @@ def _colocated_slots(plan: ParallelPlan, trainer: Sequence[TrainerRank], *, tp_s
 
 def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: tuple[int, ...], tp_size: int,
                          num_servers: int) -> list[tuple[int, tuple[int, ...]]]:
-    """`tp_size` of the named GPUs per server, node by node."""
+    """`tp_size` of the named GPUs per server, on its source's node where they last."""
     shared = [g for g in gpus if g < devices]
     if shared:
         _fail("rollout.engine.gpus", span(gpus), f"GPUs no trainer rank uses with rollout.engine.placement="
@@ -244,7 +245,14 @@ def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: 
               f"rollout.engine.gpus={span(gpus)} on {nodes} node(s) holds {per_node * nodes} server(s) of {tp_size}",
               "name more GPUs, lower rollout.engine.tp_size, or train with fewer data-parallel replicas (a larger "
               "tp / cp / pp)")
-    return [(i // per_node, gpus[i % per_node * tp_size:(i % per_node + 1) * tp_size]) for i in range(wanted)]
+    free = {node: [gpus[k * tp_size:(k + 1) * tp_size] for k in range(per_node)] for node in range(nodes)}
+    slots = []
+    for d in range(plan.dp):
+        home = replica_ranks(plan, d)[0] // devices  # the source's node first: its pushes stay inside the node
+        for _ in range(num_servers):
+            node = home if free[home] else next(n for n in range(nodes) if free[n])
+            slots.append((node, free[node].pop(0)))
+    return slots
 
 
 def render(placement: Placement) -> str:
