@@ -205,7 +205,8 @@ def test_model_path_takes_a_hub_id_found_in_the_hf_cache(tmp_path, monkeypatch):
 # ----- the command -----
 def test_the_command_dispatches_export_and_report_and_names_itself(tmp_path, capsys):
     for argv, message in [
-        (["fly"], "topp-rl: error: unknown command 'fly'; use train, export or report"),
+        (["fly"], "topp-rl: error: unknown command 'fly'; use train, plan, export or report"),
+        (["plan", "parallel=nowhere"], "topp-rl plan: error: In 'config': Could not find 'parallel/nowhere'"),
         ([], "topp-rl: error: no command given"),
         (["report", "/nonexistent/run"], "topp-rl report: error: run directory /nonexistent/run does not exist"),
         (["export", str(tmp_path / "no.ckpt"), str(tmp_path / "hf")],
@@ -223,7 +224,7 @@ def test_help_lists_the_groups_and_the_most_used_keys(tmp_path):
     top = subprocess.run([sys.executable, "-m", "topp_rl.cli", "--help"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert top.returncode == 0, top.stderr
-    assert "train   train a policy" in top.stdout and "export  write" in top.stdout
+    assert "train   train a policy" in top.stdout and "export  write" in top.stdout and "plan    print" in top.stdout
     assert "algo: cispo, dr_grpo, grpo, gspo, reinforce_pp" in top.stdout
     assert "task: agent, arithmetic, copy_digit, countdown, dataset, gsm8k, jsonl, lookup, python_tool" in top.stdout
     train = subprocess.run([sys.executable, str(ROOT / "train.py"), "rollout.top_p=0.9", "--help"], cwd=tmp_path,

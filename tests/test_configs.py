@@ -415,7 +415,7 @@ def test_sglang_limits_are_nested_groups_checked_at_start(tmp_path):
 
 
 # Each engine group's choice with the count of numeric keys it ships under rollout.engine and rollout.step.
-ENGINE_GROUPS = [(["rollout=embedded"], 0), (["rollout=sglang"], 13), (["task=lookup", "rollout/step=agent"], 2),
+ENGINE_GROUPS = [(["rollout=embedded"], 0), (["rollout=sglang"], 14), (["task=lookup", "rollout/step=agent"], 2),
                  (["task=agent", "task.agent=topp_rl.tasks.agents.lookup:lookup_agent"], 2)]
 
 

@@ -26,6 +26,7 @@ from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Tim
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
+from topp_rl.parallel.placement import ENGINE_KEYS, Placement, plan_placement
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
@@ -120,6 +121,7 @@ ENGINE_NUMBERS: dict[str, NumberRange] = {
     "rollout.engine.retries.backoff_s": _seconds(Retries.backoff_s, zero_ok=True),
     "rollout.engine.retries.max_backoff_s": _seconds(Retries.max_backoff_s, zero_ok=True),
     "rollout.engine.num_servers": _count(1, 1024, 1),
+    "rollout.engine.tp_size": _count(1, 64, 1),  # GPUs per server, on one node
     "rollout.engine.weight_bucket_bytes": _count(1, 2**40, 536870912),
     "rollout.engine.max_concurrency": _count(1, 65536, 64),
     "rollout.engine.max_batch_size": _count(1, 65536, 64),
@@ -200,6 +202,8 @@ def validate_target_kwargs(node: DictConfig, path: str) -> None:
     for key in node:
         if str(key).startswith("_") or key in params or (key == "enabled" and path.startswith("callbacks.")):
             continue  # Hydra's own keys; a callback entry's switch is read by train.py, not passed on
+        if path == "rollout.engine" and key in ENGINE_KEYS:
+            continue  # the placement plan's (`placement_of`), not passed on
         if key in MOVED_KEYS and MOVED_KEYS[key].split(".")[0] in params:
             _fail(f"{path}.{key}", node._get_node(key)._value(), f"absent: it moved to {path}.{MOVED_KEYS[key]}",
                   f"set {path}.{MOVED_KEYS[key]} instead")
@@ -382,6 +386,41 @@ def parallel_plan(cfg: DictConfig) -> ParallelPlan:
     p = cfg.parallel
     return ParallelPlan(world=world_size(cfg), tp=p.tp_size, cp=p.cp_size, ep=p.ep_size, pp=p.get("pp_size", 1),
                         vpp=p.get("vpp_size", 1), fsdp=_is_fsdp(cfg), cp_mode=p.get("cp_mode", "zigzag"))
+
+
+def placement_of(cfg: DictConfig) -> Placement | None:
+    """Where the run's trainer ranks and SGLang servers go (`topp_rl.parallel.placement`); None where nothing is
+    placed: an engine without the placement keys (rollout=embedded), servers it connects to (router_url / urls) or
+    a CPU run. Refuses, with the numbers, a placement that cannot work."""
+    engine = cfg.rollout.get("engine")
+    if not isinstance(engine, DictConfig) or "placement" not in engine:
+        return None
+    settings = {key: engine.get(key) for key in ENGINE_KEYS}
+    if isinstance(settings["gpus"], ListConfig):
+        settings["gpus"] = list(settings["gpus"])
+    elsewhere = next((k for k in ("router_url", "urls") if engine.get(k) is not None), None)
+    on_cpu = cfg.trainer.get("accelerator") == "cpu"
+    if elsewhere or on_cpu:
+        why = (f"with rollout.engine.{elsewhere} (those servers run elsewhere)" if elsewhere
+               else "on a CPU run (trainer.accelerator=cpu: the servers run on the host's CPUs)")
+        for key in ("placement", "gpus"):
+            if settings[key] is not None:
+                _fail(f"rollout.engine.{key}", settings[key], f"null {why}", f"drop rollout.engine.{key}" +
+                      ("" if elsewhere else ", or train on GPUs (trainer=gpu)"))
+        return None
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    for key, value in (("devices", devices), ("num_nodes", nodes)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(f"trainer.{key}", value, "a count with rollout=sglang on GPUs (the placement plan puts each "
+                  "trainer rank and server on its GPUs before anything starts)", f"set trainer.{key}=N")
+    return plan_placement(parallel_plan(cfg), nodes=nodes, devices=devices, placement=settings["placement"],
+                          gpus=settings["gpus"], tp_size=settings["tp_size"], mem_fraction=settings["mem_fraction"],
+                          num_servers=engine.get("num_servers", 1))
+
+
+def validate_placement(cfg: DictConfig) -> None:
+    """The placement plan computes (after the parallel sizes: it places their ranks)."""
+    placement_of(cfg)
 
 
 def validate_parallel(cfg: DictConfig) -> None:
@@ -667,3 +706,4 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
               f"> rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) plus the prompt length",
               "raise the token budget so that one whole sample fits in a micro-batch")
     validate_parallel(cfg)
+    validate_placement(cfg)

@@ -18,10 +18,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.callbacks.evaluation import Evaluation
-from topp_rl.config import callback_entries, validate_config, validate_with_model
+from topp_rl.config import callback_entries, placement_of, validate_config, validate_with_model
+from topp_rl.parallel.placement import ENGINE_KEYS, render
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.run import loggers as run_loggers
 from topp_rl.run.checkpoint import AtomicCheckpointIO, RunRecord
@@ -84,12 +86,22 @@ def _without_switch(entry: DictConfig) -> dict:
     return resolved
 
 
+def engine_settings(cfg: DictConfig) -> DictConfig | dict:
+    """`rollout.engine`, less the placement plan's keys where it has them (resolved then: `placement_of` reads
+    them, the engine does not)."""
+    engine = cfg.rollout.engine
+    if not any(key in engine for key in ENGINE_KEYS):
+        return engine
+    settings = OmegaConf.to_container(engine, resolve=True)
+    return {key: value for key, value in settings.items() if key not in ENGINE_KEYS}
+
+
 def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
                engine_model: Callable[[], torch.nn.Module] | None = None) -> Callable[[int], RolloutEngine]:
     """The engine factory the datamodule calls on each rank that generates (one per TP x CP group), once the
     process groups exist; each data-parallel rank's engine gets its own work dir. `engine_model`, when given,
     makes the model the engine is built on instead of `policy` (LoRA: the merged weights)."""
-    factory = instantiate(cfg.rollout.engine)
+    factory = instantiate(engine_settings(cfg))
 
     def build(dp_rank: int) -> RolloutEngine:
         model = engine_model() if engine_model is not None else policy
@@ -98,10 +110,19 @@ def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
     return build
 
 
+@rank_zero_only
+def print_placement(cfg: DictConfig) -> None:
+    """The placement block (SGLang servers on GPUs), once per run, before the layout line."""
+    placement = placement_of(cfg)
+    if placement is not None:
+        print(render(placement), flush=True)
+
+
 def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     """Every part of a run; `rewards` (entries whose `fn` may be a Python callable: `topp_rl.fit`) replace the
     task's configured reward functions."""
     validate_config(cfg, check_rewards=rewards is None)
+    print_placement(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
