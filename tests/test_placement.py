@@ -88,14 +88,18 @@ def test_a_pipeline_across_two_nodes_keeps_each_server_with_its_replicas_source(
         "from rank 0 (replica 0)"]
 
 
-def test_disaggregated_servers_sit_on_the_node_of_the_rank_that_pushes_to_them_while_it_has_gpus():
+def test_disaggregated_servers_sit_on_the_node_of_the_rank_that_launches_them():
     p = plan_placement(ParallelPlan(world=8, tp=2), nodes=2, devices=4, gpus="4-7")
     assert [(s.node, s.gpus, s.pushed_by) for s in p.servers] == [(0, (4,), 0), (0, (5,), 2), (1, (4,), 4),
                                                                    (1, (5,), 6)]
-    # PP over the nodes' ranks: every source (stage 0) on node 0, whose two server GPUs fill first.
-    p = plan_placement(ParallelPlan(world=8, pp=2), nodes=2, devices=4, gpus="4-5")
-    assert [(s.node, s.gpus, s.pushed_by) for s in p.servers] == [(0, (4,), 0), (0, (5,), 1), (1, (4,), 2),
-                                                                   (1, (5,), 3)]
+    # PP over the nodes' ranks: every source (stage 0) on node 0, which has GPUs for all four servers.
+    p = plan_placement(ParallelPlan(world=8, pp=2), nodes=2, devices=4, gpus="4-7")
+    assert [(s.node, s.gpus, s.pushed_by) for s in p.servers] == [(0, (4,), 0), (0, (5,), 1), (0, (6,), 2),
+                                                                   (0, (7,), 3)]
+    # ... and with two server GPUs per node, node 1's free GPUs are of no use: a source launches beside itself.
+    with pytest.raises(ValueError, match=r"num_servers=1: must be such that every replica's servers fit on the node "
+                                         r"of the rank that launches them: replica 2 \(source rank 2, node 0\)"):
+        plan_placement(ParallelPlan(world=8, pp=2), nodes=2, devices=4, gpus="4-5")
 
 
 def test_disaggregated_servers_fill_the_named_gpus_node_by_node():

@@ -389,9 +389,9 @@ def parallel_plan(cfg: DictConfig) -> ParallelPlan:
 
 
 def placement_of(cfg: DictConfig) -> Placement | None:
-    """Where the run's trainer ranks and SGLang servers go (`topp_rl.parallel.placement`); None where nothing is
-    placed: an engine without the placement keys (rollout=embedded), servers it connects to (router_url / urls) or
-    a CPU run. Refuses, with the numbers, a placement that cannot work."""
+    """Where the run's trainer ranks and SGLang servers go on GPUs (`topp_rl.parallel.placement`); None where
+    nothing is placed: an engine without the placement keys (rollout=embedded), servers it connects to
+    (router_url / urls) or a CPU run. Refuses, with the numbers, a placement that cannot work."""
     engine = cfg.rollout.get("engine")
     if not isinstance(engine, DictConfig) or "placement" not in engine:
         return None
@@ -399,14 +399,8 @@ def placement_of(cfg: DictConfig) -> Placement | None:
     if isinstance(settings["gpus"], ListConfig):
         settings["gpus"] = list(settings["gpus"])
     elsewhere = next((k for k in ("router_url", "urls") if engine.get(k) is not None), None)
-    on_cpu = cfg.trainer.get("accelerator") == "cpu"
-    if elsewhere or on_cpu:
-        why = (f"with rollout.engine.{elsewhere} (those servers run elsewhere)" if elsewhere
-               else "on a CPU run (trainer.accelerator=cpu: the servers run on the host's CPUs)")
-        for key in ("placement", "gpus"):
-            if settings[key] is not None:
-                _fail(f"rollout.engine.{key}", settings[key], f"null {why}", f"drop rollout.engine.{key}" +
-                      ("" if elsewhere else ", or train on GPUs (trainer=gpu)"))
+    if elsewhere or _on_cpu(cfg):
+        _check_unplaced(settings, elsewhere)
         return None
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
     for key, value in (("devices", devices), ("num_nodes", nodes)):
@@ -418,9 +412,49 @@ def placement_of(cfg: DictConfig) -> Placement | None:
                           num_servers=engine.get("num_servers", 1))
 
 
+def _on_cpu(cfg: DictConfig) -> bool:
+    return cfg.trainer.get("accelerator") == "cpu"
+
+
+def _check_unplaced(settings: dict, elsewhere: str | None) -> None:
+    """Servers that are not placed on GPUs (connected ones, or a CPU run) take none of the plan's GPU keys; a CPU
+    run may still be colocated (the release / push cycle, with the memory calls doing nothing)."""
+    why = (f"with rollout.engine.{elsewhere} (those servers run elsewhere)" if elsewhere
+           else "on a CPU run (trainer.accelerator=cpu: the servers run on the host's CPUs)")
+    fix = "" if elsewhere else ", or train on GPUs (trainer=gpu)"
+    allowed = {"placement": (None,) if elsewhere else (None, "colocated"), "gpus": (None,), "tp_size": (1,),
+               "mem_fraction": (None,)}
+    for key, values in allowed.items():
+        if settings[key] not in values:
+            _fail(f"rollout.engine.{key}", settings[key], f"{' or '.join(map(str, values))} {why}".replace(
+                "None", "null"), f"drop rollout.engine.{key}{fix}")
+
+
+def engine_placement_mode(cfg: DictConfig) -> str | None:
+    """How the run's servers share devices with the trainer: "colocated", "disaggregated", or None (no placement
+    keys, connected servers, or a CPU run that leaves `rollout.engine.placement` null)."""
+    if (placement := placement_of(cfg)) is not None:
+        return placement.mode
+    engine = cfg.rollout.get("engine")
+    return engine.get("placement") if isinstance(engine, DictConfig) and "placement" in engine else None
+
+
 def validate_placement(cfg: DictConfig) -> None:
-    """The placement plan computes (after the parallel sizes: it places their ranks)."""
-    placement_of(cfg)
+    """The placement plan computes (after the parallel sizes: it places their ranks), and a colocated engine gets
+    what it needs."""
+    if engine_placement_mode(cfg) != "colocated":
+        return
+    engine = cfg.rollout.engine
+    staleness = check_staleness_key(cfg.rollout.get("max_staleness", 0), overlap=cfg.rollout.get("overlap", False))
+    if staleness:
+        _fail("rollout.max_staleness", staleness, "0 with rollout.engine.placement=colocated (the servers give their "
+              "memory back while the trainer trains, so they cannot generate the next steps meanwhile)",
+              "set rollout.max_staleness=0 (and rollout.overlap=false), or give the servers their own GPUs "
+              "(rollout.engine.placement=disaggregated rollout.engine.gpus=...)")
+    if engine.get("weight_sync") == "distributed":
+        _fail("rollout.engine.weight_sync", "distributed", "tensor, disk or null with rollout.engine.placement="
+              "colocated (a broadcast group would hold a trainer rank and a server on one GPU, which NCCL refuses)",
+              "set rollout.engine.weight_sync=null (tensor: CUDA IPC on GPUs, shared memory on CPU)")
 
 
 def validate_parallel(cfg: DictConfig) -> None:

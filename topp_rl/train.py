@@ -22,7 +22,13 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.callbacks.evaluation import Evaluation
-from topp_rl.config import callback_entries, placement_of, validate_config, validate_with_model
+from topp_rl.config import (
+    callback_entries,
+    engine_placement_mode,
+    placement_of,
+    validate_config,
+    validate_with_model,
+)
 from topp_rl.parallel.placement import ENGINE_KEYS, render
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
 from topp_rl.run import loggers as run_loggers
@@ -99,15 +105,41 @@ def engine_settings(cfg: DictConfig) -> DictConfig | dict:
 def engine_for(cfg: DictConfig, policy, tokenizer, output_dir: Path, *,
                engine_model: Callable[[], torch.nn.Module] | None = None) -> Callable[[int], RolloutEngine]:
     """The engine factory the datamodule calls on each rank that generates (one per TP x CP group), once the
-    process groups exist; each data-parallel rank's engine gets its own work dir. `engine_model`, when given,
-    makes the model the engine is built on instead of `policy` (LoRA: the merged weights)."""
+    process groups exist; each data-parallel rank's engine gets its own work dir and, where servers are placed
+    (`placement_of`), its own servers' places. `engine_model`, when given, makes the model the engine is built on
+    instead of `policy` (LoRA: the merged weights)."""
     factory = instantiate(engine_settings(cfg))
+    placed = placement_kwargs(cfg)
 
     def build(dp_rank: int) -> RolloutEngine:
         model = engine_model() if engine_model is not None else policy
-        return factory(model=model, tokenizer=tokenizer, workdir=output_dir / "engine" / f"dp{dp_rank}")
+        return factory(model=model, tokenizer=tokenizer, workdir=output_dir / "engine" / f"dp{dp_rank}",
+                       **placed(dp_rank))
 
     return build
+
+
+def placement_kwargs(cfg: DictConfig) -> Callable[[int], dict]:
+    """What the placement plan tells data-parallel rank d's engine: `colocated`, and `placed` (its servers' GPUs and
+    memory fractions) on GPU runs; nothing for an engine without the placement keys."""
+    mode = engine_placement_mode(cfg)
+    if mode is None:
+        return lambda dp_rank: {}
+    placement = placement_of(cfg)
+
+    def for_rank(dp_rank: int) -> dict:
+        kwargs: dict = {"colocated": mode == "colocated"}
+        if placement is not None:
+            servers = placement.servers_of(dp_rank)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            if servers[0].pushed_by != rank:
+                raise RuntimeError(f"the placement plan gives data-parallel replica {dp_rank}'s servers to rank "
+                                   f"{servers[0].pushed_by}, but rank {rank} builds its engine; the plan's rank order "
+                                   "differs from the strategy's")
+            kwargs["placed"] = servers
+        return kwargs
+
+    return for_rank
 
 
 @rank_zero_only

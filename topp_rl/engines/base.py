@@ -85,6 +85,15 @@ class InFlightUpdates(Protocol):
         ...
 
 
+@runtime_checkable
+class ReleasesMemory(Protocol):
+    """An engine on the trainer's own devices (`rollout.engine.placement=colocated`): once a step's generations are
+    done, `release_memory` gives its device memory to the trainer; its next `update_weights` takes the memory back
+    (the weights', then the pushed values, then the KV cache's) before it generates again."""
+
+    def release_memory(self) -> None: ...
+
+
 class EngineWrapper(RolloutEngine):
     """An engine around another (`inner`), answering with its capabilities."""
 

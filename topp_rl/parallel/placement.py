@@ -11,8 +11,8 @@ Rules:
   can go over CUDA IPC; each server takes `mem_fraction` of its GPUs and leaves `TRAINER_SHARE` to the trainer,
   whose weights, gradients and optimizer state stay resident while the server generates.
 - disaggregated: the servers get the GPUs `gpus` names on every node (none of them a trainer rank's), `tp_size`
-  GPUs each, on the node of the rank that pushes to them while it has some free (else the first node that does);
-  weights go over NCCL as before.
+  GPUs each, on the node of the rank that launches them and pushes to them (a replica's source: a process starts
+  its servers beside itself); weights go over NCCL as before.
 - A server's GPUs lie on one node (SGLang's TP runs inside one node); at most one server per GPU.
 A server process is started with `CUDA_VISIBLE_DEVICES` = its GPUs and SGLang's `base_gpu_id=0`, `tp_size` = their
 count (SGLang maps CUDA IPC handles by device UUID, so the two sides of a colocated push may number GPUs differently).
@@ -225,7 +225,7 @@ def _colocated_slots(plan: ParallelPlan, trainer: Sequence[TrainerRank], *, tp_s
 
 def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: tuple[int, ...], tp_size: int,
                          num_servers: int) -> list[tuple[int, tuple[int, ...]]]:
-    """`tp_size` of the named GPUs per server, on its source's node where they last."""
+    """`tp_size` of the named GPUs per server, on its source's node."""
     shared = [g for g in gpus if g < devices]
     if shared:
         _fail("rollout.engine.gpus", span(gpus), f"GPUs no trainer rank uses with rollout.engine.placement="
@@ -248,10 +248,19 @@ def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: 
     free = {node: [gpus[k * tp_size:(k + 1) * tp_size] for k in range(per_node)] for node in range(nodes)}
     slots = []
     for d in range(plan.dp):
-        home = replica_ranks(plan, d)[0] // devices  # the source's node first: its pushes stay inside the node
-        for _ in range(num_servers):
-            node = home if free[home] else next(n for n in range(nodes) if free[n])
-            slots.append((node, free[node].pop(0)))
+        source = replica_ranks(plan, d)[0]
+        home = source // devices  # the source launches its servers: on its own node
+        for j in range(num_servers):
+            if not free[home]:
+                _fail("rollout.engine.num_servers", num_servers, f"such that every replica's servers fit on the node "
+                      f"of the rank that launches them: replica {d} (source rank {source}, node {home}) needs "
+                      f"{num_servers} server(s) of tp_size {tp_size}, and node {home} has no server GPUs left for its "
+                      f"server {j} (rollout.engine.gpus={span(gpus)} holds {per_node} per node, shared by the "
+                      f"{sum(1 for e in range(plan.dp) if replica_ranks(plan, e)[0] // devices == home)} replica(s) "
+                      f"whose source is on node {home})",
+                      "name more GPUs per node, lower rollout.engine.num_servers or tp_size, or spread the replicas' "
+                      "first ranks over the nodes")
+            slots.append((home, free[home].pop(0)))
     return slots
 
 

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 from topp_rl.data import PackedBatch, RolloutBatch
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import Sample, SampleStatus
-from topp_rl.engines.base import RolloutEngine
+from topp_rl.engines.base import ReleasesMemory, RolloutEngine
 from topp_rl.engines.shared import SharedWorkersEngine
 from topp_rl.parallel.collectives import DataParallelCollectives
 from topp_rl.parallel.peers import RolloutPeers
@@ -288,6 +288,8 @@ class RolloutDataModule(L.LightningDataModule):
             stats |= ahead_stats(own, self.engine, wait_s=gen_seconds) | ahead_figures
         if self.peers.size > 1:
             stats |= share_stats(self.peers, share_s=share_seconds, shared_bytes=shared_bytes)
+        if isinstance(self.engine, ReleasesMemory):  # colocated: the step's generations are done, training starts
+            self.engine.release_memory()
         return RolloutBatch(micro_batches=micro, samples=samples, step=ticket.step, stats=stats)
 
     def _decode_batch(self) -> tuple[float, float]:

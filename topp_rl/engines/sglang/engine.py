@@ -32,6 +32,7 @@ from topp_rl.engines.sglang.server import SGLangServer, make_workdir
 from topp_rl.engines.sglang.weights import InFlightPause, SyncMethod, WeightSync, without_prefix_cache
 from topp_rl.models import save_model
 from topp_rl.models.moe import moe_routing
+from topp_rl.parallel.placement import Server
 
 
 class SGLangEngine(RolloutEngine, InFlightUpdates):
@@ -61,7 +62,7 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         record_raw_log_probs: bool = True,
         routing: MoeRouting | None = None,
         wire: WireMode = "auto",
-        weight_sync: SyncMethod = "disk",
+        weight_sync: SyncMethod | None = "disk",
         weight_bucket_bytes: int = 512 * 2**20,
         pause_mode: InFlightPause = "retract",
         max_concurrency: int = 64,
@@ -73,14 +74,26 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         workdir: str | Path | None = None,
         weight_sync_host: str = "127.0.0.1",
         server_kwargs: dict[str, Any] | None = None,
+        placed: Sequence[Server] | None = None,
     ) -> None:
         mode = worker_mode(urls=urls, router_url=router_url, model_path=model_path, num_servers=num_servers,
                            router=router)  # fmt: skip
         check_policy(router_policy)
         if wire not in ("auto", "b64", "nested"):
             raise ValueError(f"wire ({wire!r}) must be 'auto', 'b64' or 'nested'")
-        if weight_sync not in ("disk", "distributed"):
-            raise ValueError(f"weight_sync ({weight_sync!r}) must be 'disk' or 'distributed'")
+        weight_sync = weight_sync or "disk"  # null in the config: disk unless colocated (`ColocatedSGLangEngine`)
+        if weight_sync not in ("disk", "distributed", "tensor"):
+            raise ValueError(f"weight_sync ({weight_sync!r}) must be 'disk', 'distributed' or 'tensor'")
+        if weight_sync == "tensor" and not self.colocated:
+            raise ValueError(
+                "weight_sync='tensor' hands the servers handles to the trainer's own memory (CUDA IPC, shared memory), "
+                "so they must share its devices: set rollout.engine.placement=colocated, or use disk / distributed"
+            )
+        if placed is not None and (mode != "launch" or len(placed) != num_servers):
+            raise ValueError(
+                f"placed= gives {len(placed)} placed server(s) but the engine launches {num_servers if mode == 'launch' else 0}; "
+                "the placement plan places exactly the servers this engine launches (rollout.engine.num_servers)"
+            )
         if pause_mode not in ("retract", "in_place"):
             raise ValueError(
                 f"pause_mode ({pause_mode!r}) must be 'retract' (the requests in flight recompute their KV under the "
@@ -127,33 +140,50 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
                 self.fleet.join_router(self.client, router_url)
             else:
                 self.fleet.launch(num_servers, router=router, router_policy=router_policy,
-                                  router_kwargs=router_kwargs or {},
+                                  router_kwargs=router_kwargs or {}, slots=self._slots(placed, server_kwargs),
                                   server_kwargs={"progress_interval_s": progress_interval_s, **(server_kwargs or {})})  # fmt: skip
             self.patched = self.fleet.connect(self.client, wire=wire, prefix_cache=pause_mode != "in_place")
         except BaseException:
             self.close()
             raise
 
+    colocated = False  # on the trainer's own devices (`ColocatedSGLangEngine`)
+
+    def _slots(self, placed: Sequence[Server] | None, server_kwargs: dict[str, Any] | None) -> list[dict] | None:
+        """Each launched server's GPUs, memory fraction and memory saver (colocated servers on GPUs), from the
+        placement plan's `placed` servers."""
+        if placed is None:
+            return None
+        return [{"gpus": s.gpus, "mem_fraction": s.mem_fraction, "memory_saver": self.colocated} for s in placed]
+
     @classmethod
     def for_policy(
-        cls, *, model, tokenizer, workdir: Path, share_weights: bool = False, record_routes: bool = True, **kwargs
-    ) -> "SGLangEngine":
+        cls, *, model, tokenizer, workdir: Path, share_weights: bool = False, record_routes: bool = True,
+        colocated: bool = False, **kwargs,
+    ) -> "SGLangEngine":  # fmt: skip
         """The config factory (`rollout.engine`): servers launched on the policy's initial weights, written
         once to `workdir/init` (SGLang loads weights from disk); their logs and weight copies live under `workdir`.
         A server always holds its own weights: `share_weights` (the embedded engine's option) must be false.
-        `record_routes`: ask for the routed experts when the policy is an MoE model (`topp_rl.models.moe`)."""
+        `record_routes`: ask for the routed experts when the policy is an MoE model (`topp_rl.models.moe`).
+        `colocated`: the servers share the trainer's devices (`ColocatedSGLangEngine`); `placed` (in `kwargs`):
+        the placement plan's servers of this engine, on GPUs."""
 
         if share_weights:
             raise ValueError(
                 "rollout.engine.share_weights=true: an SGLang server holds its own copy of the weights and cannot "
-                "sample with the trainer's; drop the key (it is rollout=embedded's option)"
+                "sample with the trainer's (colocated servers too: they share its devices, not its tensors); drop "
+                "the key (it is rollout=embedded's option)"
             )
 
         routing = moe_routing(model) if record_routes else None
         if routing is not None and not (kwargs.get("urls") or kwargs.get("router_url")):  # servers launched here
-            check_capture_device((kwargs.get("server_kwargs") or {}).get("device", "cpu"))
+            placed = "cuda" if kwargs.get("placed") else "cpu"
+            check_capture_device((kwargs.get("server_kwargs") or {}).get("device") or placed)
         path = save_model(model, tokenizer, Path(workdir) / "init")
-        engine = cls(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
+        engine_class = cls
+        if colocated:
+            from topp_rl.engines.sglang.colocate import ColocatedSGLangEngine as engine_class  # builds on this module
+        engine = engine_class(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
                      **kwargs)
         engine.max_context = getattr(model.config, "max_position_embeddings", None)  # the servers' context length
         return engine
@@ -185,6 +215,11 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
     def urls(self) -> list[str]:
         """The workers (the launched servers, the router's workers at connect time, or the given URLs)."""
         return self.fleet.urls
+
+    @property
+    def tp_sizes(self) -> dict[str, int]:
+        """Each worker's TP ranks (its `/server_info` at connect)."""
+        return {url: int(info.get("tp_size") or 1) for url, info in self.fleet.infos.items()}
 
     @property
     def router_url(self) -> str | None:
@@ -249,7 +284,7 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         for `/update_weights_from_disk`, `"disk"`), resume. Returns, and keeps as `last_sync`, its time and bytes."""
         workers = self.fleet.live_workers(self.client)
         self.last_sync = self.weights.update(named_tensors, workers, method=self.weight_sync,
-                                             config_dir=self.model_path)  # fmt: skip
+                                             config_dir=self.model_path, tp_sizes=self.tp_sizes)  # fmt: skip
         return self.last_sync
 
     # ---- partial rollouts (InFlightUpdates) --------------------------------------------------------------------
@@ -262,7 +297,7 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         workers = self.fleet.live_workers(self.client)
         self.last_sync = self.weights.update(named_tensors, workers, method=self.weight_sync,
                                              config_dir=self.model_path, pause=self.pause_mode,
-                                             version=str(int(version)))  # fmt: skip
+                                             version=str(int(version)), tp_sizes=self.tp_sizes)  # fmt: skip
         return self.last_sync
 
     def start_version(self, version: int) -> None:

@@ -39,6 +39,7 @@ class Fleet:
         self.servers: list[SGLangServer] = []
         self.launched_router: SGLangRouter | None = None
         self.mask_max_tokens = 0
+        self.infos: dict[str, dict[str, Any]] = {}  # each worker's /server_info at connect (its launch settings)
         self.keep_log = False  # a launched process failed: its log stays when the work dir goes
 
     @property
@@ -48,17 +49,23 @@ class Fleet:
     # ---- where the workers come from ------------------------------------------------------------------------
     def launch(
         self, n: int, *, router: bool, server_kwargs: dict[str, Any], router_policy: str,
-        router_kwargs: dict[str, Any],
+        router_kwargs: dict[str, Any], slots: Sequence[dict[str, Any]] | None = None,
     ) -> None:  # fmt: skip
         """`n` servers started at once (each ~20 s on CPU, mostly imports), then the router when `n > 1` or
-        `router`; any failure stops them all (at `close`) and keeps the failed log."""
+        `router`; any failure stops them all (at `close`) and keeps the failed log. `slots`: each server's own
+        launch settings (its GPUs, memory fraction, memory saver: the placement plan's), added to `server_kwargs`."""
         self.vocab_size = self.vocab_size or config_vocab_size(self.model_path)
         kwargs = {"sampling_mask_max_tokens": self.mask_cap, **server_kwargs}
+        slots = list(slots) if slots is not None else [{}] * n
+        if len(slots) != n:
+            raise ValueError(f"{len(slots)} placed server slots for num_servers={n}; the placement plan gives each "
+                             "launched server its slot")
         dirs = [self.workdir] if n == 1 else [self.workdir / f"server-{k}" for k in range(n)]
         for d in dirs:
             d.mkdir(exist_ok=True)
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sglang-launch") as ex:
-            futures = [ex.submit(SGLangServer, self.model_path, workdir=d, **kwargs) for d in dirs]
+            futures = [ex.submit(SGLangServer, self.model_path, workdir=d, **kwargs, **slot)
+                       for d, slot in zip(dirs, slots, strict=True)]
         errors = []
         for fut in futures:
             try:
@@ -117,6 +124,7 @@ class Fleet:
         false, that it runs without SGLang's prefix (radix) cache; then that the router passes the candidate sets
         through. Returns whether the compact (b64) wire format is used."""
         infos = [client.get(url, "/server_info") for url in self.urls]
+        self.infos = dict(zip(self.urls, infos, strict=True))
         cached = [url for url, info in zip(self.urls, infos, strict=True) if not info.get("disable_radix_cache")]
         if not prefix_cache and cached:
             raise ValueError(

@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import requests
@@ -120,6 +121,42 @@ def _owner_id(pid: int) -> str:
         return f"{pid} 0"
 
 
+# ---- GPU launch settings (the placement plan's, `topp_rl.parallel.placement`) ---------------------------------
+def gpu_launch_args(device: str, gpus: tuple[int, ...], *, mem_fraction: float | None,
+                    memory_saver: bool) -> tuple[str, ...]:
+    """SGLang's flags for a server on `gpus` (ids of this node): it sees only them (`CUDA_VISIBLE_DEVICES`, set by
+    `visible_devices`), so its TP ranks start at `--base-gpu-id 0` and `--tp-size` is their count;
+    `mem_fraction_static` of each; `--enable-memory-saver` for a colocated server (release / resume its memory)."""
+    if device == "cpu" and (gpus or memory_saver or mem_fraction is not None):
+        raise ValueError(
+            f"SGLang server device='cpu' with gpus={list(gpus)}, mem_fraction={mem_fraction}, memory_saver="
+            f"{memory_saver}: these place a server on GPUs (the memory saver, torch_memory_saver, is CUDA-only); "
+            "drop them, or launch on device='cuda'"
+        )
+    args: tuple[str, ...] = ()
+    if gpus:
+        args += ("--base-gpu-id", "0", "--tp-size", str(len(gpus)))
+    if mem_fraction is not None:
+        args += ("--mem-fraction-static", f"{mem_fraction:g}")
+    if memory_saver:
+        args += ("--enable-memory-saver",)
+    return args
+
+
+def visible_devices(gpus: tuple[int, ...], inherited: str | None) -> str:
+    """`CUDA_VISIBLE_DEVICES` for a server on `gpus`, ids among the GPUs this process sees: through `inherited` (a
+    scheduler's `CUDA_VISIBLE_DEVICES=2,3,6,7` makes id 1 the physical GPU 3), else the node's own numbering."""
+    if not inherited:
+        return ",".join(map(str, gpus))
+    seen = [d.strip() for d in inherited.split(",") if d.strip()]
+    if max(gpus) >= len(seen):
+        raise ValueError(
+            f"SGLang server gpus={list(gpus)}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES={inherited}), "
+            f"so ids 0-{len(seen) - 1}; name GPUs it sees (rollout.engine.gpus) or widen CUDA_VISIBLE_DEVICES"
+        )
+    return ",".join(seen[g] for g in gpus)
+
+
 # ---- the server ---------------------------------------------------------------------------------------------
 class SGLangServer(LoggedProcessGroup):
     """One SGLang server process group serving `model_path` at `self.url`; a context manager.
@@ -139,7 +176,10 @@ class SGLangServer(LoggedProcessGroup):
         host: str = "127.0.0.1",
         port: int | None = None,
         dtype: str = "float32",
-        device: str = "cpu",
+        device: str | None = None,
+        gpus: Sequence[int] | None = None,
+        mem_fraction: float | None = None,
+        memory_saver: bool = False,
         max_total_tokens: int = 8192,
         sampling_mask_max_tokens: int | None = None,
         random_seed: int = 0,
@@ -157,9 +197,11 @@ class SGLangServer(LoggedProcessGroup):
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.log_path = self.workdir / "server.log"
         self.failed = False
+        self.device = device = device or ("cuda" if gpus else "cpu")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"SGLang server device={device!r} must be 'cpu' or 'cuda'")
-        self.device = device
+        self.gpus = tuple(gpus or ())
+        gpu_args = gpu_launch_args(device, self.gpus, mem_fraction=mem_fraction, memory_saver=memory_saver)
         cpu = ("--device", "cpu", "--attention-backend", "torch_native") if device == "cpu" else ()
         cmd = [
             str(python), "-m", "sglang.launch_server",
@@ -173,6 +215,7 @@ class SGLangServer(LoggedProcessGroup):
             "--max-total-tokens", str(max_total_tokens),
             "--random-seed", str(random_seed),
             *(("--sampling-mask-max-tokens", str(sampling_mask_max_tokens)) if sampling_mask_max_tokens else ()),
+            *gpu_args,
             *extra_args,
         ]  # fmt: skip
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -183,6 +226,8 @@ class SGLangServer(LoggedProcessGroup):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env.pop("PYTHONPATH", None)  # our venv's packages must not shadow SGLang's pins
         if is_loopback(self.host):
             # A file rendezvous opens no port (torch's TCPStore master binds all interfaces, whatever host);

@@ -16,6 +16,10 @@ calls): pause its generation, push, resume; every call bounded by the weight tim
   (`update_answer`); the servers then run without a prefix cache (`without_prefix_cache`), else its old KV would
   serve later requests sharing a prefix.
 
+The tensor path (`rollout.engine.placement=colocated`): per bucket one `/update_weights_from_tensor` whose body
+carries handles, not bytes: CUDA IPC handles to the trainer's own GPU memory, or on CPU shared-memory files
+(`shared_payload`); the server copies from them into its weights.
+
 The distributed path: the trainer is rank 0 of a `BroadcastGroup` whose other ranks are the servers (server k
 joins as rank k + 1 through `/init_weights_update_group`). Per update: `/begin_weight_update`, then per bucket
 (`iter_buckets`, default 512 MiB) one `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0
@@ -24,16 +28,20 @@ lazily (a TP-gathering source materialises one bucket at a time) and each bucket
 own size.
 """
 
+import base64
 import contextlib
+import io
 import itertools
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.multiprocessing as torch_mp  # registers torch's reductions with ForkingPickler
 
 from topp_rl.engines.serving.client import HTTPClient, parse_answer
 from topp_rl.engines.serving.weights import (
@@ -45,7 +53,7 @@ from topp_rl.engines.serving.weights import (
 )
 
 PostFn = Callable[[str, str, dict[str, Any], int], dict[str, Any]]  # (url, path, body, weight bytes) -> JSON
-SyncMethod = Literal["disk", "distributed"]
+SyncMethod = Literal["disk", "distributed", "tensor"]
 InFlightPause = Literal["retract", "in_place"]  # the modes that keep the requests in flight
 PauseMode = Literal["abort", "retract", "in_place"]
 # SGLang 0.5.23's answer (HTTP 400, success false) to a weight update that loaded the weights but could not flush the
@@ -82,6 +90,10 @@ class WeightSync:
         self.distributed: DistributedWeightSender | None = None
         self.syncs = 0
 
+    def control(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A call that moves no weights (pause, memory), bounded by the weights' base timeout."""
+        return self._post(url, path, body, 0)
+
     def _post(self, url: str, path: str, body: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
         bound = self.client.timeouts.weights(weight_bytes)
         return update_answer(url, path, *self.client.call("POST", url, path, body, bound))
@@ -89,9 +101,11 @@ class WeightSync:
     def update(
         self, named: Iterable[tuple[str, torch.Tensor]], workers: list[str], *, method: SyncMethod,
         config_dir: Path | None, pause: PauseMode = "abort", version: str | None = None,
+        tp_sizes: dict[str, int] | None = None,
     ) -> WeightSyncStats:  # fmt: skip
         """Pause `workers` (`pause` mode), push `named` by `method` (`config_dir`: the model's config files for a
-        disk checkpoint) tagged `version` (default: the sync count), resume them."""
+        disk checkpoint; `tp_sizes`: each worker's TP ranks, which take one copy each of a `tensor` push) tagged
+        `version` (default: the sync count), resume them."""
         start = time.monotonic()
         version = str(self.syncs + 1) if version is None else version
         for url in workers:
@@ -100,6 +114,8 @@ class WeightSync:
             nbytes, buckets = self._distributed(workers).send(
                 named, bucket_bytes=self.bucket_bytes, version=version
             )
+        elif method == "tensor":
+            nbytes, buckets = self._tensor(named, workers, version, tp_sizes or {})
         else:
             nbytes, buckets = self._disk(named, workers, version, config_dir), 1
         for url in workers:
@@ -138,10 +154,57 @@ class WeightSync:
                 pass
         return nbytes
 
+    def _tensor(
+        self, named: Iterable[tuple[str, torch.Tensor]], workers: list[str], version: str, tp_sizes: dict[str, int]
+    ) -> tuple[int, int]:  # fmt: skip
+        """`/update_weights_from_tensor` per bucket: the tensors travel as handles to memory the servers map
+        (`shared_payload`), never through the HTTP body; returns (bytes, buckets)."""
+        buckets = iter_buckets(named, self.bucket_bytes)
+        first = next(buckets, None)
+        if first is None:
+            raise ValueError("update_weights got no tensors; pass model.named_parameters() or a state_dict's items")
+        for url in workers:
+            self._post(url, "/begin_weight_update", {}, 0)
+        total = count = 0
+        for bucket in itertools.chain([first], buckets):
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            with shared_payload(bucket) as payload:
+                body = {"flush_cache": True, "weight_version": version}
+                with in_threads([partial(self._post, url, "/update_weights_from_tensor",
+                                         {**body, "serialized_named_tensors": [payload] * tp_sizes.get(url, 1)}, nbytes)
+                                 for url in workers]):  # fmt: skip
+                    pass
+            total, count = total + nbytes, count + 1
+        for url in workers:
+            self._post(url, "/end_weight_update", {}, 0)
+        return total, count
+
     def close(self) -> None:
         if self.distributed is not None:
             self.distributed.close()
             self.distributed = None
+
+
+@contextlib.contextmanager
+def shared_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
+    """One bucket as SGLang's `/update_weights_from_tensor` reads it (its `MultiprocessingSerializer`: torch's
+    multiprocessing pickle of the (name, tensor) list, base64), valid while the block runs. A CUDA tensor travels as
+    a CUDA IPC handle to the trainer's own memory (SGLang maps it by device UUID, so numbering need not match); a
+    CPU tensor is first copied (the trainer's parameters stay where they are) into a shared-memory file the server
+    opens by name: torch's `file_system` strategy, as the default file-descriptor passing reaches only the sender's
+    children and a server is not one."""
+    tensors = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in bucket]
+    before = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(tensors)
+    finally:
+        torch_mp.set_sharing_strategy(before)
+    try:
+        yield base64.b64encode(buf.getvalue()).decode("ascii")
+    finally:
+        del tensors  # the copies (and their shared-memory files) go once the servers have loaded them
 
 
 class DistributedWeightSender:
