@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from topp_rl.data import RolloutBatch
+from topp_rl.engines.base import EngineWrapper, ReleasesMemory
 from topp_rl.engines.embedded import EmbeddedEngine
 from topp_rl.models import build_char_tokenizer, build_tiny_model
 from topp_rl.ops import Candidates
@@ -409,6 +410,34 @@ def test_refill_stops_at_the_factor_and_trains_what_it_has(engine):
     batch = dm.rollout(dm.ticket(0))
     assert not any("refill" in k or "surplus" in k for k in batch.stats) and dm.refill_prompts == 0
     assert batch.stats["rollout/groups_generated"] == (2.0, 1.0) and batch.stats["rollout/groups_filtered"] == (1.0, 1.0)
+
+
+class _Releasing(EngineWrapper, ReleasesMemory):
+    """An engine on the trainer's devices (as colocated SGLang servers are), logging its calls."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner, self.vocab_size, self.calls = inner, inner.vocab_size, []
+
+    def generate(self, prompts, params, *, seed=None):
+        self.calls.append("generate")
+        return self.inner.generate(prompts, params, seed=seed)
+
+    def update_weights(self, named_tensors) -> None:
+        self.calls.append("update")
+
+    def release_memory(self) -> None:
+        self.calls.append("release")
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_engine_on_the_trainers_devices_releases_its_memory_once_after_the_steps_last_generation(engine):
+    releasing = _Releasing(engine)
+    dm = _datamodule(releasing, prompts=2, n=8, task=_ScriptedTask([F0, ONE_SUCCESS, F1, F0]),
+                     drop_zero_variance_groups=True, refill=True, max_refill_factor=2)
+    dm.rollout(dm.ticket(0))  # the step's own groups, then one refill round
+    assert releasing.calls == ["generate", "generate", "release"]
 
 
 def test_refill_round_sizes():

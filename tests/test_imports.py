@@ -49,6 +49,9 @@ LAZY = {
     ("topp_rl.cli", "topp_rl.train"): "`topp-rl --help` and `train --help` answer without importing Lightning",
     ("topp_rl.cli", "topp_rl.run.export"): "each subcommand loads only what it runs",
     ("topp_rl.cli", "topp_rl.report"): "each subcommand loads only what it runs (matplotlib for report)",
+    ("topp_rl.cli", "topp_rl.api"): "each subcommand loads only what it runs (plan composes a config)",
+    ("topp_rl.cli", "topp_rl.config"): "each subcommand loads only what it runs (plan checks the config)",
+    ("topp_rl.cli", "topp_rl.parallel.placement"): "each subcommand loads only what it runs (plan renders it)",
 }
 
 PACKAGE_DIRS = {"callbacks": "topp_rl.callbacks"}  # folders installed under another name (pyproject's package-dir)

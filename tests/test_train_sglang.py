@@ -35,3 +35,19 @@ def test_sglang_overlap_generates_beside_training_one_update_behind(tmp_path, ti
     rows = [r for r in read_metrics(tmp_path) if r.get("rollout/weight_staleness")]
     assert column(rows, "rollout/weight_staleness") == [0.0, 1.0, 1.0]
     assert float(rows[0]["train/rollout_logprob_abs_diff_max"]) <= 1e-4  # step 0: on-policy, exact
+
+
+def test_sglang_colocated_trains_exactly_releasing_memory_between_steps(tmp_path, capsys):
+    """rollout.engine.placement=colocated on CPU: after each step's rollouts the server releases its memory (a
+    CPU server frees nothing: no memory saver there), the weights go over shared memory (weight_sync null ->
+    tensor) and the next step samples with them: the trainer's pass stays exact to the server's every step, and
+    the evaluation after each push generates with the server awake."""
+    train(compose_cfg(tmp_path, "rollout=sglang", "rollout.engine.placement=colocated", "logger=csv",
+                      "trainer.max_steps=3", "eval.every_n_steps=2"))
+    rows = [r for r in read_metrics(tmp_path) if r.get("train/rollout_logprob_abs_diff")]
+    assert len(rows) == 3
+    assert max(column(rows, "train/rollout_logprob_abs_diff_max")) <= 1e-4  # the bounds of the disk-synced run
+    assert max(column(rows, "train/rollout_logprob_abs_diff")) <= 1e-5
+    synced = [r for r in read_metrics(tmp_path) if r.get("perf/weight_sync_bytes")]
+    assert len(synced) == 3 and len(set(column(synced, "perf/weight_sync_bytes"))) == 1  # every step pushed it all
+    assert "[topp_rl] eval at step 2" in capsys.readouterr().out

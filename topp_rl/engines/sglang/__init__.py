@@ -5,6 +5,6 @@ endpoints, routed experts); the engine-neutral parts (HTTP client, process group
 weight broadcast) are `topp_rl.engines.serving`.
 """
 
-from topp_rl.engines.sglang.engine import SGLangEngine
+from topp_rl.engines.sglang.engine import ColocatedSGLangEngine, SGLangEngine
 
-__all__ = ["SGLangEngine"]
+__all__ = ["ColocatedSGLangEngine", "SGLangEngine"]

@@ -1,7 +1,7 @@
 """Colocated SGLang servers (`rollout.engine.placement=colocated`): on the trainer ranks' own GPUs, giving their
 memory back while the trainer trains.
 
-A step's calls to every server, in this order (`MemoryCycle` is the only code that issues the memory calls):
+A step's calls to every server, in this order (`MemoryCycle` is the only code that issues the memory calls; `engine.ColocatedSGLangEngine` drives it):
 
     generate ...           the step's rollouts: every refill round, every agent turn
     release                /release_memory_occupation {}: KV cache, weights and CUDA graphs leave the GPU
@@ -18,16 +18,8 @@ torch_memory_saver); a CPU server has none (the package is CUDA-only), takes the
 the order, the push over shared memory and the flushed cache are the same, which is what the CPU tests check.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-
-import torch
-
-from topp_rl.data.params import SamplingParams
-from topp_rl.data.sample import Sample
-from topp_rl.engines.base import ReleasesMemory
-from topp_rl.engines.serving.weights import WeightSyncStats
-from topp_rl.engines.sglang.engine import SGLangEngine
 
 RELEASE = "/release_memory_occupation"
 RESUME = "/resume_memory_occupation"
@@ -75,52 +67,6 @@ class MemoryCycle:
             )
 
 
-class ColocatedSGLangEngine(SGLangEngine, ReleasesMemory):
-    """`SGLangEngine` whose launched servers share the trainer's devices: `release_memory` after a step's rollouts,
-    weights pushed by tensor handles (`weight_sync="tensor"`, the default here; `"disk"` also works) with the memory
-    taken back around the push (`MemoryCycle`). Refused: servers it does not launch, a broadcast weight sync (it
-    would put a trainer rank and a server on one GPU, which NCCL refuses), GPU servers without the memory saver."""
-
-    colocated = True
-
-    def __init__(self, *, weight_sync: str | None = None, **kwargs: Any) -> None:
-        if kwargs.get("urls") or kwargs.get("router_url"):
-            raise ValueError(
-                "rollout.engine.placement=colocated launches its servers on the trainer's own devices, but urls / "
-                "router_url name servers running elsewhere; drop them, or leave rollout.engine.placement null"
-            )
-        weight_sync = weight_sync or "tensor"
-        if weight_sync == "distributed":
-            raise ValueError(
-                "rollout.engine.weight_sync='distributed' with rollout.engine.placement=colocated: a broadcast group "
-                "would hold a trainer rank and a server on one GPU, which NCCL refuses; set weight_sync=null (tensor "
-                "handles: CUDA IPC on GPUs, shared memory on CPU) or disk"
-            )
-        super().__init__(weight_sync=weight_sync, **kwargs)
-        self.cycle = MemoryCycle(self.weights.control)
-        try:
-            self._check_memory_saver()
-        except BaseException:
-            self.close()
-            raise
-
-    def _check_memory_saver(self) -> None:
-        missing = [url for url, info in self.fleet.infos.items()
-                   if info.get("device") != "cpu" and not info.get("enable_memory_saver")]
-        if missing:
-            raise ValueError(
-                f"colocated SGLang servers {missing} run without the memory saver, so they could not give the "
-                "trainer their memory; launch them with --enable-memory-saver (the colocated launch adds it; "
-                "torch_memory_saver must be installed: scripts/setup_sglang.sh --gpu)"
-            )
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
-        self.cycle.check_serving()
-        return super().generate(prompts, params, seed=seed)
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
-        return self.cycle.update(self.fleet.live_workers(self.client), lambda: super(
-            ColocatedSGLangEngine, self).update_weights(named_tensors))
-
-    def release_memory(self) -> None:
-        self.cycle.release(self.fleet.live_workers(self.client))
+def without_memory_saver(infos: dict[str, dict[str, Any]]) -> list[str]:
+    """The GPU servers (by `/server_info`) running without SGLang's memory saver: they could not release memory."""
+    return [url for url, info in infos.items() if info.get("device") != "cpu" and not info.get("enable_memory_saver")]

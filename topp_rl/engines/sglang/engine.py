@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
-from topp_rl.engines.base import InFlightUpdates, RolloutEngine, check_prompts
+from topp_rl.engines.base import InFlightUpdates, ReleasesMemory, RolloutEngine, check_prompts
 from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts, limits_from
 from topp_rl.engines.serving.weights import WeightSyncStats
+from topp_rl.engines.sglang.colocate import MemoryCycle, without_memory_saver
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
 from topp_rl.engines.sglang.protocol import Codec, ServerOverflow, generate_answer
 from topp_rl.engines.sglang.router import SGLangRouter, check_policy
@@ -180,9 +181,7 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
             placed = "cuda" if kwargs.get("placed") else "cpu"
             check_capture_device((kwargs.get("server_kwargs") or {}).get("device") or placed)
         path = save_model(model, tokenizer, Path(workdir) / "init")
-        engine_class = cls
-        if colocated:
-            from topp_rl.engines.sglang.colocate import ColocatedSGLangEngine as engine_class  # builds on this module
+        engine_class = ColocatedSGLangEngine if colocated else cls
         engine = engine_class(model_path=path, vocab_size=int(model.config.vocab_size), workdir=workdir, routing=routing,
                      **kwargs)
         engine.max_context = getattr(model.config, "max_position_embeddings", None)  # the servers' context length
@@ -316,3 +315,51 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
         self.weights.close()
         self.fleet.close()
 
+
+class ColocatedSGLangEngine(SGLangEngine, ReleasesMemory):
+    """`SGLangEngine` whose launched servers share the trainer's devices: `release_memory` after a step's rollouts,
+    weights pushed by tensor handles (`weight_sync="tensor"`, the default here; `"disk"` also works) with the memory
+    taken back around the push (`MemoryCycle`). Refused: servers it does not launch, a broadcast weight sync (it
+    would put a trainer rank and a server on one GPU, which NCCL refuses), GPU servers without the memory saver."""
+
+    colocated = True
+
+    def __init__(self, *, weight_sync: str | None = None, **kwargs: Any) -> None:
+        if kwargs.get("urls") or kwargs.get("router_url"):
+            raise ValueError(
+                "rollout.engine.placement=colocated launches its servers on the trainer's own devices, but urls / "
+                "router_url name servers running elsewhere; drop them, or leave rollout.engine.placement null"
+            )
+        weight_sync = weight_sync or "tensor"
+        if weight_sync == "distributed":
+            raise ValueError(
+                "rollout.engine.weight_sync='distributed' with rollout.engine.placement=colocated: a broadcast group "
+                "would hold a trainer rank and a server on one GPU, which NCCL refuses; set weight_sync=null (tensor "
+                "handles: CUDA IPC on GPUs, shared memory on CPU) or disk"
+            )
+        super().__init__(weight_sync=weight_sync, **kwargs)
+        self.cycle = MemoryCycle(self.weights.control)
+        try:
+            self._check_memory_saver()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_memory_saver(self) -> None:
+        if missing := without_memory_saver(self.fleet.infos):
+            raise ValueError(
+                f"colocated SGLang servers {missing} run without the memory saver, so they could not give the "
+                "trainer their memory; launch them with --enable-memory-saver (the colocated launch adds it; "
+                "torch_memory_saver must be installed: scripts/setup_sglang.sh --gpu)"
+            )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int | None = None) -> list[Sample]:
+        self.cycle.check_serving()
+        return super().generate(prompts, params, seed=seed)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+        return self.cycle.update(self.fleet.live_workers(self.client), lambda: super(
+            ColocatedSGLangEngine, self).update_weights(named_tensors))
+
+    def release_memory(self) -> None:
+        self.cycle.release(self.fleet.live_workers(self.client))
