@@ -13,13 +13,13 @@ import torch
 from helpers import compose_config
 from sglang_checks import changed_model, tiny_model
 
-from topp_rl.config import engine_placement_mode, placement_of, validate_config
+from topp_rl.config import engine_placement_mode, placement_of, validate_config, weight_sync_of
 from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts
 from topp_rl.engines.sglang.colocate import MemoryCycle, without_memory_saver
 from topp_rl.engines.sglang.engine import ColocatedSGLangEngine
 from topp_rl.engines.sglang.server import gpu_launch_args, visible_devices
 from topp_rl.engines.sglang.weights import WeightSync, shared_payload
-from topp_rl.train import placement_kwargs
+from topp_rl.train import engine_settings, placement_kwargs
 
 PROTOCOL = json.loads((Path(__file__).parent / "data" / "sglang_colocated_protocol.json").read_text())
 URL = "http://127.0.0.1:1"  # never reached: the replay answers
@@ -154,3 +154,19 @@ def test_a_colocated_run_that_cannot_work_is_refused_at_start(tmp_path, override
         validate_config(compose_config(tmp_path, "rollout=sglang", "rollout.engine.placement=colocated", *overrides))
     with pytest.raises(ValueError, match=r"placement='disaggregated': must be null or colocated on a CPU run"):
         validate_config(compose_config(tmp_path, "rollout=sglang", "rollout.engine.placement=disaggregated"))
+    with pytest.raises(ValueError, match=r"weight_sync='tensor': must be disk, distributed or null unless"):
+        validate_config(compose_config(tmp_path, "rollout=sglang", "rollout.engine.weight_sync=tensor"))
+
+
+def test_a_null_weight_sync_follows_the_placement(tmp_path):
+    def resolved(*overrides):
+        cfg = compose_config(tmp_path, "rollout=sglang", *overrides)
+        validate_config(cfg)
+        return weight_sync_of(cfg), engine_settings(cfg)["weight_sync"]
+
+    assert resolved() == ("disk", "disk")  # CPU, plain launch: as before
+    assert resolved("rollout.engine.placement=colocated") == ("tensor", "tensor")
+    assert resolved(*GPU8) == ("tensor", "tensor")  # GPUs, no gpus named: colocated
+    assert resolved(*GPU8[:3], "trainer.devices=4", "rollout.engine.gpus=4-7") == ("distributed", "distributed")
+    assert resolved(*GPU8[:3], "trainer.devices=4", "rollout.engine.gpus=4-7",
+                    "rollout.engine.weight_sync=disk") == ("disk", "disk")  # an explicit choice stays

@@ -208,11 +208,12 @@ def test_topp_rl_plan_prints_a_colocated_and_a_disaggregated_8_gpu_plan_and_refu
     split = _plan_command("rollout=sglang", "trainer=gpu", "parallel=megatron", "parallel.tp_size=2",
                           "trainer.devices=4", "rollout.engine.gpus=4-7", "rollout.engine.tp_size=2")
     assert split.returncode == 0, split.stderr
-    assert split.stdout.splitlines()[-2:] == [
+    assert split.stdout.splitlines()[-3:] == [
         "    server 0: GPUs 4-5 (CUDA_VISIBLE_DEVICES=4,5 base_gpu_id=0 tp_size=2 mem_fraction_static=0.85), weights "
         "from rank 0 (replica 0)",
         "    server 1: GPUs 6-7 (CUDA_VISIBLE_DEVICES=6,7 base_gpu_id=0 tp_size=2 mem_fraction_static=0.85), weights "
-        "from rank 2 (replica 1)"]
+        "from rank 2 (replica 1)",
+        "  weights: rollout.engine.weight_sync=distributed: an NCCL broadcast from the pushing rank, in buckets"]
     refused = _plan_command(*GPU8, "rollout.engine.gpus=4-7")
     assert refused.returncode == 2 and refused.stdout == ""
     assert "topp-rl plan: error: config rollout.engine.gpus='4-7': must be GPUs no trainer rank uses" in refused.stderr

@@ -11,10 +11,13 @@ before any request leaves, and that an out-of-order call is refused.
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, train_env
 from sglang_checks import PROMPTS, TOL, changed_model, hf_logits, require_sglang, tiny_model
 
 from topp_rl.models import save_model
@@ -88,3 +91,12 @@ def test_a_colocated_step_follows_the_recorded_protocol_and_serves_the_pushed_we
         PROTOCOL.parent.mkdir(exist_ok=True)
         PROTOCOL.write_text(json.dumps(calls, indent=1) + "\n")
     assert calls == json.loads(PROTOCOL.read_text())
+
+
+def test_the_gpu_placement_check_script_runs_its_round_trip_on_a_cpu_server(tmp_path):
+    """scripts/gpu_placement_check.py (gpu_check.sh's placement and colocated checks) with --cpu: the same round
+    trip on a CPU server, so the GPU script's own logic is exercised here."""
+    done = subprocess.run([sys.executable, "scripts/gpu_placement_check.py", "--cpu"], cwd=ROOT, env=train_env(PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gpu_placement_check: OK (CPU)" in done.stdout

@@ -62,7 +62,7 @@ def plan_command(overrides: Sequence[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from topp_rl.api import compose
-    from topp_rl.config import placement_of, validate_config
+    from topp_rl.config import placement_of, validate_config, weight_sync_of
     from topp_rl.parallel.placement import render
 
     try:
@@ -76,7 +76,7 @@ def plan_command(overrides: Sequence[str]) -> None:
         print("[topp_rl] placement: none (no SGLang servers launched on GPUs: rollout=embedded, a CPU run "
               "(trainer=cpu), or rollout.engine.router_url / urls)", flush=True)
     else:
-        print(render(placement), flush=True)
+        print(render(placement, weight_sync=weight_sync_of(cfg)), flush=True)
 
 
 def train_command(overrides: Sequence[str]) -> None:

@@ -439,12 +439,28 @@ def engine_placement_mode(cfg: DictConfig) -> str | None:
     return engine.get("placement") if isinstance(engine, DictConfig) and "placement" in engine else None
 
 
+def weight_sync_of(cfg: DictConfig) -> str | None:
+    """`rollout.engine.weight_sync` with null resolved by the placement: tensor handles colocated, an NCCL broadcast
+    disaggregated (a trainer rank and servers on GPUs of their own), else disk; None for an engine without the key."""
+    engine = cfg.rollout.get("engine")
+    if not isinstance(engine, DictConfig) or "weight_sync" not in engine:
+        return None
+    if engine.weight_sync is not None:
+        return engine.weight_sync
+    return {"colocated": "tensor", "disaggregated": "distributed"}.get(engine_placement_mode(cfg), "disk")
+
+
 def validate_placement(cfg: DictConfig) -> None:
     """The placement plan computes (after the parallel sizes: it places their ranks), and a colocated engine gets
     what it needs."""
-    if engine_placement_mode(cfg) != "colocated":
+    mode = engine_placement_mode(cfg)
+    engine = cfg.rollout.get("engine")
+    if mode != "colocated":
+        if isinstance(engine, DictConfig) and engine.get("weight_sync") == "tensor":
+            _fail("rollout.engine.weight_sync", "tensor", "disk, distributed or null unless rollout.engine.placement="
+                  "colocated (tensor handles point into the trainer's own memory: the servers must share its devices)",
+                  "set rollout.engine.placement=colocated, or rollout.engine.weight_sync=null")
         return
-    engine = cfg.rollout.engine
     staleness = check_staleness_key(cfg.rollout.get("max_staleness", 0), overlap=cfg.rollout.get("overlap", False))
     if staleness:
         _fail("rollout.max_staleness", staleness, "0 with rollout.engine.placement=colocated (the servers give their "

@@ -28,6 +28,7 @@ from topp_rl.config import (
     placement_of,
     validate_config,
     validate_with_model,
+    weight_sync_of,
 )
 from topp_rl.parallel.placement import ENGINE_KEYS, render
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
@@ -94,11 +95,13 @@ def _without_switch(entry: DictConfig) -> dict:
 
 def engine_settings(cfg: DictConfig) -> DictConfig | dict:
     """`rollout.engine`, less the placement plan's keys where it has them (resolved then: `placement_of` reads
-    them, the engine does not)."""
+    them, the engine does not) and with its weight sync resolved by the placement (`weight_sync_of`)."""
     engine = cfg.rollout.engine
     if not any(key in engine for key in ENGINE_KEYS):
         return engine
     settings = OmegaConf.to_container(engine, resolve=True)
+    if "weight_sync" in settings:
+        settings["weight_sync"] = weight_sync_of(cfg)
     return {key: value for key, value in settings.items() if key not in ENGINE_KEYS}
 
 
@@ -147,7 +150,7 @@ def print_placement(cfg: DictConfig) -> None:
     """The placement block (SGLang servers on GPUs), once per run, before the layout line."""
     placement = placement_of(cfg)
     if placement is not None:
-        print(render(placement), flush=True)
+        print(render(placement, weight_sync=weight_sync_of(cfg)), flush=True)
 
 
 def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:

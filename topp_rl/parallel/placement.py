@@ -264,9 +264,18 @@ def _disaggregated_slots(plan: ParallelPlan, *, nodes: int, devices: int, gpus: 
     return slots
 
 
-def render(placement: Placement) -> str:
+# How the weights reach the servers, by `rollout.engine.weight_sync` (resolved), for the plan's last line.
+WEIGHT_PATHS = {
+    "tensor": "handles to the pushing rank's own GPU memory (CUDA IPC); the servers release their memory while the "
+              "trainer trains and take it back around the push",
+    "distributed": "an NCCL broadcast from the pushing rank, in buckets",
+    "disk": "a safetensors checkpoint each server loads",
+}
+
+
+def render(placement: Placement, *, weight_sync: str | None = None) -> str:
     """The plan as printed at start and by `topp-rl plan`: a headline, then per node its trainer ranks and its
-    servers (GPUs, the launch settings, who pushes the weights)."""
+    servers (GPUs, the launch settings, who pushes the weights), then how the weights travel (`weight_sync`)."""
     p, plan, first = placement, placement.plan, placement.servers[0]  # every replica has a server
     lines = [f"[topp_rl] placement: {p.mode}, {p.nodes} node(s) x {p.devices} trainer rank(s) (dp={plan.dp} "
              f"tp={plan.tp} cp={plan.cp} pp={plan.pp}), {len(p.servers)} server(s) of tp_size {first.tp_size} at "
@@ -278,4 +287,6 @@ def render(placement: Placement) -> str:
             lines.append(f"    server {s.index}: GPUs {span(s.gpus)} (CUDA_VISIBLE_DEVICES={s.cuda_visible_devices} "
                          f"base_gpu_id={s.base_gpu_id} tp_size={s.tp_size} mem_fraction_static={s.mem_fraction:g}), "
                          f"weights from rank {s.pushed_by} (replica {s.dp_group})")
+    if weight_sync is not None:
+        lines.append(f"  weights: rollout.engine.weight_sync={weight_sync}: {WEIGHT_PATHS[weight_sync]}")
     return "\n".join(lines)
