@@ -42,6 +42,8 @@ done
 
 # Files of a folder that go into the key (not Python's byte-code caches).
 source_files() { LC_ALL=C find "$@" -type f ! -name '*.pyc' ! -path '*__pycache__*' | LC_ALL=C sort; }
+# Our patches to SGLang, in the order they apply (their README is not part of the key).
+patch_files() { LC_ALL=C ls patches/sglang/*.patch | LC_ALL=C sort; }
 
 case "$variant" in
   cpu)
@@ -55,7 +57,7 @@ case "$variant" in
     build_cmd="scripts/setup_sglang.sh --gpu"
     pins=(scripts/sglang-gpu-constraints.txt) ;;
 esac
-key=$({ echo "$variant"; cat scripts/setup_sglang.sh "${pins[@]}" $(source_files patches/sglang); } | sha256sum | cut -c1-12)
+key=$({ echo "$variant"; cat scripts/setup_sglang.sh "${pins[@]}" $(patch_files); } | sha256sum | cut -c1-12)
 cache=${TOPP_RL_CACHE:-$HOME/.cache/topp_rl}
 venv=$cache/$name-$key
 python=$venv/bin/python
@@ -68,11 +70,11 @@ print_if_built() {
 
 site_packages() { "$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
-# Our patches, in order; a patch whose reverse already applies is skipped, so a rerun after a failure is safe.
+# A patch whose reverse already applies is skipped, so a rerun after a failure is safe.
 apply_patches() {
   local site p
   site=$(site_packages)
-  for p in $(LC_ALL=C ls patches/sglang/*.patch | LC_ALL=C sort); do
+  for p in $(patch_files); do
     if patch -d "$site" -p1 -R --dry-run -s -f < "$p" > /dev/null 2>&1; then
       echo "[setup_sglang] $p already applied" >&2
     else
@@ -111,9 +113,12 @@ check_cpu() {
     "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, torchvision, smg.launch_router" >&2
 }
 
-# The same modules, without a GPU: the build may run on a machine without one (a cluster's login node).
+# The same modules, with no GPU needed: the build may run on a machine without one (a cluster's login node). These
+# imports load no CUDA library; `import sgl_kernel` would (libcuda.so.1, the driver), so it is only found, not run.
 check_gpu() {
-  "$python" -c "import torch; assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'
+  "$python" -c "import importlib.util, torch
+assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'
+assert importlib.util.find_spec('sgl_kernel'), 'sgl_kernel (sglang-kernel) is not installed'
 import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, smg.launch_router" >&2
 }
 

@@ -80,7 +80,8 @@ def test_a_built_venv_is_printed_without_building(tmp_path):
 
 
 def test_each_key_hashes_only_its_own_pins(tmp_path):
-    """Re-pinning the GPU set builds a new GPU venv and keeps the CPU one (and the reverse), on a copy of the files."""
+    """Re-pinning the GPU set builds a new GPU venv and keeps the CPU one (and the reverse); a changed patch builds
+    both, a changed patch README neither. On a copy of the files."""
     clone = tmp_path / "clone"
     for rel in KEY_INPUTS:
         (clone / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +105,9 @@ def test_each_key_hashes_only_its_own_pins(tmp_path):
         patch.write("\n")
     cpu4, gpu4 = keys()
     assert cpu4 != cpu3 and gpu4 != gpu3  # the patch goes into both venvs
+    with open(clone / "patches/sglang/README.md", "a") as readme:
+        readme.write("A new paragraph.\n")
+    assert keys() == (cpu4, gpu4)  # its documentation does not
 
 
 def pins(path: str) -> dict[str, str]:
