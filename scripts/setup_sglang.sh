@@ -114,7 +114,7 @@ check_cpu() {
 }
 
 # The same modules, with no GPU needed: the build may run on a machine without one (a cluster's login node). These
-# imports load no CUDA library; `import sgl_kernel` would (libcuda.so.1, the driver), so it is only found, not run.
+# imports need no NVIDIA driver; `import sgl_kernel` does (it loads libcuda.so.1), so it is only found, not run.
 check_gpu() {
   "$python" -c "import importlib.util, torch
 assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'
