@@ -3,6 +3,7 @@ server (`tests/data/sglang_colocated_protocol.json`, checked live by tests/test_
 handles a push sends (they load, equal, in a process that is not ours), a colocated server's launch settings, and
 what a colocated run refuses at start."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -12,13 +13,14 @@ import pytest
 import torch
 from helpers import compose_config
 from sglang_checks import changed_model, tiny_model
+from torch.multiprocessing import reductions
 
 from topp_rl.config import engine_placement_mode, placement_of, validate_config, weight_sync_of
 from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts
 from topp_rl.engines.sglang.colocate import MemoryCycle, without_memory_saver
 from topp_rl.engines.sglang.engine import ColocatedSGLangEngine
 from topp_rl.engines.sglang.server import gpu_launch_args, visible_devices
-from topp_rl.engines.sglang.weights import WeightSync, shared_payload
+from topp_rl.engines.sglang.weights import CUDA_DEVICE_ARG, WeightSync, shared_payload, with_device_uuid
 from topp_rl.train import engine_settings, placement_kwargs
 
 PROTOCOL = json.loads((Path(__file__).parent / "data" / "sglang_colocated_protocol.json").read_text())
@@ -170,3 +172,11 @@ def test_a_null_weight_sync_follows_the_placement(tmp_path):
     assert resolved(*GPU8[:3], "trainer.devices=4", "rollout.engine.gpus=4-7") == ("distributed", "distributed")
     assert resolved(*GPU8[:3], "trainer.devices=4", "rollout.engine.gpus=4-7",
                     "rollout.engine.weight_sync=disk") == ("disk", "disk")  # an explicit choice stays
+
+
+def test_a_cuda_tensor_names_its_device_by_uuid_where_torch_rebuilds_it():
+    """A server sees its GPUs renumbered (its CUDA_VISIBLE_DEVICES), so a pushed CUDA tensor names its device by
+    UUID, in the argument torch's `rebuild_cuda_tensor` reads the device from (checked against this torch)."""
+    assert list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)[CUDA_DEVICE_ARG] == "storage_device"
+    args = tuple(range(15))
+    assert with_device_uuid(args, "GPU-1234") == (0, 1, 2, 3, 4, 5, "GPU-1234", *range(7, 15))

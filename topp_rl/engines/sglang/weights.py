@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 import torch.multiprocessing as torch_mp  # registers torch's reductions with ForkingPickler
+from torch.multiprocessing import reductions as torch_reductions
 
 from topp_rl.engines.serving.client import HTTPClient, parse_answer
 from topp_rl.engines.serving.weights import (
@@ -185,11 +186,29 @@ class WeightSync:
             self.distributed = None
 
 
+# Where torch's `rebuild_cuda_tensor` takes the tensor's device index (its parameter `storage_device`).
+CUDA_DEVICE_ARG = 6
+
+
+def _reduce_naming_device_by_uuid(tensor: torch.Tensor) -> tuple:
+    """torch's multiprocessing reduction of a tensor, a CUDA one naming its device by UUID instead of by index: a
+    server numbers GPUs by its own `CUDA_VISIBLE_DEVICES` (trainer rank 3's GPU is its GPU 0), and SGLang's receiving
+    side looks a UUID up among the GPUs it sees."""
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    if rebuild is torch_reductions.rebuild_cuda_tensor:
+        args = with_device_uuid(args, str(torch.cuda.get_device_properties(args[CUDA_DEVICE_ARG]).uuid))
+    return rebuild, args
+
+
+def with_device_uuid(args: tuple, uuid: str) -> tuple:
+    return (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1:])
+
+
 @contextlib.contextmanager
 def shared_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
     """One bucket as SGLang's `/update_weights_from_tensor` reads it (its `MultiprocessingSerializer`: torch's
     multiprocessing pickle of the (name, tensor) list, base64), valid while the block runs. A CUDA tensor travels as
-    a CUDA IPC handle to the trainer's own memory (SGLang maps it by device UUID, so numbering need not match); a
+    a CUDA IPC handle to the trainer's own memory, its device named by UUID (`_reduce_naming_device_by_uuid`); a
     CPU tensor is first copied (the trainer's parameters stay where they are) into a shared-memory file the server
     opens by name: torch's `file_system` strategy, as the default file-descriptor passing reaches only the sender's
     children and a server is not one."""
@@ -198,7 +217,9 @@ def shared_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
     torch_mp.set_sharing_strategy("file_system")
     try:
         buf = io.BytesIO()
-        ForkingPickler(buf).dump(tensors)
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table[torch.Tensor] = _reduce_naming_device_by_uuid
+        pickler.dump(tensors)
     finally:
         torch_mp.set_sharing_strategy(before)
     try:
