@@ -5,6 +5,7 @@ servers, memory fractions summing to at most 1 per GPU); the replicas are megatr
 Each refusal names its numbers; the config keys are validated at start and `topp-rl plan` prints or refuses a plan
 without building anything."""
 
+import re
 import subprocess
 import sys
 
@@ -217,3 +218,21 @@ def test_topp_rl_plan_prints_a_colocated_and_a_disaggregated_8_gpu_plan_and_refu
     refused = _plan_command(*GPU8, "rollout.engine.gpus=4-7")
     assert refused.returncode == 2 and refused.stdout == ""
     assert "topp-rl plan: error: config rollout.engine.gpus='4-7': must be GPUs no trainer rank uses" in refused.stderr
+
+
+def _recipes() -> list[tuple[list[str], str]]:
+    """(the overrides of each `topp-rl train` command, the plan block after it) in docs/scale.md's one-node recipe."""
+    text = (ROOT / "docs" / "scale.md").read_text()
+    section = text[text.index("## One node, 8 GPUs"):text.index("### Memory per GPU")]
+    blocks = re.findall(r"```bash\n(topp-rl train .*?)```\n\n```\n(.*?)```", section, re.S)
+    return [(cmd.replace("\\\n", " ").split()[2:], plan.rstrip("\n")) for cmd, plan in blocks]
+
+
+@pytest.mark.subprocess
+def test_the_docs_recipe_commands_print_the_plans_shown_beside_them():
+    recipes = _recipes()
+    assert len(recipes) == 3
+    for overrides, shown in recipes:
+        done = _plan_command(*overrides)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.rstrip("\n") == shown, " ".join(overrides)
