@@ -17,9 +17,11 @@ through a file (`SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=file://...`) instead of
 listen on every interface whatever address it is given, and gloo / NCCL sockets are pinned to the loopback
 interface. A non-loopback `host` (multi-node) leaves SGLang's defaults alone.
 Departure from SGLang's defaults: we always pass `--skip-tokenizer-init` (token ids in, token ids out),
-`--sampling-backend pytorch` and float32 unless asked otherwise, for exact checks; `device="cpu"` (the default)
-adds `--device cpu --attention-backend torch_native` and SGLang's CPU engine, `device="cuda"` leaves SGLang's
-GPU defaults (use a CUDA SGLang 0.5.23 venv with `patches/sglang` applied, via `python=`).
+`--sampling-backend pytorch` and float32 unless asked otherwise, for exact checks; `device="cpu"` (the default
+without `gpus`) adds `--device cpu --attention-backend torch_native` and SGLang's CPU engine, `device="cuda"` leaves
+SGLang's GPU defaults (the venv of `scripts/setup_sglang.sh --gpu`). `gpus` (the placement plan's slot) launches
+the server on those GPUs of this node (`gpu_launch_args`, `visible_devices`), with `mem_fraction` and, for a
+colocated server, the memory saver.
 """
 
 import os
