@@ -205,7 +205,7 @@ def test_model_path_takes_a_hub_id_found_in_the_hf_cache(tmp_path, monkeypatch):
 # ----- the command -----
 def test_the_command_dispatches_export_and_report_and_names_itself(tmp_path, capsys):
     for argv, message in [
-        (["fly"], "topp-rl: error: unknown command 'fly'; use train, plan, export or report"),
+        (["fly"], "topp-rl: error: unknown command 'fly'; use train, resume, plan, export or report"),
         (["plan", "parallel=nowhere"], "topp-rl plan: error: In 'config': Could not find 'parallel/nowhere'"),
         ([], "topp-rl: error: no command given"),
         (["report", "/nonexistent/run"], "topp-rl report: error: run directory /nonexistent/run does not exist"),

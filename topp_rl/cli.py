@@ -3,6 +3,8 @@
 - `topp-rl train [GROUP=OPTION ...] [KEY=VALUE ...]`: the Hydra app of `python train.py`, same overrides and
   flags (`-m` sweeps, `--cfg job`, `--help`), over the config tree `topp_rl.paths.config_dir()` finds (the package's
   own copy when installed, `conf/` in a clone), so it runs from any directory;
+- `topp-rl resume RUN_DIR [KEY=VALUE ...]`: `topp-rl train hydra.run.dir=RUN_DIR ckpt_path=last`, with the overrides
+  the run recorded beneath those given (`topp_rl.run.resume_args`);
 - `topp-rl plan [GROUP=OPTION ...] [KEY=VALUE ...]`: the placement of trainer ranks and SGLang servers those
   overrides give, printed without building a model or touching a GPU (exit 0), or the reason it is refused (exit 2);
 - `topp-rl export CKPT OUT_DIR` = `python -m topp_rl.export`; `topp-rl report RUN_DIR` = `python -m topp_rl.report`.
@@ -13,12 +15,15 @@ import sys
 from collections.abc import Sequence
 
 from topp_rl.paths import config_dir
+from topp_rl.run.errors import exit_cleanly_on_refusal
 from topp_rl.run.host_memory import request_huge_pages
+from topp_rl.run.resume_args import with_recorded_overrides
 
 USAGE = """usage: topp-rl COMMAND [ARGS ...]
 
 commands:
   train   train a policy: topp-rl train [GROUP=OPTION ...] [KEY=VALUE ...] (the overrides of python train.py)
+  resume  continue a run from its dir alone: topp-rl resume RUN_DIR [KEY=VALUE ...] (its recorded overrides, these on top)
   plan    print where trainer ranks and SGLang servers go: topp-rl plan [GROUP=OPTION ...] [KEY=VALUE ...]
   export  write a checkpoint's policy as an HF model dir: topp-rl export CKPT OUT_DIR
   report  plot a run or a sweep from its CSV log: topp-rl report RUN_DIR [--out DIR] [--group-seeds]
@@ -31,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = (args[0], args[1:]) if args else (None, [])
     if command == "train":
         train_command(rest)
+    elif command == "resume":
+        resume_command(rest)
     elif command == "plan":
         plan_command(rest)
     elif command == "export":
@@ -46,8 +53,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         train_command(["--help"])
     else:
         problem = f"unknown command {command!r}" if command else "no command given"
-        print(f"{USAGE}\ntopp-rl: error: {problem}; use train, plan, export or report", file=sys.stderr)
+        print(f"{USAGE}\ntopp-rl: error: {problem}; use train, resume, plan, export or report", file=sys.stderr)
         sys.exit(2)
+
+
+def resume_command(args: Sequence[str]) -> None:
+    """`topp-rl resume RUN_DIR [KEY=VALUE ...]` = `topp-rl train hydra.run.dir=RUN_DIR ckpt_path=last [KEY=VALUE
+    ...]`: the run's recorded overrides, these on top (`topp_rl.run.resume_args`)."""
+    usage = ("usage: topp-rl resume RUN_DIR [KEY=VALUE ...]\n\nContinue the run in RUN_DIR from its last checkpoint "
+             "with the overrides it was started with; KEY=VALUE given here go on top (e.g. trainer.max_steps=200).")
+    if args and args[0] in ("-h", "--help"):
+        print(usage, flush=True)
+        return
+    if not args or "=" in args[0]:
+        print(f"{usage}\ntopp-rl resume: error: the first argument must be the run's dir", file=sys.stderr, flush=True)
+        sys.exit(2)
+    train_command([f"hydra.run.dir={args[0]}", "ckpt_path=last", *args[1:]])
 
 
 def plan_command(overrides: Sequence[str]) -> None:
@@ -94,9 +115,18 @@ def train_command(overrides: Sequence[str]) -> None:
         sys.argv = launched_as
         from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
 
-        train(cfg)
+        try:
+            train(cfg)
+        except Exception as err:  # noqa: BLE001 - a refusal exits 2 with its message; anything else is re-raised
+            exit_cleanly_on_refusal(err)
+            raise
 
     app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(job)
+    try:
+        overrides = with_recorded_overrides(overrides)  # a resume from its run dir alone
+    except ValueError as err:
+        exit_cleanly_on_refusal(err)
+        raise
     sys.argv = [launched_as[0] if launched_as else "topp-rl", *overrides]  # hydra.main parses sys.argv[1:]
     try:
         app()
