@@ -3,6 +3,7 @@ traceback only with HYDRA_FULL_ERROR=1), and a run resumes from its dir alone (`
 or `topp-rl resume DIR`), its recorded overrides beneath the ones given."""
 
 import csv
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from helpers import ROOT, train_env
 from hydra.errors import InstantiationException
 
+from topp_rl.run.console_log import console_to_log
 from topp_rl.run.errors import refusal
 from topp_rl.run.resume_args import override_key, resume_overrides, with_recorded_overrides
 
@@ -95,3 +97,19 @@ def test_a_run_resumes_from_its_dir_alone_with_its_recorded_overrides(tmp_path):
     # an override on top is still checked against resume.guarded_keys
     guarded = _resume(str(run), "trainer.max_steps=5", "rollout.top_p=0.8", cwd=tmp_path)
     assert guarded.returncode == 2 and "rollout.top_p" in guarded.stderr and "Traceback" not in guarded.stderr
+
+
+def test_the_runs_own_lines_reach_train_log_and_bar_frames_do_not(caplog, monkeypatch):
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with caplog.at_level("INFO", logger="topp_rl.console"), console_to_log():
+        print("[topp_rl] layout: world=1")
+        print("  reward mean: first 0.1 -> last 0.2")
+        sys.stderr.write("step:  50%|#####     | 1/2\rstep: 100%|##########| 2/2\n")  # a bar's frames
+        sys.stderr.write("\r          \r[topp_rl] SGLang server http://x: ready in 1.0 s\n")  # as tqdm.write clears
+        sys.stderr.write("wandb: offline\n")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[topp_rl] layout: world=1", "  reward mean: first 0.1 -> last 0.2",
+        "[topp_rl] SGLang server http://x: ready in 1.0 s"]
+    assert out.getvalue().count("\n") == 2 and "wandb: offline" in err.getvalue()  # the console keeps everything

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from topp_rl.paths import config_dir
+from topp_rl.run.console_log import console_to_log
 from topp_rl.run.errors import exit_cleanly_on_refusal
 from topp_rl.run.host_memory import request_huge_pages
 from topp_rl.run.resume_args import with_recorded_overrides
@@ -115,11 +116,12 @@ def train_command(overrides: Sequence[str]) -> None:
         sys.argv = launched_as
         from topp_rl.train import train  # imported here so `--help` / `--cfg job` stay fast
 
-        try:
-            train(cfg)
-        except Exception as err:  # noqa: BLE001 - a refusal exits 2 with its message; anything else is re-raised
-            exit_cleanly_on_refusal(err)
-            raise
+        with console_to_log():  # the run's own lines in train.log too
+            try:
+                train(cfg)
+            except Exception as err:  # noqa: BLE001 - a refusal exits 2 with its message; anything else is re-raised
+                exit_cleanly_on_refusal(err)
+                raise
 
     app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(job)
     try:

@@ -87,7 +87,12 @@ def build_loggers(cfg: DictConfig) -> list:
                 "id": wandb_run_id(Path(cfg.paths.output_dir)), "resume": "allow",
             }
         require_logger_packages(name, entry)
-        loggers.append(instantiate(entry, _convert_="all", **kwargs))  # plain lists (tags) for the loggers
+        logger = instantiate(entry, _convert_="all", **kwargs)  # plain lists (tags) for the loggers
+        if name == "wandb":
+            # Lightning passes wandb.init anonymous=None whatever is asked, and W&B >= 0.22 warns on every run that
+            # the setting has no effect; the key is left out instead (Lightning keeps its init kwargs here).
+            logger._wandb_init.pop("anonymous", None)
+        loggers.append(logger)
     return loggers
 
 
