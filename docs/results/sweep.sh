@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13, part 2: the learning sweep (docs/results.md). Two Hydra multiruns side by side, one per sampling
+# The learning sweep of docs/results.md (section 2). Two Hydra multiruns side by side, one per sampling
 # setting, each 3 seeds x 3 scoring variants run one after another (at most two jobs at a time on 2 cores).
 #   bash docs/results/sweep.sh [OUT_DIR] [extra overrides...]     (default OUT_DIR: multirun/study)
 # Then: python -m topp_rl.report OUT_DIR/top_p0.9 --group-seeds (and OUT_DIR/top_k20).
