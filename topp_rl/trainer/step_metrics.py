@@ -1,8 +1,8 @@
 """`StepMetrics`: the one owner of a training step's figures, handed to the loggers in one call per step.
 
 Lightning's `LightningModule.log` costs about 1 ms per figure on a CPU (each call builds a `_ResultMetric`, moves
-it with `apply_to_collection` and deep-copies its metadata), and a topp_rl step logs ~60 figures (issue 24: ~55 ms
-of a tiny CPU step, docs/speed.md). The
+it with `apply_to_collection` and deep-copies its metadata), and a topp_rl step logs ~60 figures (~55 ms of a
+tiny CPU step, docs/evidence/speed.md). The
 module and the metric callbacks instead hand their step's figures, already reduced across ranks (equal on every
 rank), to `StepMetrics.add`, which
 - puts them at once into `trainer.callback_metrics`, as float32 CPU tensors (what `log` makes of a float), so a
