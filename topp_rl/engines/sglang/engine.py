@@ -358,8 +358,8 @@ class ColocatedSGLangEngine(SGLangEngine, ReleasesMemory):
         return super().generate(prompts, params, seed=seed)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
-        return self.cycle.update(self.fleet.live_workers(self.client), lambda: super(
-            ColocatedSGLangEngine, self).update_weights(named_tensors))
+        push = super().update_weights
+        return self.cycle.update(self.fleet.live_workers(self.client), lambda: push(named_tensors))
 
     def release_memory(self) -> None:
         self.cycle.release(self.fleet.live_workers(self.client))
