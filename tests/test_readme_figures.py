@@ -4,7 +4,6 @@ that moves them fails here until `scripts/readme_figures.py --write` regenerates
 import runpy
 
 import pytest
-
 from helpers import ROOT
 
 SCRIPT = runpy.run_path(str(ROOT / "scripts" / "readme_figures.py"))
