@@ -51,6 +51,8 @@ def test_an_override_is_keyed_by_what_it_sets_and_the_command_line_wins(tmp_path
     given = [f"hydra.run.dir={tmp_path}", "ckpt_path=last", "trainer.max_steps=5"]
     assert resume_overrides(tmp_path, given) == ["rollout.top_p=0.9", "logger=csv", *given]
     assert with_recorded_overrides(given) == ["rollout.top_p=0.9", "logger=csv", *given]
+    quoted = [f"hydra.run.dir='{tmp_path}'", "ckpt_path=last"]  # as a sweep job's printed resume line quotes it
+    assert with_recorded_overrides(quoted) == ["rollout.top_p=0.9", "trainer.max_steps=2", "logger=csv", *quoted]
     assert with_recorded_overrides(["rollout.top_p=0.9"]) == ["rollout.top_p=0.9"]  # not a resume: as given
     assert with_recorded_overrides(["-m", *given]) == ["-m", *given]  # a sweep's jobs keep their own
     with pytest.raises(ValueError, match=r"hydra.run.dir=.*nowhere: no \.hydra/overrides\.yaml there"):

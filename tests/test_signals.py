@@ -127,7 +127,7 @@ def test_every_signal_kind_stops_all_ranks_after_one_step_then_resumes(tmp_path,
         status, sig = 128 + kind.signum, signal.Signals(kind.signum).name
         assert proc.returncode == status, (kind, run.err())
         assert (f"[topp_rl] stopped by {sig} after step {run.saved}; checkpoint saved to {run.last}; resume with "
-                f"the same overrides plus hydra.run.dir={run.out} ckpt_path=last (exit status {status})") in run.err()
+                f"hydra.run.dir={run.out} ckpt_path=last (the run's overrides come from its dir; exit status {status})") in run.err()
 
     # A hung peer: rank 1 stopped (SIGSTOP) and rank 0 told to stop cannot agree with it; after the timeout rank 0
     # exits with the reason, and last.ckpt still names the checkpoint of the last phase.

@@ -242,6 +242,6 @@ class LastCheckpoint(Checkpoint):
     def interrupted(self, step: int, signum: int) -> RunInterrupted:
         return RunInterrupted(signum, (
             f"[topp_rl] stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {self.path}; "
-            f"resume with the same overrides plus {run_dir_override(self.path.parent.parent)} ckpt_path=last (exit "
+            f"resume with {run_dir_override(self.path.parent.parent)} ckpt_path=last (the run's overrides come from its dir; exit "
             f"status {128 + signum})"
         ))

@@ -22,6 +22,11 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").strip()
 
 
+def unquoted(value: str) -> str:
+    """A value as Hydra reads it back from one pair of quotes (`sweep.run_dir_override` quotes a dir holding `=`)."""
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
 def recorded_overrides(run_dir: Path) -> list[str] | None:
     """The overrides of the run's latest accepted start, or None when the dir has no record (not a run dir)."""
     path = Path(run_dir) / RECORDED
@@ -52,7 +57,7 @@ def with_recorded_overrides(overrides: Sequence[str]) -> list[str]:
     values = {override_key(o): o.split("=", 1)[1] for o in overrides if "=" in o}
     if not values.get("ckpt_path") or values.get("ckpt_path") == "null" or "hydra.run.dir" not in values:
         return list(overrides)
-    run_dir = Path(values["hydra.run.dir"])
+    run_dir = Path(unquoted(values["hydra.run.dir"]))
     if recorded_overrides(run_dir) is None:
         return list(overrides)  # not a run dir: the resume's own check names what is missing
     merged = resume_overrides(run_dir, overrides)

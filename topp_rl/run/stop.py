@@ -199,8 +199,8 @@ def _last_checkpoint(last: Path) -> str:
         step = read_record(last)[1]
     except Exception as err:  # the message must still go out
         return f"{last} could not be read ({type(err).__name__}: {err})"
-    return (f"the last complete checkpoint, {last} (step {step}), is kept: resume with the same overrides plus "
-            f"{run_dir_override(last.parent.parent)} ckpt_path=last")
+    return (f"the last complete checkpoint, {last} (step {step}), is kept: resume with "
+            f"{run_dir_override(last.parent.parent)} ckpt_path=last (the run's overrides come from its dir)")
 
 
 def _callback(trainer, kind: type[Callback]) -> Any:
