@@ -359,7 +359,7 @@ On the command line (`python train.py` or `topp-rl train`; `topp_rl.fit(override
 
 - `group=option` picks an option of a group: `algo=cispo`, `rollout=sglang`, `rollout/step=agent`;
 - `key=value` sets a key the config has: `rollout.top_p=0.9`, `optimizer.lr=1e-5`, `logger.wandb.tags=[a,b]`;
-- `+key=value` adds a key it lacks (a constructor argument of a `_target_` node: `+trainer.gradient_clip_val=1`);
+- `+key=value` adds a key it lacks (a constructor argument of a `_target_` node: `+logger.wandb.entity=my-team`);
   in the closed sections (the top level, `rollout`, `algo`, `module`, `eval`, ...) a key no option defines is
   refused at start, naming the nearest one; `~key` or `key=null` drops one.
 
