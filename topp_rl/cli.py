@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from topp_rl.config_reference import register_help_resolver
 from topp_rl.paths import config_dir
 from topp_rl.run.console_log import console_to_log
 from topp_rl.run.errors import exit_cleanly_on_refusal
@@ -108,6 +109,7 @@ def train_command(overrides: Sequence[str]) -> None:
     request_huge_pages()  # before torch is imported: torch reads it once (topp_rl.run.host_memory)
     import hydra
 
+    register_help_resolver()  # --help prints each key's comment in conf/ (`${topp_rl.key_help:KEY}`)
     # Lightning starts a multi-device run's other ranks by re-running `sys.argv` (+ the run dir): that must be the
     # command as typed (`topp-rl train ...`), while Hydra parses the overrides alone from `sys.argv[1:]`.
     launched_as = list(sys.argv)
