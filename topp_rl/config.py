@@ -740,8 +740,8 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
         # The multi-turn steps take their rewards from the environment or the agent, never from the task.
-        multi_turn = issubclass(target_class(cfg.rollout.step), AgentLoopStep | EndpointStep)
-        check_reward_config(cfg.task, required=not multi_turn, step=str(cfg.rollout.step._target_))
+        step = target_class(cfg.rollout.step)
+        check_reward_config(cfg.task, required=not issubclass(step, AgentLoopStep | EndpointStep), step=step.__name__)
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:
         _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "
