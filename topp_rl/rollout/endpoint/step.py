@@ -241,8 +241,8 @@ class EndpointStep(RolloutStep):
                     "settings: leave temperature / top_p / top_k / min_p out, or send the run's; keys it knows), as "
                     "the 400's message says")
         if kind == TIMEOUT:
-            return f"fix the agent {self.agent}, or raise rollout.step.agent_timeout_s={self.agent_timeout_s} if it " \
-                "is just slow"
+            return (f"fix the agent {self.agent}, or raise rollout.step.agent_timeout_s={self.agent_timeout_s} if it "
+                    "is just slow")
         return f"fix the agent {self.agent}"
 
     def stats(self, samples: list[Sample]) -> Stats:
