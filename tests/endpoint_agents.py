@@ -169,3 +169,11 @@ async def grows_until_refused(client, record):
 async def raises_generator_exit(client, record):
     await client.completions.create(model="policy", prompt=record.prompt_ids)
     raise GeneratorExit
+
+
+async def asks_many_tokens(client, record):
+    """max_tokens=64, more than the run's rollout.max_new_tokens: served at the run's limit, and the response says so."""
+    reply = await client.completions.create(model="policy", prompt=record.prompt_ids, max_tokens=64)
+    choice = reply.choices[0]
+    return {"score": 1.0, "finish": choice.finish_reason, "served": choice.max_tokens,
+            "usage": reply.usage.completion_tokens, "ids": len(choice.completion_token_ids)}

@@ -143,7 +143,8 @@ def test_every_fault_of_environment_code_fails_only_its_trajectory_counted_by_ki
         assert (s.status, s.reward) == ((SampleStatus.ABORTED, None) if i == 12 else (SampleStatus.COMPLETED, 0.0))
     stats = step.stats(samples)
     counts = {kind: sum(k == kind for _, k, _ in FAULTS.values()) for kind in FAULT_KINDS}
-    assert counts == {"exception": 6, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0}
+    assert counts == {"exception": 6, "bad_return": 4, "bad_reward": 5, "foreign_trajectory": 0, "no_request": 0,
+                      "bad_request": 0}
     for kind in FAULT_KINDS:
         assert stats[f"rollout/env_errors/{kind}"] == (float(counts[kind]), 1.0), kind
     assert stats["rollout/env_errors"] == stats["rollout/trajectories_failed"] == (15.0, 1.0)
@@ -341,7 +342,7 @@ def test_a_run_trains_through_faults_counting_them_by_kind(tmp_path):
     assert metrics["rollout/env_errors/exception"] == [4.0, 4.0]  # 2 records x 2 trajectories a step
     assert metrics["rollout/env_errors/bad_reward"] == [2.0, 2.0]
     assert metrics["rollout/env_errors"] == metrics["rollout/trajectories_failed"] == [6.0, 6.0]
-    for kind in ("bad_return", "foreign_trajectory", "no_request"):
+    for kind in ("bad_return", "foreign_trajectory", "no_request", "bad_request"):
         assert metrics[f"rollout/env_errors/{kind}"] == [0.0, 0.0], kind
     assert metrics["rollout/context_ended"] == [0.0, 0.0]
     assert all(math.isfinite(v) for v in metrics["train/loss"])

@@ -47,9 +47,10 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
     # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment, the
-    # endpoint no agent function (refused at start, test_invalid_values_fail_at_start_naming_the_key)
+    # endpoint no agent function, the dataset task no reward (refused at start, test_invalid_values_fail_at_start_
+    # naming_the_key, test_agent_docs.py)
     if group not in ("parallel", "experiment") and key not in ("rollout/step=agent", "rollout/step=endpoint",
-                                                               "task=agent"):
+                                                               "task=agent", "task=dataset"):
         validate_config(cfg)
 
 

@@ -12,6 +12,7 @@ import pytest
 from topp_rl.models import build_char_tokenizer
 from topp_rl.rollout import Sample
 from topp_rl.tasks.datasets import DatasetTask, JsonlTask
+from topp_rl.tasks.rewards import RewardError
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "data" / "gsm8k_sample.jsonl"
@@ -182,8 +183,11 @@ def test_bad_data_raises_naming_the_value_and_fix(tmp_path):
     with pytest.raises(ValueError, match=r"emptydir is not a directory written by save_to_disk"):
         _task(tmp_path, tmp_path / "emptydir")
     data = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "q", "answer": "1"}])
-    with pytest.raises(ValueError, match=r"set exactly one of task.reward_fn \(None\) and task.rewards \(None\)"):
-        _task(tmp_path, data, rewards=None)
+    # Neither: the multi-turn steps' environment or agent gives the reward; a step that calls the task's gets this
+    # (and a single-turn run is refused at start: tests/test_agent_docs.py).
+    unset = _task(tmp_path, data, rewards=None)
+    with pytest.raises(RewardError, match=r"task.reward_fn and task.rewards are unset, and this rollout step scores"):
+        unset.reward("1", unset.prompt(0, TOK))
     with pytest.raises(ValueError, match=r"set exactly one of task.reward_fn \('json:loads'\)"):
         _task(tmp_path, data, reward_fn="json:loads")
     with pytest.raises(ValueError, match=r"max_prompt_tokens \(0\) must be >= 1"):

@@ -153,16 +153,63 @@ def test_split_trajectories_count_once_in_the_group_and_train_with_its_advantage
     assert all(len(v) == 1 for v in by_traj.values()) and len(by_traj) == 6
 
 
-def test_other_sampling_settings_are_refused_naming_the_run_values(engine):
-    _, samples = run(engine, "refusal_message")
+def test_other_sampling_settings_are_refused_naming_the_run_values(engine, caplog):
+    """A request at other sampling settings gets a 400 saying what to send; the console hears of the first one of
+    the run only; every refusal is counted, and an agent that fails on one fails as bad_request, with advice about
+    its requests (not about the agent timeout)."""
+    step, samples = run(engine, "refusal_message")
     info = samples[0].metadata["env_reward_info"]
     assert info["status"] == 400.0
     assert ("top_p=1.0: this run samples at temperature=1.0 top_p=0.9 top_k=0 min_p=0.0 max_tokens<=3 n=1"
-            in info["message"])
+            in info["message"] and "leave top_p out or send 0.9" in info["message"])
+    stats = step.stats(samples)
+    assert stats["rollout/bad_requests"] == (4.0, 1.0)  # one refused request per trajectory, caught by the agent
+    assert stats["rollout/env_errors/bad_request"] == stats["rollout/trajectories_failed"] == (0.0, 1.0)
+    caplog.clear()
     step, samples = run(engine, "other_temperature")
-    with pytest.raises(RuntimeError, match=r"4 of 4 trajectories failed .* the agent .*other_temperature raised "
-                       r"BadRequestError: .*temperature=0.5: this run samples at temperature=1.0 top_p=0.9"):
+    samples += step.generate(engine, records(), PARAMS, seed=12, tokenizer=TOK)  # a second step of the same run
+    lines = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
+    assert len(lines) == 1 and "(HTTP 400): temperature=0.5: this run samples at temperature=1.0 top_p=0.9" in lines[0]
+    assert "leave temperature out or send 1.0" in lines[0]
+    firsts = [s for s in samples if s.metadata["trajectory_sample"] == 0]
+    assert [s.metadata["env_error_kind"] for s in firsts] == ["bad_request"] * 8
+    assert step.stats(samples)["rollout/env_errors/bad_request"] == (8.0, 1.0)
+    assert step.stats(samples)["rollout/env_errors/exception"] == (0.0, 1.0)
+    with pytest.raises(RuntimeError, match=r"8 of 8 trajectories failed .*first failure: bad_request: the agent "
+                       r".*other_temperature raised on the endpoint's HTTP 400: temperature=0.5: this run samples at "
+                       r"temperature=1.0 top_p=0.9 .*; fix the agent .*other_temperature's requests: send what the "
+                       r"endpoint serves") as info:
         step.check(samples)
+    assert "agent_timeout_s" not in str(info.value)
+
+
+def test_a_max_tokens_above_the_runs_is_served_capped_reported_and_counted(engine, caplog):
+    step, samples = run(engine, "asks_many_tokens")
+    infos = [s.metadata["env_reward_info"] for s in samples]
+    assert [i["served"] for i in infos] == [3] * 4  # the run's max_new_tokens, not the 64 asked
+    assert all(i["usage"] == i["ids"] == s.response_length for i, s in zip(infos, samples, strict=True))
+    assert all((i["finish"] == "length") == (i["ids"] == 3) for i in infos)
+    assert "length" in {i["finish"] for i in infos}  # (fixed seed) a turn that reached the cap says so
+    assert step.stats(samples)["rollout/max_tokens_capped"] == (4.0, 1.0)
+    lines = [r.getMessage() for r in caplog.records if "max_tokens=64" in r.getMessage()]
+    assert lines == ["a request asked max_tokens=64, more than this run's rollout.max_new_tokens=3: served up to 3 "
+                     "tokens a turn (finish_reason \"length\" where a turn reaches it; counted in "
+                     "rollout/max_tokens_capped); raise rollout.max_new_tokens for longer turns"]  # once, of 4
+    _, samples = run(engine, "completion_ids")  # max_tokens=1, under the run's: not capped
+    assert [s.metadata["capped_requests"] for s in samples] == [0] * 4
+
+
+def test_a_step_whose_trajectories_mostly_split_warns_once_naming_the_template(engine, caplog):
+    step, samples = run(engine, "rewrites_history")  # every trajectory splits
+    assert step.stats(samples)["rollout/prefix_breaks"] == (4.0, 1.0)
+    step.generate(engine, records(), PARAMS, seed=12, tokenizer=TOK)  # again: no second line
+    lines = [r.getMessage() for r in caplog.records if "split into several samples" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("4 of 4 trajectories this step split into several samples "
+                                                   "(rollout/prefix_breaks)")
+    assert "a chat template re-renders the history" in lines[0] and "send token ids to /v1/completions" in lines[0]
+    caplog.clear()
+    run(engine, "completion_ids")  # token ids extending the previous turn: no split, no line
+    assert not [r for r in caplog.records if "split into several samples" in r.getMessage()]
 
 
 def test_budgets_end_the_trajectory_truncated(engine):

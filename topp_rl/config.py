@@ -34,6 +34,7 @@ from topp_rl.rollout.refill import check_refill
 from topp_rl.rollout.scheduler.staleness import check_staleness_key
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
+from topp_rl.tasks.environment import check_environment_config
 from topp_rl.tasks.reward_import import check_reward_config
 
 log = logging.getLogger(__name__)
@@ -671,10 +672,8 @@ def validate_turns(cfg: DictConfig) -> None:
     agent = issubclass(step, AgentLoopStep | EndpointStep)  # the multi-turn steps
     if issubclass(step, EndpointStep):
         _check_agent_fn(cfg)
-    if issubclass(step, AgentLoopStep) and OmegaConf.is_missing(cfg.rollout.step, "environment"):
-        _fail("rollout.step.environment", "???", "an environment (rollout.step.environment._target_: a class with "
-              "start(record) -> Episode, topp_rl/tasks/environment.py)", "use a task that brings its environment "
-              "(task=lookup), or set rollout.step.environment._target_=<your Environment class>")
+    if issubclass(step, AgentLoopStep):
+        check_environment_config(cfg.rollout.step)
     if turns > 1 and not agent:
         _fail("rollout.max_turns", turns, f"1 with rollout.step={cfg.rollout.step._target_} (it answers each "
               "prompt once)", "select the agent loop (rollout/step=agent, with an environment) or an agent "
@@ -740,7 +739,9 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_refill(cfg)
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
-        check_reward_config(cfg.task)
+        # The multi-turn steps take their rewards from the environment or the agent, never from the task.
+        step = target_class(cfg.rollout.step)
+        check_reward_config(cfg.task, required=not issubclass(step, AgentLoopStep | EndpointStep), step=step.__name__)
     advantage = target_class(cfg.algo.advantage)
     if advantage.group_relative and cfg.rollout.n_samples < 2:
         _fail("rollout.n_samples", cfg.rollout.n_samples, f">= 2 with {advantage.__name__} (algo={cfg.algo.name}: "

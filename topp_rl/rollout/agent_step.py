@@ -53,6 +53,7 @@ from topp_rl.tasks.environment import (
     EnvLoop,
     Episode,
     call_env,
+    resolve_environment,
     reward_value,
 )
 
@@ -60,12 +61,14 @@ TIMEOUT_KEY = "rollout.step.env_timeout_s"
 
 
 class AgentLoopStep(RolloutStep):
-    def __init__(self, *, environment: Environment, max_turns: int, max_trajectory_tokens: int,
+    def __init__(self, *, environment: Environment | str, max_turns: int, max_trajectory_tokens: int,
                  env_timeout_s: float = 30.0, max_failed_frac: float = 0.5) -> None:
+        if isinstance(environment, str):  # pkg.mod:Class or path/to/file.py:Class, as rewards and agents are named
+            environment = resolve_environment(environment)
         if not isinstance(environment, Environment):
             raise TypeError(f"environment is a {type(environment).__name__}; pass a topp_rl.tasks.environment."
                             "Environment (an object with start(record) -> Episode; in config: "
-                            "rollout.step.environment._target_)")
+                            "rollout.step.environment=pkg.mod:Class or path/to/file.py:Class)")
         check_step_settings(max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens,
                             max_failed_frac=max_failed_frac, timeout=("env_timeout_s", env_timeout_s))
         self.environment, self.max_turns, self.max_tokens = environment, max_turns, max_trajectory_tokens

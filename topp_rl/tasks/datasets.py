@@ -29,7 +29,7 @@ from topp_rl.data import Messages, PromptRecord, prompt_text
 from topp_rl.paths import resolve_data_path
 from topp_rl.tasks import splits
 from topp_rl.tasks.base import Task
-from topp_rl.tasks.rewards import RewardSet
+from topp_rl.tasks.rewards import RewardSet, RewardTerm
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -56,9 +56,9 @@ class DatasetTask(Task):
         self.init_args = dict(path=path, split=split, prompt_key=prompt_key, answer_key=answer_key,
                               reward_fn=reward_fn, rewards=rewards, max_prompt_tokens=max_prompt_tokens,
                               shuffle=shuffle, cache_dir=cache_dir, **kwargs)
-        if (reward_fn is None) == (not rewards):
+        if reward_fn is not None and rewards:
             raise ValueError(
-                f"set exactly one of task.reward_fn ({reward_fn!r}) and task.rewards ({rewards!r}): "
+                f"set exactly one of task.reward_fn ({reward_fn!r}) and task.rewards ({rewards!r}), not both: "
                 "reward_fn=pkg.mod:fn for one function, rewards=[{fn: ..., weight: ...}, ...] for several"
             )
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -66,7 +66,10 @@ class DatasetTask(Task):
         self.path, self.split = resolve_data_path(path), split
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.max_prompt_tokens, self.shuffle = max_prompt_tokens, shuffle
-        self.reward_set = RewardSet.from_config(rewards or [{"fn": reward_fn}])  # replaces the base's `reward`
+        # Replaces the base's `reward`. Neither set: the step's environment or agent gives the rewards (a
+        # single-turn run is refused at start, `check_reward_config`; a call here raises naming the keys).
+        self.reward_set = (RewardSet([RewardTerm(name="reward", fn=unset_reward)]) if reward_fn is None and not rewards
+                           else RewardSet.from_config(rewards or [{"fn": reward_fn}]))
         self.reward_name = self.reward_set.name
         self.rows = load_rows(self.path, split, cache_dir=cache_dir)
         self.is_chat = check_prompt_column(self.rows, prompt_key, self.path)
@@ -349,3 +352,11 @@ def _print_once(message: str) -> None:
     # Lightning sets `rank_zero_only.rank` when it starts; before that (tests, scripts) this is the only process.
     if getattr(rank_zero_only, "rank", 0) == 0:
         print(f"[topp_rl] {message}", flush=True)
+
+
+def unset_reward(response: str, record: PromptRecord) -> float:
+    """The reward of a dataset task with neither `reward_fn` nor `rewards`: for the multi-turn steps, whose
+    environment or agent gives the reward; a step that calls the task's reward gets this error."""
+    raise ValueError("task.reward_fn and task.rewards are unset, and this rollout step scores responses with the "
+                     "task's reward; set task.reward_fn=pkg.mod:fn (or path/to/file.py:fn), or use a multi-turn step "
+                     "whose environment or agent gives the reward (rollout/step=agent, task=agent)")

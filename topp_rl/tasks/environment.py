@@ -11,6 +11,8 @@ wrong in the environment's code is an `EnvFault` of a kind (`FAULT_KINDS`, `TIME
 trajectory; no signal is delivered off the main thread, so a KeyboardInterrupt raised there is the code's own.
 
 Environment tokens are context, never trained on: they get loss mask 0 (docs/agents.md).
+An environment is named in config like a reward function or an agent: `pkg.mod:Class` or `path/to/file.py:Class`
+(`resolve_environment`, built with no arguments), or a `_target_` node with its arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, S
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from omegaconf import DictConfig, OmegaConf
+
 from topp_rl.data.prompt import PromptRecord
+from topp_rl.tasks.reward_import import resolve_reward_fn
 from topp_rl.tasks.rewards import reward_number, shown_reward
 
 EnvOutput = str | Sequence[int] | None  # text, token ids, or None: the trajectory ends here
@@ -56,6 +61,43 @@ class Environment(Protocol):
     def start(self, record: PromptRecord) -> Episode | Awaitable[Episode]: ...
 
 
+ENVIRONMENT_KEY = "rollout.step.environment"
+
+
+def check_environment_config(step: Mapping[str, Any]) -> None:
+    """At start, before any model loads: the agent loop's `environment` (a `rollout.step` config node) is set, and a
+    named one imports (it is built with the step). A `_target_` node is checked with every other `_target_`."""
+    missing = isinstance(step, DictConfig) and OmegaConf.is_missing(step, "environment")
+    spec = "???" if missing else step.get("environment", "???")
+    if spec == "???":
+        raise ValueError(f"config {ENVIRONMENT_KEY}='???': must be an environment (a class with start(record) -> "
+                         "Episode, topp_rl/tasks/environment.py); use a task that brings its environment "
+                         f"(task=lookup), or set {ENVIRONMENT_KEY}=path/to/env.py:Class (or pkg.mod:Class)")
+    if isinstance(spec, str):
+        resolve_reward_fn(spec, key=ENVIRONMENT_KEY)
+
+
+def resolve_environment(spec: str, *, key: str = ENVIRONMENT_KEY) -> Environment:
+    """`pkg.mod:Class` or `path/to/file.py:Class` (a relative path from the working directory, as for rewards and
+    agents) -> the environment, built with no arguments; refused naming `key` when it does not import, does not
+    build or has no `start(record)`."""
+    if not spec or spec == "???":
+        raise ValueError(f"config {key}={spec!r}: must name an environment class, pkg.mod:Class or "
+                         "path/to/file.py:Class (start(record) -> Episode; docs/agents.md)")
+    factory = resolve_reward_fn(spec, key=key)
+    try:
+        environment = factory()
+    except Exception as e:
+        raise ValueError(f"config {key}={spec!r}: building it with no arguments raised {describe(e)}; give its "
+                         f"arguments defaults, or name it in a task config as {key}: {{_target_: pkg.mod.Class, "
+                         "<argument>: <value>}") from e
+    if not isinstance(environment, Environment):
+        raise ValueError(f"config {key}={spec!r} built a {type(environment).__name__}, which has no start(record); "
+                         "an environment's start(record) returns an Episode (respond(turn), reward()): "
+                         "docs/agents.md")
+    return environment
+
+
 # Faults of user code (an environment's or an agent's), each ending only its trajectory, counted per kind
 # (`rollout/env_errors/<kind>`; a timeout in `rollout/env_timeouts`):
 EXCEPTION = "exception"  # it raised (any exception, SystemExit / KeyboardInterrupt / GeneratorExit included)
@@ -63,7 +105,8 @@ BAD_RETURN = "bad_return"  # `start` returned no Episode, or `respond` something
 BAD_REWARD = "bad_reward"  # a reward / score that is not a finite number within the cap (`reward_number`)
 FOREIGN_TRAJECTORY = "foreign_trajectory"  # an agent's client sent a request to another trajectory's URL
 NO_REQUEST = "no_request"  # an agent returned without asking the endpoint
-FAULT_KINDS = (EXCEPTION, BAD_RETURN, BAD_REWARD, FOREIGN_TRAJECTORY, NO_REQUEST)
+BAD_REQUEST = "bad_request"  # an agent failed after the endpoint refused its request (HTTP 400: what it asked)
+FAULT_KINDS = (EXCEPTION, BAD_RETURN, BAD_REWARD, FOREIGN_TRAJECTORY, NO_REQUEST, BAD_REQUEST)
 TIMEOUT = "timeout"  # a call ran past its timeout
 
 

@@ -27,7 +27,7 @@ def resolve_reward_fn(spec: str, *, key: str = "reward_fn") -> Callable:
     module = _load_file(target, spec, key) if target.endswith(".py") else _import(target, spec, key)
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"{key} {spec!r}: {target} has no attribute {attr!r}; check the function name")
+        raise ValueError(f"{key} {spec!r}: {target} has no attribute {attr!r}; check the name")
     if not callable(fn):
         raise ValueError(f"{key} {spec!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -86,9 +86,16 @@ def _load_file(path_text: str, spec: str, key: str = "reward_fn"):
     return module
 
 
-def check_reward_config(task: Mapping[str, Any]) -> None:
+def check_reward_config(task: Mapping[str, Any], *, required: bool = True, step: str = "") -> None:
     """Resolve every reward function and `_target_` class that `task` (a task config node) names; raises the
-    ValueError of the first that does not resolve. Nothing is built (a reward model's weights load later)."""
+    ValueError of the first that does not resolve. Nothing is built (a reward model's weights load later).
+    A task that takes `reward_fn` / `rewards` must set one where the rollout step calls the task's reward
+    (`required`; `step`: its class, named in the message); the multi-turn steps never do."""
+    if required and "reward_fn" in task and not task.get("reward_fn") and not task.get("rewards"):
+        raise ValueError(f"config task.reward_fn=None / task.rewards={task.get('rewards')!r}: must set one with "
+                         f"rollout.step={step or 'SingleTurnStep'} (it scores each response with the task's "
+                         "reward); set task.reward_fn=pkg.mod:fn or path/to/file.py:fn, or task.rewards=[{fn: ..., "
+                         "weight: ...}, ...] (a multi-turn step, rollout/step=agent or task=agent, needs neither)")
     named = [task["reward_fn"]] if task.get("reward_fn") else []
     for entry in task.get("rewards") or ():
         fn = entry.get("fn", entry) if isinstance(entry, Mapping) else entry

@@ -10,6 +10,9 @@ under `max_trajectory_tokens`, or one with no room for a turn of `max_new_tokens
 refused (400) and ends the trajectory (truncated); a completion that would pass the token budget is cut at it.
 Each trajectory's client sends its own token (`CLIENT_HEADER`): a request it sends to another trajectory's URL is
 refused (403) and fails the sender (foreign_trajectory). Every state change happens on the server's event loop.
+What a request asked that the run does not serve (another temperature, an unknown key) is refused (400) and
+recorded per trajectory (`refusals`), as is a `max_tokens` above the run's `max_new_tokens`, served capped
+(`capped`); `notice(kind, message)` hears of each (the step prints the first of a run).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from topp_rl.rollout.endpoint.wire import (
     CHAT_KEYS,
     COMPLETION_KEYS,
     Refused,
+    asked_tokens,
     chat_prompt_ids,
     chat_response,
     check_request,
@@ -35,10 +39,11 @@ from topp_rl.rollout.endpoint.wire import (
     finish_reason,
 )
 from topp_rl.rollout.trajectory import END_CONTEXT, END_MAX_TOKENS, END_MAX_TURNS, Trajectory, room_for_turn
-from topp_rl.tasks.environment import FOREIGN_TRAJECTORY
+from topp_rl.tasks.environment import BAD_REQUEST, FOREIGN_TRAJECTORY
 
 MODEL_NAME = "topp-rl-policy"  # what /models lists; a request may name any model (the run serves one)
 CLIENT_HEADER = "X-Topp-RL-Client"  # each trajectory's client sends its own token: who sent a request
+CAPPED = "max_tokens_capped"  # the notice of a request served below the max_tokens it asked
 
 
 class ForeignRequest(Exception):
@@ -48,11 +53,15 @@ class ForeignRequest(Exception):
 class EndpointServer:
     def __init__(self, trajectories: list[Trajectory], batcher: TurnBatcher, *, tokenizer: Any,
                  params: SamplingParams, vocab_size: int, max_turns: int, max_trajectory_tokens: int,
-                 context: int | None = None, client_tokens: list[str] | None = None) -> None:
+                 context: int | None = None, client_tokens: list[str] | None = None,
+                 notice: Callable[[str, str], None] | None = None) -> None:
         self.trajectories, self.batcher, self.tokenizer = trajectories, batcher, tokenizer
         self.params, self.vocab_size = params, vocab_size
         self.max_turns, self.max_tokens, self.context = max_turns, max_trajectory_tokens, context
         self.senders = {token: i for i, token in enumerate(client_tokens or ())}  # CLIENT_HEADER -> trajectory
+        self.notice = notice or (lambda kind, message: None)
+        self.refusals: dict[int, list[str]] = {}  # trajectory -> its requests refused (400) for what they asked
+        self.capped: dict[int, int] = {}  # trajectory -> its requests served below the max_tokens they asked
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -88,6 +97,9 @@ class EndpointServer:
                     raise Refused(f"the request body is not JSON: {e}") from e
                 return web.json_response(await handler(t, body))
             except Refused as e:
+                if self.trajectories[t].live:  # refused for what it asked, not a budget (which ended the trajectory)
+                    self.refusals.setdefault(t, []).append(str(e))
+                    self.notice(BAD_REQUEST, str(e))
                 return web.json_response(error_body(str(e), e.param), status=400)
             except LookupError as e:
                 return web.json_response(error_body(str(e), kind="not_found_error"), status=404)
@@ -124,20 +136,32 @@ class EndpointServer:
                                                               "owned_by": "topp-rl"}]})
 
     async def _chat(self, t: int, body: dict) -> dict:
-        limit = check_request(body, self.params, allowed=CHAT_KEYS)
+        limit = self._limit(t, body, allowed=CHAT_KEYS)
         ids = chat_prompt_ids(body, self.tokenizer)
         kept, reason = await self._turn(t, ids, limit)
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return chat_response(model=str(body.get("model") or MODEL_NAME), prompt_ids=ids, ids=kept, text=text,
-                             reason=reason)
+                             reason=reason, max_tokens=limit)
 
     async def _completion(self, t: int, body: dict) -> dict:
-        limit = check_request(body, self.params, allowed=COMPLETION_KEYS)
+        limit = self._limit(t, body, allowed=COMPLETION_KEYS)
         ids = completion_prompt_ids(body, self.tokenizer, self.vocab_size)
         kept, reason = await self._turn(t, ids, limit)
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return completion_response(model=str(body.get("model") or MODEL_NAME), prompt_ids=ids, ids=kept, text=text,
-                                   reason=reason)
+                                   reason=reason, max_tokens=limit)
+
+    def _limit(self, t: int, body: dict, *, allowed: set[str]) -> int:
+        """The completion's token limit; a request asking more than the run's `max_new_tokens` is served at it
+        (its response says finish_reason "length" when the turn reached it, and `max_tokens`: the limit served)."""
+        limit = check_request(body, self.params, allowed=allowed)
+        asked = asked_tokens(body)
+        if asked is not None and asked > limit:
+            self.capped[t] = self.capped.get(t, 0) + 1
+            self.notice(CAPPED, f"a request asked max_tokens={asked}, more than this run's rollout.max_new_tokens="
+                        f"{limit}: served up to {limit} tokens a turn (finish_reason \"length\" where a turn reaches "
+                        "it; counted in rollout/max_tokens_capped); raise rollout.max_new_tokens for longer turns")
+        return limit
 
     # ----- one model turn -----
     async def _turn(self, index: int, ids: list[int], limit: int) -> tuple[list[int], str]:

@@ -14,8 +14,14 @@ KeyboardInterrupt included, even from a task of its own, which stops the agents'
 finite number within the reward cap, never asks the endpoint, or sends a request to another trajectory's URL
 fails its trajectory (reward 0, counted by kind in `rollout/env_errors/<kind>`, in `rollout/env_timeouts`, and in
 `rollout/trajectories_failed`, the message in the first sample's `metadata["env_error"]`); its model tokens still
-train (with reward 0), as in the agent loop. More than `max_failed_frac` of a step's trajectories failing raises.
-An engine failure raises.
+train (with reward 0), as in the agent loop. An agent that fails after the endpoint refused one of its requests
+(HTTP 400: a temperature other than the run's, an unknown key) fails as `bad_request`. More than
+`max_failed_frac` of a step's trajectories failing raises. An engine failure raises.
+
+The console hears once per run of what the agent code may not see: the first refused request (what to send
+instead), the first `max_tokens` served capped at the run's `max_new_tokens`, and a step where more than
+`PREFIX_BREAK_WARN_FRAC` of the trajectories split (their requests did not extend the previous ids: usually a
+chat template that re-renders the history).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import logging
 import secrets
 import ssl
 import threading
@@ -39,6 +46,8 @@ from topp_rl.rollout.endpoint.server import CLIENT_HEADER, EndpointServer
 from topp_rl.rollout.step import RolloutStep, Stats
 from topp_rl.rollout.trajectory import (
     END_ENV,
+    FAIL_ERROR,
+    FAIL_TIMEOUT,
     Trajectory,
     check_context,
     check_failed_share,
@@ -49,6 +58,7 @@ from topp_rl.rollout.trajectory import (
 from topp_rl.tasks import Task
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.environment import (
+    BAD_REQUEST,
     EXCEPTION,
     NO_REQUEST,
     TIMEOUT,
@@ -61,6 +71,12 @@ from topp_rl.tasks.environment import (
 
 GRACE_S = 10.0  # past agent_timeout_s, how long the step waits for an agent loop that does not answer at all
 API_KEY = "topp-rl"  # the endpoint checks none; the SDK wants one
+# A step where more than this share of trajectories split into several samples warns (once per run): each split
+# trains correctly, but re-encodes the history as prompt, so a template that re-renders it costs every turn.
+PREFIX_BREAK_WARN_FRAC = 0.5
+PREFIX_BREAK = "prefix_breaks"
+
+log = logging.getLogger(__name__)
 
 
 class EndpointStep(RolloutStep):
@@ -71,6 +87,7 @@ class EndpointStep(RolloutStep):
                             max_failed_frac=max_failed_frac, timeout=("agent_timeout_s", agent_timeout_s))
         self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
         self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
+        self.noticed: set[str] = set()  # the kinds of notice the console has had this run (one line each)
         importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
 
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
@@ -88,7 +105,7 @@ class EndpointStep(RolloutStep):
         tokens = [secrets.token_hex(8) for _ in trajs]
         server = EndpointServer(trajs, batcher, tokenizer=tokenizer, params=params, vocab_size=engine.vocab_size,
                                 max_turns=self.max_turns, max_trajectory_tokens=self.max_tokens,
-                                context=engine.max_context, client_tokens=tokens)
+                                context=engine.max_context, client_tokens=tokens, notice=self._notice)
         await server.start()
         try:
             await self._run_agents(trajs, server, batcher, tokens)
@@ -96,7 +113,37 @@ class EndpointStep(RolloutStep):
             await server.stop()
         if batcher.engine_error is not None:
             raise batcher.engine_error
-        return [s for i, t in enumerate(trajs) for s in t.finish(trajectory=i)]
+        samples = []
+        for i, t in enumerate(trajs):
+            mine = t.finish(trajectory=i)
+            mine[0].metadata |= {"bad_requests": len(server.refusals.get(i, ())), "capped_requests":
+                                 server.capped.get(i, 0)}
+            samples += mine
+        self._check_prefix_breaks(trajs)
+        return samples
+
+    # ----- what the console hears, once per run -----
+    def _notice(self, kind: str, message: str) -> None:
+        if kind in self.noticed:
+            return
+        self.noticed.add(kind)
+        if kind == BAD_REQUEST:
+            log.warning("the agent endpoint refused a request of %s (HTTP 400): %s (printed once; later refusals are "
+                        "counted in rollout/bad_requests, and a trajectory whose agent failed on one in "
+                        "rollout/env_errors/bad_request)", self.agent, message)
+        else:
+            log.warning("%s", message)
+
+    def _check_prefix_breaks(self, trajs: list[Trajectory]) -> None:
+        split = sum(t.prefix_breaks > 0 for t in trajs)
+        if trajs and split > PREFIX_BREAK_WARN_FRAC * len(trajs):
+            self._notice(PREFIX_BREAK, f"{split} of {len(trajs)} trajectories this step split into several samples "
+                         "(rollout/prefix_breaks): a request's prompt ids did not extend the previous prompt + "
+                         "completion, most likely because a chat template re-renders the history differently from the "
+                         "ids sampled (it drops reasoning or special tokens). Each split trains correctly but "
+                         "re-encodes the history as prompt; to keep a trajectory in one sample, send token ids to "
+                         "/v1/completions (prompt = the previous prompt_token_ids + completion_token_ids + the new "
+                         "ids), or use a template that renders earlier turns unchanged")
 
     # ----- the agents, on a loop of their own -----
     async def _run_agents(self, trajs: list[Trajectory], server: EndpointServer, batcher: TurnBatcher,
@@ -106,7 +153,7 @@ class EndpointStep(RolloutStep):
         stopped: list[BaseException] = []
 
         def settle(i: int, kind: str, value: Any) -> None:  # called from the agents' thread
-            _post(loop, self._settle, trajs[i], i, kind, value, batcher)
+            _post(loop, self._settle, trajs[i], i, kind, value, batcher, server.refusals)
 
         def work() -> None:
             try:
@@ -125,11 +172,12 @@ class EndpointStep(RolloutStep):
                     self._settle(t, i, TIMEOUT, f"the agents' event loop did not answer within "
                                  f"rollout.step.agent_timeout_s={self.agent_timeout_s} + {GRACE_S} s (a blocking call "
                                  f"inside an async agent function, {self.agent}, stalls every agent of the step)",
-                                 batcher)
+                                 batcher, server.refusals)
         for i, t in enumerate(trajs):  # the agents' loop stopped before these settled
             if i in batcher.live:
                 cause = describe(stopped[0]) if stopped else "no outcome"
-                self._settle(t, i, EXCEPTION, f"the agent {self.agent}'s event loop stopped ({cause})", batcher)
+                self._settle(t, i, EXCEPTION, f"the agent {self.agent}'s event loop stopped ({cause})", batcher,
+                             server.refusals)
 
     async def _agents(self, trajs: list[Trajectory], server: EndpointServer, settle, tokens: list[str]) -> None:
         # A connection pool per trajectory: httpcore matches each request against every connection of its pool, so
@@ -155,10 +203,14 @@ class EndpointStep(RolloutStep):
             else:
                 settle(i, "ok", value)
 
-    def _settle(self, t: Trajectory, i: int, kind: str, value: Any, batcher: TurnBatcher) -> None:
-        """Record trajectory i's outcome (on the server's loop, where every state change happens)."""
+    def _settle(self, t: Trajectory, i: int, kind: str, value: Any, batcher: TurnBatcher,
+                refusals: dict[int, list[str]]) -> None:
+        """Record trajectory i's outcome (on the server's loop, where every state change happens); an agent that
+        raised after a request of its was refused (400) failed on that request (`refusals`: the server's)."""
         if i not in batcher.live:
             return
+        if kind == EXCEPTION and refusals.get(i):
+            kind, value = BAD_REQUEST, f"the agent {self.agent} raised on the endpoint's HTTP 400: {refusals[i][0]}"
         if kind == "ok":
             try:
                 t.reward, t.reward_info = reward_value(value)
@@ -178,17 +230,35 @@ class EndpointStep(RolloutStep):
     def check(self, samples: list[Sample], *, reduce_sum=None) -> None:
         """Raise when more than `max_failed_frac` of the step's trajectories failed (on every rank alike)."""
         check_failed_share(samples, max_failed_frac=self.max_failed_frac, reduce_sum=reduce_sum,
-                           fix=f"fix the agent {self.agent} (or raise rollout.step.agent_timeout_s="
-                           f"{self.agent_timeout_s} if it is just slow)")
+                           fix=self._fix(samples))
+
+    def _fix(self, samples: list[Sample]) -> str:
+        """The advice for the first failure (the one the message shows): its kind says what to change."""
+        kind = next((s.metadata.get("env_error_kind") for s in samples if s.metadata["trajectory_sample"] == 0
+                     and s.metadata["end"] in (FAIL_ERROR, FAIL_TIMEOUT)), None)
+        if kind == BAD_REQUEST:
+            return (f"fix the agent {self.agent}'s requests: send what the endpoint serves (the run's sampling "
+                    "settings: leave temperature / top_p / top_k / min_p out, or send the run's; keys it knows), as "
+                    "the 400's message says")
+        if kind == TIMEOUT:
+            return (f"fix the agent {self.agent}, or raise rollout.step.agent_timeout_s={self.agent_timeout_s} if it "
+                    "is just slow")
+        return f"fix the agent {self.agent}"
+
+    def stats(self, samples: list[Sample]) -> Stats:
+        """The multi-turn figures, and the endpoint's own per step (of a rank): refused requests (400) and
+        requests served below the max_tokens they asked."""
+        firsts = [s.metadata for s in samples if s.metadata["trajectory_sample"] == 0]
+        return trajectory_stats(samples) | {
+            "rollout/bad_requests": (float(sum(m.get("bad_requests", 0) for m in firsts)), 1.0),
+            "rollout/max_tokens_capped": (float(sum(m.get("capped_requests", 0) for m in firsts)), 1.0),
+        }
 
     # ----- score: the agents' rewards -----
     def score(self, samples: list[Sample], records: list[PromptRecord], params: SamplingParams, *, task: Task,
               tokenizer: Any, first_group: int = 0) -> list[Sample]:
         score_trajectories(samples, records, n=params.n, first_group=first_group)
         return samples
-
-    def stats(self, samples: list[Sample]) -> Stats:
-        return trajectory_stats(samples)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args: Any) -> None:

@@ -4,10 +4,12 @@ ids, and the response bodies.
 A request is served at the run's sampling settings or refused (`Refused`, an HTTP 400 naming the run's values):
 the trainer scores every token over the set the run's sampler kept, so a turn drawn at other settings could not
 be scored exactly. `max_tokens` / `max_completion_tokens` below the run's `max_new_tokens` are honoured by cutting
-the completion (exact: the kept tokens are what was sampled). Chat messages are rendered by the tokenizer's chat
-template (with `tools`), or `MINIMAL_CHAT_TEMPLATE` for a tokenizer without one (the tiny model's). Tool calls in
-the model's output in the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form (Qwen / Hermes
-templates) come back as OpenAI `tool_calls`; text that does not parse stays plain content.
+the completion (exact: the kept tokens are what was sampled); above it, the turn is served at the run's limit
+(finish_reason "length" when it reaches it; the choice's `max_tokens` says the limit served). Chat messages are
+rendered by the tokenizer's chat template (with `tools`), or `MINIMAL_CHAT_TEMPLATE` for a tokenizer without one
+(the tiny model's). Tool calls in the model's output in the `<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>` form (Qwen / Hermes templates) come back as OpenAI `tool_calls`; text that does not parse stays
+plain content.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def check_request(body: Any, params: SamplingParams, *, allowed: set[str]) -> in
                 raise Refused(f"{key}={value!r} must be an integer >= 1", key)
             limit = min(limit, value)
     return limit
+
+
+def asked_tokens(body: Mapping[str, Any]) -> int | None:
+    """The completion length a (checked) request asked: the smaller of `max_tokens` / `max_completion_tokens`."""
+    asked = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    return min(asked) if asked else None
 
 
 def _same(key: str, value: Any, run: float | int) -> bool:
@@ -176,20 +184,22 @@ def finish_reason(out: Sample, kept: int) -> str:
     return "stop" if out.status == SampleStatus.COMPLETED and kept == out.response_length else "length"
 
 
-def chat_response(*, model: str, prompt_ids: list[int], ids: list[int], text: str, reason: str) -> dict[str, Any]:
+def chat_response(*, model: str, prompt_ids: list[int], ids: list[int], text: str, reason: str,
+                  max_tokens: int | None = None) -> dict[str, Any]:
+    """`max_tokens`: the limit the turn was served at (an extra field of the choice, like the ids)."""
     content, calls = parse_tool_calls(text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls and reason == "stop" else reason,
-              "logprobs": None, "prompt_token_ids": prompt_ids, "completion_token_ids": ids}
+              "logprobs": None, "prompt_token_ids": prompt_ids, "completion_token_ids": ids, "max_tokens": max_tokens}
     return _envelope("chat.completion", model, choice, prompt_ids, ids)
 
 
-def completion_response(*, model: str, prompt_ids: list[int], ids: list[int], text: str,
-                        reason: str) -> dict[str, Any]:
+def completion_response(*, model: str, prompt_ids: list[int], ids: list[int], text: str, reason: str,
+                        max_tokens: int | None = None) -> dict[str, Any]:
     choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None, "prompt_token_ids": prompt_ids,
-              "completion_token_ids": ids}
+              "completion_token_ids": ids, "max_tokens": max_tokens}
     return _envelope("text_completion", model, choice, prompt_ids, ids)
 
 
