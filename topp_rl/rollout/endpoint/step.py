@@ -36,7 +36,6 @@ import threading
 from typing import Any
 
 import httpx
-import openai
 
 from topp_rl.data import PromptRecord, SamplingParams
 from topp_rl.data.sample import Sample
@@ -88,7 +87,9 @@ class EndpointStep(RolloutStep):
         self.max_turns, self.max_tokens = max_turns, max_trajectory_tokens
         self.agent_timeout_s, self.max_failed_frac = agent_timeout_s, max_failed_frac
         self.noticed: set[str] = set()  # the kinds of notice the console has had this run (one line each)
-        importlib.import_module("openai.resources")  # the SDK loads it on a client's first call: seconds, paid now
+        # Imported by the step, not at start: W&B advertises Weave to every run that has imported openai. The SDK
+        # loads openai.resources on a client's first call: seconds, paid here.
+        importlib.import_module("openai.resources")
 
     def generate(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, *,
                  seed: int | None, tokenizer: Any) -> list[Sample]:
@@ -191,6 +192,7 @@ class EndpointStep(RolloutStep):
     async def _agent(self, i: int, record: PromptRecord, base_url: str, tls: ssl.SSLContext, settle,
                      token: str) -> None:
         async with httpx.AsyncClient(verify=tls, timeout=self.agent_timeout_s, headers={CLIENT_HEADER: token}) as http:
+            openai = importlib.import_module("openai")  # loaded in __init__; not at start (see there)
             client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, http_client=http, max_retries=0)
             try:
                 with faulted(self.agent_fn):
