@@ -1,13 +1,15 @@
 """Names of a Hydra sweep's parts, from the keys it sweeps: job directories (`3-rollout.top_p=0.9,algo=gspo`),
-the W&B group (`2026-12-02_14-05-09 [rollout.top_p,algo]`) and each job's W&B run name
-(`gspo-top_p0.9-seed0 [rollout.top_p=0.9,algo=gspo]`).
+the W&B group (`2026-12-02_14-05-09-copy_digit-tiny [rollout.top_p,algo]`) and each job's W&B run name
+(`copy_digit-tiny-gspo-top_p0.9-seed0 [rollout.top_p=0.9,algo=gspo]`); the `<task>-<model>` part of the default
+run and sweep dirs and of W&B run names (`task_model_label`).
 
 The swept keys are read from the sweep's `multirun.yaml` (the sweep as typed: its overrides plus
 `hydra.sweeper.params`), which Hydra's sweepers write before the first job; without it, every override of the job
 counts. Hydra's own `hydra.job.override_dirname` is not used: it names every override, not only the swept ones,
 and copies values verbatim, so `model.path=/data/m` made the job dir an absolute path elsewhere.
 
-`conf/config.yaml` names job dirs with the `topp_rl.job_subdir` resolver, registered on `import topp_rl`.
+`conf/config.yaml` names job dirs with the `topp_rl.job_subdir` resolver and run and sweep dirs with
+`topp_rl.task_model`, registered on `import topp_rl`.
 """
 
 import hashlib
@@ -83,7 +85,8 @@ def job_subdir(num, run_name, sweep_dir, job_overrides) -> str:
 
 
 def sweep_id(sweep_dir: str | Path) -> str:
-    """The sweep dir's name, with its parent's when that is a date (`multirun/<date>/<time>` -> `<date>_<time>`)."""
+    """The sweep dir's name, with its parent's when that is a date (`multirun/<date>/<time>-<task>-<model>` ->
+    `<date>_<time>-<task>-<model>`)."""
     path = Path(sweep_dir)
     return f"{path.parent.name}_{path.name}" if _DATE.fullmatch(path.parent.name) else path.name
 
