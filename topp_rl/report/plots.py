@@ -6,8 +6,8 @@ and `logger=tensorboard` write it next to their own files), never W&B's private 
 directory holding a `csv/` dir; several versions in one job (resumes) are merged in version order, later ones
 winning on the same step and metric. Pointed at a sweep directory (several jobs), each plot draws one curve per
 job, labelled by the job's directory name. Several run (or sweep) dirs overlay all their jobs, each labelled by
-the overrides that differ between them (`topp_rl.report.labels`). Also reads the candidate-set size counts the `SupportStats` callback
-saves (`support_size_counts.json`, per job). Renders, each with a title naming the run or sweep and labelled axes:
+the overrides that differ between them (`topp_rl.report.labels`). Also reads the candidate-set size counts the
+`SupportStats` callback saves (`support_size_counts.json`, per job). Renders, each with a title naming the run or sweep and labelled axes:
 - `reward.png`: rollout/reward_mean per step (band: +- rollout/reward_std, clipped to the reward's range: the
   job's task's, `curves.task_reward_range`, or `--range`; accuracy when logged);
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;

@@ -4,10 +4,11 @@
   defaults the variable to offline, so nothing reaches the network unless a user opts in). Lightning's own
   `offline=True` is not used: it rewrites `WANDB_MODE` for the whole process, so an online run was impossible.
 - Run name: `<task>-<model>-<run_name>` (the config group choices, as in the run dir's name; `run_name` alone
-  outside a Hydra app), plus the swept keys of a multirun job
-  (`copy_digit-tiny-grpo-top_p0.8-seed0 [rollout.top_p=0.8]`), so jobs are told apart (`topp_rl.run.sweep` reads the swept keys from the sweep's `multirun.yaml`).
+  outside a Hydra app), plus the swept keys of a multirun job (`copy_digit-tiny-grpo-top_p0.8-seed0
+  [rollout.top_p=0.8]`), so jobs are told apart (`topp_rl.run.sweep` reads the swept keys from the sweep's
+  `multirun.yaml`).
 - Group: `group`, else in multirun mode the sweep, named by its dir and swept keys
-  (`2026-12-02_14-05-09 [rollout.top_p,algo]`).
+  (`2026-12-02_14-05-09-copy_digit-tiny [rollout.top_p,algo]`).
 - One W&B run id per run dir (`<run dir>/wandb_id`): a resume appends to the same run.
 - `LogConfig` hands every logger the resolved config at fit start (`log_hyperparams`: the W&B run config, the
   CSV and TensorBoard `hparams.yaml`).
