@@ -74,7 +74,7 @@ def test_compose_adds_a_user_config_dir_through_hydra_searchpath(tmp_path, monke
     assert (cfg.trainer.max_steps, cfg.rollout.top_p) == (7, 0.8)
     run_dir = Path(cfg.paths.output_dir)
     assert run_dir.is_absolute() and run_dir.parent.parent == tmp_path / "outputs"
-    assert run_dir.name.endswith("-grpo-top_p0.8-seed0") and "hydra" not in cfg
+    assert run_dir.name.endswith("-copy_digit-tiny-grpo-top_p0.8-seed0") and "hydra" not in cfg  # task, model
     assert no_hydra_state()
     with pytest.raises(Exception, match="experiment"):  # without the search path the option does not exist
         topp_rl.compose(["experiment=mine"])

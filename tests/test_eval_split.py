@@ -10,6 +10,7 @@ import pytest
 from helpers import column, compose_cfg, read_metrics
 
 from topp_rl.models import build_char_tokenizer, build_tiny_model, save_model
+from topp_rl.run.commands import report_command
 from topp_rl.run.summary import summary_lines
 from topp_rl.train import build_run, train
 
@@ -47,7 +48,7 @@ def test_eval_split_test_evaluates_the_saved_test_split(tmp_path, capsys):
     for step in (0, 2):
         assert f"[topp_rl] eval at step {step} ({saved} [test], 3 prompts): accuracy 1, response length " in out
     assert f"  best val/accuracy: 1 at step 0: {run}/checkpoints/best.ckpt\n" in out
-    assert f"  in the run dir: summary.json, csv/ (metrics.csv)\n  plots: python -m topp_rl.report {run}\n" in out
+    assert f"  in the run dir: summary.json, csv/ (metrics.csv)\n  plots: {report_command()} {run}\n" in out
 
 
 def test_eval_split_takes_a_slice_of_a_data_file(tmp_path):
@@ -123,5 +124,5 @@ def test_summary_lines_name_only_what_exists(tmp_path):
     assert summary_lines(summary, str(tmp_path))[1:] == [
         f"  HF checkpoint: {tmp_path}/hf (step 3; loads with transformers' from_pretrained)",
         "  in the run dir: summary.json, csv/ (metrics.csv), wandb/ (W&B)",
-        f"  plots: python -m topp_rl.report {tmp_path}",
+        f"  plots: {report_command()} {tmp_path}",
     ]

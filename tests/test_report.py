@@ -1,4 +1,5 @@
-"""`python -m topp_rl.report`: PNGs from a synthetic run dir (Lightning CSV), and one curve per job of a sweep."""
+"""`python -m topp_rl.report`: PNGs from a synthetic run dir (Lightning CSV), one curve per job of a sweep, and
+several run dirs overlaid, labelled by the overrides that differ."""
 
 import csv
 import json
@@ -11,6 +12,7 @@ from matplotlib import image
 
 from topp_rl.report import curves
 from topp_rl.report import plots as report
+from topp_rl.report.labels import run_labels
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = list(range(1, 9))
@@ -298,3 +300,55 @@ def test_cli_takes_smoothing_and_ranges_and_names_a_bad_range(tmp_path, capsys):
         report.main([str(tmp_path / "run"), "--range", "rollout/reward_mean=1:0"])
     assert exc.value.code == 2 and "--range 'rollout/reward_mean=1:0': expected METRIC=LOW:HIGH" in \
         capsys.readouterr().err
+
+
+def write_started_run(run_dir, overrides, *, choices, config):
+    """A run dir as a start leaves it: metrics.csv, `.hydra/overrides.yaml`, `.hydra/hydra.yaml`'s group choices,
+    `config.yaml`."""
+    write_csv(run_dir / "csv/version_0/metrics.csv", [{"step": s, REWARD: 0.1 * s, MASKED: 1e-7} for s in (0, 1, 2)])
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (run_dir / ".hydra" / "hydra.yaml").write_text(json.dumps({"hydra": {"runtime": {"choices": choices}}}))
+    (run_dir / "config.yaml").write_text(json.dumps(config))
+
+
+def test_several_run_dirs_overlay_labelled_by_the_overrides_that_differ(tmp_path, capsys):
+    """Keys one run overrides and the other does not take the other's group choice or config value; keys both
+    set alike, and where / how a run started (hydra.*, ckpt_path), are left out."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    write_started_run(runs[0], ["rollout.top_p=0.9", "trainer.max_steps=2", "algo=gspo", "seed=1",
+                                "hydra.run.dir=a", "ckpt_path=last"],
+                      choices={"algo": "gspo", "task": "copy_digit"}, config={"seed": 1})
+    write_started_run(runs[1], ["trainer.max_steps=2", "rollout.top_p=1.0"],
+                      choices={"algo": "grpo", "task": "copy_digit"}, config={"seed": 0})
+    labels = ["rollout.top_p=0.9,algo=gspo,seed=1", "rollout.top_p=1.0,algo=grpo,seed=0"]
+    assert run_labels(runs) == dict(zip(runs, labels, strict=True))
+    jobs = report.load_jobs(runs)
+    assert list(jobs) == labels
+    fig = report.reward_figure(jobs)
+    assert [line.get_label() for line in fig.axes[0].lines] == [f"{label}: reward mean" for label in labels]
+    report.main([str(runs[0]), str(runs[1])])  # the default --out: the first run's plots/compare
+    written = [tmp_path / "a" / "plots" / "compare" / name for name in ("reward.png", "mismatch.png")]
+    assert capsys.readouterr().out.split() == [str(p) for p in written]
+    for path in written:
+        assert_real_png(path)
+    from topp_rl import cli
+
+    cli.main(["report", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "both")])
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["mismatch.png", "reward.png"]
+
+
+def test_runs_that_nothing_tells_apart_are_labelled_by_their_dirs(tmp_path):
+    same = ["rollout.top_p=0.9"]
+    for run in ("x/r1", "y/r2"):
+        write_started_run(tmp_path / run, same, choices={}, config={})
+    write_csv(tmp_path / "plain/csv/version_0/metrics.csv", [{"step": 0, REWARD: 0.5}])  # no .hydra/ at all
+    assert list(report.load_jobs([tmp_path / "x/r1", tmp_path / "y/r2"])) == ["x/r1", "y/r2"]
+    assert list(report.load_jobs([tmp_path / "x/r1", tmp_path / "plain"])) == ["x/r1", "plain"]
+    with pytest.raises(ValueError, match="is given twice"):
+        report.render([tmp_path / "x/r1", tmp_path / "x/r1"])
+    with pytest.raises(ValueError, match=r"x/r1 is given twice \(or inside another one given\)"):
+        report.render([tmp_path / "x/r1", tmp_path / "x"])  # x holds r1: its curves would be drawn twice
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=f"no metrics found under {tmp_path / 'empty'}: "):
+        report.render([tmp_path / "x/r1", tmp_path / "empty"])

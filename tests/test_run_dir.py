@@ -370,7 +370,7 @@ def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 NAME_RULE = ("must be one directory name, without '/', '\\' or NUL, and not '.' or '..' (the run dir is "
-             "outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, or "
+             "outputs/<date>/<time>-<task>-<model>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, or "
              "hydra.run.dir to the dir the run should use")
 
 

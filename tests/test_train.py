@@ -72,9 +72,10 @@ def test_sweep_runs_each_job_as_its_own_wandb_run_in_one_group(tmp_path):
         data = next(run.glob("run-*.wandb")).read_bytes()
         # The run record holds the group and the run name as length-prefixed protobuf strings.
         assert bytes([len(group)]) + group in data
-        names += [n for n in (b"grpo-top_p0.8-seed0 [rollout.top_p=0.8]", b"grpo-top_p1.0-seed0 [rollout.top_p=1.0]")
-                  if bytes([len(n)]) + n in data]
-    assert sorted(names) == [b"grpo-top_p0.8-seed0 [rollout.top_p=0.8]", b"grpo-top_p1.0-seed0 [rollout.top_p=1.0]"]
+        names += [n for n in (b"copy_digit-tiny-grpo-top_p0.8-seed0 [rollout.top_p=0.8]",
+                              b"copy_digit-tiny-grpo-top_p1.0-seed0 [rollout.top_p=1.0]") if bytes([len(n)]) + n in data]
+    assert sorted(names) == [b"copy_digit-tiny-grpo-top_p0.8-seed0 [rollout.top_p=0.8]",
+                             b"copy_digit-tiny-grpo-top_p1.0-seed0 [rollout.top_p=1.0]"]  # the task and model too
     assert proc.stdout.count("[topp_rl] run finished") == 2
 
 

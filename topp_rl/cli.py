@@ -7,7 +7,8 @@
   the run recorded beneath those given (`topp_rl.run.resume_args`);
 - `topp-rl plan [GROUP=OPTION ...] [KEY=VALUE ...]`: the placement of trainer ranks and SGLang servers those
   overrides give, printed without building a model or touching a GPU (exit 0), or the reason it is refused (exit 2);
-- `topp-rl export CKPT OUT_DIR` = `python -m topp_rl.export`; `topp-rl report RUN_DIR` = `python -m topp_rl.report`.
+- `topp-rl export CKPT OUT_DIR` = `python -m topp_rl.export`; `topp-rl report RUN_DIR [RUN_DIR ...]` =
+  `python -m topp_rl.report`.
 """
 
 import os
@@ -28,7 +29,8 @@ commands:
   resume  continue a run from its dir alone: topp-rl resume RUN_DIR [KEY=VALUE ...] (its recorded overrides, these on top)
   plan    print where trainer ranks and SGLang servers go: topp-rl plan [GROUP=OPTION ...] [KEY=VALUE ...]
   export  write a checkpoint's policy as an HF model dir: topp-rl export CKPT OUT_DIR
-  report  plot a run or a sweep from its CSV log: topp-rl report RUN_DIR [--out DIR] [--group-seeds]
+  report  plot a run, a sweep, or several overlaid, from their CSV logs: topp-rl report RUN_DIR [RUN_DIR ...]
+          [--out DIR] [--group-seeds]
 `topp-rl COMMAND --help` describes each; the train options follow."""
 
 

@@ -1,4 +1,4 @@
-"""`python -m topp_rl.report RUN_DIR [--out DIR]` (see `topp_rl.report.plots`)."""
+"""`python -m topp_rl.report RUN_DIR [RUN_DIR ...] [--out DIR]` (see `topp_rl.report.plots`)."""
 
 from topp_rl.report.plots import main
 

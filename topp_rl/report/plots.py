@@ -1,11 +1,13 @@
-"""`python -m topp_rl.report RUN_DIR [--out DIR]`: PNG plots of a training run, or of every job of a sweep.
+"""`python -m topp_rl.report RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG plots of a training run, of every job of a
+sweep, or of several runs overlaid.
 
 Reads the Lightning CSV log every logger option writes (`<job>/csv/version_<n>/metrics.csv`; `logger=wandb`
 and `logger=tensorboard` write it next to their own files), never W&B's private transaction log. A job is the
 directory holding a `csv/` dir; several versions in one job (resumes) are merged in version order, later ones
 winning on the same step and metric. Pointed at a sweep directory (several jobs), each plot draws one curve per
-job, labelled by the job's directory name. Also reads the candidate-set size counts the `SupportStats` callback
-saves (`support_size_counts.json`, per job). Renders, each with a title naming the run or sweep and labelled axes:
+job, labelled by the job's directory name. Several run (or sweep) dirs overlay all their jobs, each labelled by
+the overrides that differ between them (`topp_rl.report.labels`). Also reads the candidate-set size counts the
+`SupportStats` callback saves (`support_size_counts.json`, per job). Renders, each with a title naming the run or sweep and labelled axes:
 - `reward.png`: rollout/reward_mean per step (band: +- rollout/reward_std, clipped to the reward's range: the
   job's task's, `curves.task_reward_range`, or `--range`; accuracy when logged);
 - `mismatch.png`: mean |train - rollout| log-prob on the on-policy pass, with and without the candidate mask;
@@ -21,6 +23,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -45,9 +48,11 @@ from topp_rl.report.curves import (  # noqa: E402
     parse_range,
     task_reward_range,
 )
+from topp_rl.report.labels import run_labels  # noqa: E402
 from topp_rl.report.seeds import group_seeds, seed_band, seed_markdown, seed_summary, seeds_figure, variant_of  # noqa: E402
 
 COUNTS_FILE = "support_size_counts.json"  # written by callbacks.SupportStats
+RunDirs = str | Path | Sequence[str | Path]  # one run's or sweep's dir, or several to overlay
 
 __all__ = ["MISMATCH", "REWARD", "History", "Jobs", "group_seeds", "load_history", "load_jobs", "render",
            "seed_band", "seed_markdown", "seed_summary", "seeds_figure", "variant_of"]
@@ -90,25 +95,39 @@ def _label(job: Path, run_dir: Path, several: bool) -> str:
     return str(job.relative_to(run_dir)) if several else ""
 
 
-def load_jobs(run_dir: Path) -> Jobs:
+def _as_dirs(run_dirs: RunDirs) -> list[Path]:
+    return [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
+
+
+def labelled_jobs(run_dirs: RunDirs) -> dict[str, tuple[Path, list[Path]]]:
+    """{job label: (job dir, its CSV files)}. One dir: label "" for a run, the job's path below it for a sweep;
+    several dirs: every job of each, labelled by what differs between their configs (`labels.run_labels`)."""
+    dirs = _as_dirs(run_dirs)
+    for run_dir in dirs:
+        if not job_csvs(run_dir):
+            raise ValueError(
+                f"no metrics found under {run_dir}: expected a Lightning metrics.csv (<run dir>/csv/version_*/"
+                "metrics.csv, written with logger=csv, wandb or tensorboard); pass a run's or a sweep's output "
+                "directory"
+            )
+    if len(dirs) == 1:
+        jobs = job_csvs(dirs[0])
+        return {_label(job, dirs[0], len(jobs) > 1): (job, paths) for job, paths in jobs.items()}
+    jobs = {job: paths for run_dir in dirs for job, paths in job_csvs(run_dir).items()}
+    labels = run_labels(list(jobs))
+    return {labels[job]: (job, paths) for job, paths in jobs.items()}
+
+
+def load_jobs(run_dirs: RunDirs) -> Jobs:
     """{job label: history}; one job (label "") for a single run's directory."""
-    jobs = job_csvs(run_dir)
-    if not jobs:
-        raise ValueError(
-            f"no metrics found under {run_dir}: expected a Lightning metrics.csv (<run dir>/csv/version_*/"
-            "metrics.csv, written with logger=csv, wandb or tensorboard); pass a run's or a sweep's output directory"
-        )
-    several = len(jobs) > 1
-    return {_label(job, run_dir, several): read_csv_history(paths) for job, paths in jobs.items()}
+    return {label: read_csv_history(paths) for label, (_, paths) in labelled_jobs(run_dirs).items()}
 
 
-def reward_ranges(run_dir: Path, ranges: dict[str, Bounds] | None = None) -> dict[str, Bounds]:
+def reward_ranges(run_dirs: RunDirs, ranges: dict[str, Bounds] | None = None) -> dict[str, Bounds]:
     """{job label: its reward's range}: `ranges[REWARD]` when given (--range), else the job's task's
     (`task_reward_range`: the built-in generated tasks'; others unbounded)."""
-    dirs = job_csvs(run_dir)
-    several = len(dirs) > 1
-    return {_label(job, run_dir, several): ranges[REWARD] if ranges and REWARD in ranges else task_reward_range(job)
-            for job in dirs}
+    return {label: ranges[REWARD] if ranges and REWARD in ranges else task_reward_range(job)
+            for label, (job, _) in labelled_jobs(run_dirs).items()}
 
 
 def load_history(run_dir: Path) -> History:
@@ -202,15 +221,20 @@ def val_figure(jobs: Jobs, *, smooth: int | None = None, run: str = "") -> Figur
     return fig
 
 
-def read_counts(run_dir: Path) -> dict[str, dict[int, int]]:
+def read_counts(run_dirs: RunDirs) -> dict[str, dict[int, int]]:
     """{job label: {candidate-set size: tokens}} from each job's support_size_counts.json."""
-    files = sorted(run_dir.rglob(COUNTS_FILE))  # SupportStats writes it into the job's run dir
-    several = len(files) > 1
+    dirs = _as_dirs(run_dirs)
+    if len(dirs) == 1:  # SupportStats writes it into the job's run dir
+        files = sorted(dirs[0].rglob(COUNTS_FILE))
+        labelled = {_label(path.parent, dirs[0], len(files) > 1): path for path in files}
+    else:
+        labelled = {label: job / COUNTS_FILE for label, (job, _) in labelled_jobs(dirs).items()
+                    if (job / COUNTS_FILE).is_file()}
     out = {}
-    for path in files:
+    for label, path in labelled.items():
         counts = {int(k): int(v) for k, v in json.loads(path.read_text())["counts"].items()}
         if counts:
-            out[_label(path.parent, run_dir, several)] = counts
+            out[label] = counts
     return out
 
 
@@ -252,10 +276,27 @@ def _save(fig: Figure | None, path: Path) -> Path | None:
     return path
 
 
-def _run_label(run_dir: Path, jobs: Jobs) -> str:
-    """The figure titles' second line: the run dir's name, or the sweep's with its job count."""
-    name = run_dir.resolve().name
-    return f"sweep {name} ({len(jobs)} jobs)" if len(jobs) > 1 else f"run {name}"
+MAX_TITLE_CHARS = 90
+
+
+def _run_label(run_dirs: list[Path], jobs: Jobs) -> str:
+    """The figure titles' second line: the run dir's name, the sweep's with its job count, or the runs' names."""
+    names = [d.resolve().name for d in run_dirs]
+    if len(names) > 1:
+        label = f"{len(names)} runs: {', '.join(names)}"
+        return label if len(label) <= MAX_TITLE_CHARS else label[: MAX_TITLE_CHARS - 3] + "..."
+    return f"sweep {names[0]} ({len(jobs)} jobs)" if len(jobs) > 1 else f"run {names[0]}"
+
+
+def check_run_dirs(run_dirs: list[Path]) -> None:
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise ValueError(f"run directory {run_dir} does not exist; pass a training run's output directory")
+    given = [d.resolve() for d in run_dirs]
+    for i, run_dir in enumerate(given):
+        if run_dir in given[:i] or any(p in given for p in run_dir.parents):
+            raise ValueError(f"run directory {run_dirs[i]} is given twice (or inside another one given); pass "
+                             "each run or sweep dir once")
 
 
 def check_out_dir(out: Path) -> None:
@@ -268,37 +309,41 @@ def check_out_dir(out: Path) -> None:
                          "is created), or leave --out out for RUN_DIR/plots")
 
 
-def check_logged(jobs: Jobs, run_dir: Path) -> None:
+def check_logged(jobs: Jobs, run_dirs: list[Path]) -> None:
     """Every metrics.csv empty (a run stopped before its first logged step) would write no plot and exit 0."""
     if not any(jobs.values()):
-        files = [str(p) for paths in job_csvs(run_dir).values() for p in paths]
+        files = [str(p) for run_dir in run_dirs for paths in job_csvs(run_dir).values() for p in paths]
         raise ValueError(f"no logged values in {', '.join(files)} (empty, or its header only: the run logged no "
                          "step yet); plot a run that trained at least one step (it logs every trainer."
                          "log_every_n_steps steps)")
 
 
-def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: bool = False, smooth: int | None = None,
+def default_out_dir(run_dirs: list[Path]) -> Path:
+    """RUN_DIR/plots for one run or sweep; FIRST_RUN_DIR/plots/compare for several (a run's own plots stay)."""
+    return run_dirs[0] / "plots" / ("compare" if len(run_dirs) > 1 else "")
+
+
+def render(run_dirs: RunDirs, *, out_dir: str | Path | None = None, seeds: bool = False, smooth: int | None = None,
            ranges: dict[str, Bounds] | None = None) -> list[Path]:
-    """Write the run's (or sweep's) PNGs into `out_dir` (default RUN_DIR/plots); returns the paths written.
-    `smooth`: the moving average's window in points (None: about a sixth of the points; 0 or 1: none).
-    `ranges`: {metric: (low, high)} over the name-based ranges of `topp_rl.report.curves.METRIC_RANGES`."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist; pass a training run's output directory")
+    """Write the run's (or sweep's, or several runs' overlaid) PNGs into `out_dir` (default `default_out_dir`);
+    returns the paths written. `smooth`: the moving average's window in points (None: about a sixth of the points;
+    0 or 1: none). `ranges`: {metric: (low, high)} over the name-based ranges of `curves.METRIC_RANGES`."""
+    dirs = _as_dirs(run_dirs)
+    check_run_dirs(dirs)
     if smooth is not None and smooth < 0:
         raise ValueError(f"smooth={smooth}: the moving average's window must be >= 0 points (0 or 1: no smoothing)")
-    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out = Path(out_dir) if out_dir is not None else default_out_dir(dirs)
     check_out_dir(out)
-    jobs = load_jobs(run_dir)
-    check_logged(jobs, run_dir)
+    jobs = load_jobs(dirs)
+    check_logged(jobs, dirs)
     out.mkdir(parents=True, exist_ok=True)
-    run = _run_label(run_dir, jobs)
+    run = _run_label(dirs, jobs)
     style = {"smooth": smooth, "run": run}
     written = [
-        _save(reward_figure(jobs, reward_ranges=reward_ranges(run_dir, ranges), **style), out / "reward.png"),
+        _save(reward_figure(jobs, reward_ranges=reward_ranges(dirs, ranges), **style), out / "reward.png"),
         _save(mismatch_figure(jobs, **style), out / "mismatch.png"),
         _save(val_figure(jobs, **style), out / "val.png"),
-        _save(support_figure(read_counts(run_dir), run=run), out / "support_size_hist.png"),
+        _save(support_figure(read_counts(dirs), run=run), out / "support_size_hist.png"),
         _save(seeds_figure(group_seeds(jobs), ranges=ranges, **style), out / "seeds.png") if seeds else None,
         _write_text(seed_markdown(seed_summary(group_seeds(jobs))), out / "seeds.md") if seeds else None,
     ]
@@ -307,8 +352,11 @@ def render(run_dir: str | Path, *, out_dir: str | Path | None = None, seeds: boo
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.report") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])  # `topp-rl report` names itself
-    parser.add_argument("run_dir", help="a training run's output directory, or a sweep's (one curve per job)")
-    parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a training run's output directory, or a sweep's (one curve per job); several: their "
+                             "curves overlaid, labelled by the overrides that differ between them")
+    parser.add_argument("--out", default=None, help="where to write the PNGs (default RUN_DIR/plots; several dirs: "
+                                                    "FIRST_RUN_DIR/plots/compare)")
     parser.add_argument("--group-seeds", action="store_true",
                         help="also seeds.png, seeds.md: jobs differing only in seed<N> or seed=N as one variant "
                              "(mean, min-max band)")
@@ -320,7 +368,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m topp_rl.report
     args = parser.parse_args(argv)
     try:
         ranges = dict(parse_range(text) for text in args.ranges)
-        paths = render(args.run_dir, out_dir=args.out, seeds=args.group_seeds, smooth=args.smooth, ranges=ranges)
+        paths = render(args.run_dirs, out_dir=args.out, seeds=args.group_seeds, smooth=args.smooth, ranges=ranges)
     except ValueError as err:
         parser.error(str(err))  # exit status 2 with the message, no traceback
     for path in paths:

@@ -3,10 +3,12 @@
 - W&B mode: `logger.wandb.mode` when set, else `WANDB_MODE` from the environment, else offline (`train.py`
   defaults the variable to offline, so nothing reaches the network unless a user opts in). Lightning's own
   `offline=True` is not used: it rewrites `WANDB_MODE` for the whole process, so an online run was impossible.
-- Run name: `run_name`, plus the swept keys of a multirun job (`grpo-top_p0.8-seed0 [rollout.top_p=0.8]`),
-  so jobs are told apart (`topp_rl.run.sweep` reads the swept keys from the sweep's `multirun.yaml`).
+- Run name: `<task>-<model>-<run_name>` (the config group choices, as in the run dir's name; `run_name` alone
+  outside a Hydra app), plus the swept keys of a multirun job (`copy_digit-tiny-grpo-top_p0.8-seed0
+  [rollout.top_p=0.8]`), so jobs are told apart (`topp_rl.run.sweep` reads the swept keys from the sweep's
+  `multirun.yaml`).
 - Group: `group`, else in multirun mode the sweep, named by its dir and swept keys
-  (`2026-12-02_14-05-09 [rollout.top_p,algo]`).
+  (`2026-12-02_14-05-09-copy_digit-tiny [rollout.top_p,algo]`).
 - One W&B run id per run dir (`<run dir>/wandb_id`): a resume appends to the same run.
 - `LogConfig` hands every logger the resolved config at fit start (`log_hyperparams`: the W&B run config, the
   CSV and TensorBoard `hparams.yaml`).
@@ -21,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from topp_rl.run.rundir import wandb_run_id
-from topp_rl.run.sweep import group_label, job_label, sweep_keys_of
+from topp_rl.run.sweep import group_label, job_label, sweep_keys_of, task_model_label
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -63,9 +65,16 @@ def group_name(cfg: DictConfig) -> str | None:
 
 
 def run_display_name(cfg: DictConfig) -> str:
-    """`run_name`, plus ` [k=v,...]` with the swept keys of a multirun job."""
+    """`<task>-<model>-<run_name>` in a Hydra app (`run_name` outside one: no group choices), plus ` [k=v,...]`
+    with the swept keys of a multirun job."""
     name = str(cfg.run_name)
     hc = _hydra_config()
+    if hc is None:
+        return name
+    choices = hc.runtime.choices
+    task_model = task_model_label(choices.get("task"), choices.get("model"),
+                                  OmegaConf.select(cfg, "model.path", default=None))
+    name = f"{task_model}-{name}"
     if not _is_multirun(hc):
         return name
     job = list(hc.overrides.task)

@@ -121,8 +121,8 @@ def check_run_name(name: Any) -> None:
         return
     raise ValueError(
         f"config run_name={name!r}: must be one directory name, without '/', '\\' or NUL, and not '.' or '..' "
-        "(the run dir is outputs/<date>/<time>-<run_name>); set run_name to a name of letters, digits and ._-=+@%, "
-        "or hydra.run.dir to the dir the run should use"
+        "(the run dir is outputs/<date>/<time>-<task>-<model>-<run_name>); set run_name to a name of letters, digits "
+        "and ._-=+@%, or hydra.run.dir to the dir the run should use"
     )
 
 

@@ -4,29 +4,26 @@ lines.
 
 The console lines name only what exists: a logger directory, `hf/`, `hf_adapter/`, `best.ckpt` or the report
 command appear when the run wrote them (`logger=none` writes no `csv/`, so neither it nor the report command is
-named).
+named). The report command is the one that works from where the run started (`topp_rl.run.commands`).
 """
 
 import json
 import math
+import shlex
 import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
 from topp_rl.run.checkpoint import LastCheckpoint
+from topp_rl.run.commands import report_command
 from topp_rl.run.export import HFExport
 from topp_rl.run.sweep import run_dir_override
 
-SUMMARY_KEYS = (
-    "rollout/reward_mean",
-    "train/rollout_logprob_abs_diff",
-    "train/rollout_logprob_abs_diff_unmasked",
-    "train/rollout_logprob_abs_diff_max",
-)
+MISMATCH = "train/rollout_logprob_abs_diff"  # mean |train - rollout| log-prob, candidate mask on
+SUMMARY_KEYS = ("rollout/reward_mean", MISMATCH, f"{MISMATCH}_unmasked", f"{MISMATCH}_max")
 # Per logger directory a run may hold: what the summary says about it.
 LOGGER_DIRS = (("csv", "metrics.csv"), ("tensorboard", "tensorboard --logdir"), ("wandb", "W&B"))
-REPORT_COMMAND = "python -m topp_rl.report"  # reads csv/
 
 
 class RunSummary(Callback):
@@ -53,6 +50,8 @@ class RunSummary(Callback):
             values = self.history[key]
             if values:
                 out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        if self.history[MISMATCH]:
+            out["mismatch_last"] = self.history[MISMATCH][-1]  # the sweep table's column: where training ended
         return out
 
 
@@ -121,5 +120,5 @@ def summary_lines(summary: dict[str, float | str], output_dir: str) -> list[str]
     if files or logs:
         lines.append(f"  in the run dir: {', '.join(files + logs)}")
     if (run_dir / "csv").is_dir():
-        lines.append(f"  plots: {REPORT_COMMAND} {output_dir}")
+        lines.append(f"  plots: {report_command()} {shlex.quote(output_dir)}")
     return lines

@@ -1,13 +1,15 @@
 """Names of a Hydra sweep's parts, from the keys it sweeps: job directories (`3-rollout.top_p=0.9,algo=gspo`),
-the W&B group (`2026-12-02_14-05-09 [rollout.top_p,algo]`) and each job's W&B run name
-(`gspo-top_p0.9-seed0 [rollout.top_p=0.9,algo=gspo]`).
+the W&B group (`2026-12-02_14-05-09-copy_digit-tiny [rollout.top_p,algo]`) and each job's W&B run name
+(`copy_digit-tiny-gspo-top_p0.9-seed0 [rollout.top_p=0.9,algo=gspo]`); the `<task>-<model>` part of the default
+run and sweep dirs and of W&B run names (`task_model_label`).
 
 The swept keys are read from the sweep's `multirun.yaml` (the sweep as typed: its overrides plus
 `hydra.sweeper.params`), which Hydra's sweepers write before the first job; without it, every override of the job
 counts. Hydra's own `hydra.job.override_dirname` is not used: it names every override, not only the swept ones,
 and copies values verbatim, so `model.path=/data/m` made the job dir an absolute path elsewhere.
 
-`conf/config.yaml` names job dirs with the `topp_rl.job_subdir` resolver, registered on `import topp_rl`.
+`conf/config.yaml` names job dirs with the `topp_rl.job_subdir` resolver and run and sweep dirs with
+`topp_rl.task_model`, registered on `import topp_rl`.
 """
 
 import hashlib
@@ -33,13 +35,18 @@ def swept_keys(sweep_overrides: list[str]) -> list[str]:
     return [o.get_key_element() for o in parsed if o.is_sweep_override()]
 
 
-def job_label(job_overrides: list[str], keys: list[str]) -> str:
-    """`key=value` of the swept keys as this job set them, comma-separated (keys this job lacks are left out)."""
+def swept_values(job_overrides: list[str], keys: list[str]) -> dict[str, str]:
+    """{swept key: its value as this job set it}, in `keys` order (keys this job lacks are left out)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     values = {o.get_key_element(): o.get_value_element_as_str()
               for o in OverridesParser.create().parse_overrides(job_overrides)}
-    return ",".join(f"{k}={values[k]}" for k in keys if k in values)
+    return {k: values[k] for k in keys if k in values}
+
+
+def job_label(job_overrides: list[str], keys: list[str]) -> str:
+    """`key=value` of the swept keys as this job set them, comma-separated (keys this job lacks are left out)."""
+    return ",".join(f"{k}={v}" for k, v in swept_values(job_overrides, keys).items())
 
 
 def sweep_keys_of(sweep_dir: str | Path, job_overrides: list[str]) -> list[str]:
@@ -78,7 +85,8 @@ def job_subdir(num, run_name, sweep_dir, job_overrides) -> str:
 
 
 def sweep_id(sweep_dir: str | Path) -> str:
-    """The sweep dir's name, with its parent's when that is a date (`multirun/<date>/<time>` -> `<date>_<time>`)."""
+    """The sweep dir's name, with its parent's when that is a date (`multirun/<date>/<time>-<task>-<model>` ->
+    `<date>_<time>-<task>-<model>`)."""
     path = Path(sweep_dir)
     return f"{path.parent.name}_{path.name}" if _DATE.fullmatch(path.parent.name) else path.name
 
@@ -104,12 +112,23 @@ def run_dir_override(path: str | Path) -> str:
     return f'"{word}"' if _SHELL_DOUBLE_QUOTED.fullmatch(word) else shlex.quote(word)
 
 
+def task_model_label(task: object, model: object, model_path: object = None) -> str:
+    """`<task>-<model>` for the default run and sweep dirs: the config group choices (`copy_digit-tiny`), the
+    model as its checkpoint's name when it has a path (`model=hf_path model.path=Qwen/Qwen3-0.6B`: `Qwen3-0.6B`)."""
+    if model_path not in (None, "", "???"):
+        model = Path(str(model_path).rstrip("/")).name or model
+    return safe_dir_name(f"{task}-{model}")
+
+
 def register_resolvers() -> None:
-    """`${topp_rl.job_subdir:num,run_name,sweep_dir,overrides}` for conf/config.yaml's `hydra.sweep.subdir`, and
+    """`${topp_rl.job_subdir:num,run_name,sweep_dir,overrides}` for conf/config.yaml's `hydra.sweep.subdir`,
+    `${topp_rl.task_model:task,model,model_path}` in its run and sweep dirs, and
     `${topp_rl.pick:flag,if_true,if_false}` (a value that follows a boolean key, e.g. the embedded engine's
     batching, continuous under rollout.partial_rollouts)."""
     if not OmegaConf.has_resolver("topp_rl.job_subdir"):
         OmegaConf.register_new_resolver("topp_rl.job_subdir", job_subdir)
+    if not OmegaConf.has_resolver("topp_rl.task_model"):
+        OmegaConf.register_new_resolver("topp_rl.task_model", task_model_label)
     if not OmegaConf.has_resolver("topp_rl.pick"):
         OmegaConf.register_new_resolver("topp_rl.pick", pick)
 
