@@ -335,8 +335,8 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_run_in_its_dir_is_refused(tmp_p
     assert f"[topp_rl] stopped by SIGINT after step {done}; checkpoint saved to {last}" in stderr
     assert torch.load(last, weights_only=True, mmap=True)["global_step"] == done
     other = second["proc"]
-    assert other.returncode == 1
-    assert (f"ValueError: run dir {out} is in use by another run (pid {proc.pid}, holding {out}/.lock); wait for "
+    assert other.returncode == 2
+    assert (f"error: run dir {out} is in use by another run (pid {proc.pid}, holding {out}/.lock); wait for "
             "that run to end") in other.stderr
     assert not (tmp_path / "other.jsonl").exists()  # it trained nothing
 

@@ -178,8 +178,8 @@ def test_a_refused_second_run_leaves_the_first_runs_hydra_files_alone(tmp_path):
     assert "trainer.max_steps=1" in OmegaConf.load(hydra_dir / "overrides.yaml")
     second = subprocess.run([*base, "rollout.top_p=0.5"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
-    assert second.returncode == 1
-    assert (f"run dir {tmp_path} already holds a run (config.yaml); resume it with ckpt_path=last, or start this "
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert (f"error: run dir {tmp_path} already holds a run (config.yaml); resume it with ckpt_path=last, or start this "
             "run in a new dir") in second.stderr
     assert {p.name: p.read_bytes() for p in hydra_dir.iterdir()} == written  # byte for byte
 
@@ -315,9 +315,9 @@ def test_a_tp2_checkpoint_resumed_without_its_layout_is_refused_at_start_and_the
     assert first.returncode == 0, first.stderr[-3000:]
     resume = [*base[:-1], "trainer.max_steps=2", "ckpt_path=last"]
     refused = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "Missing key" not in refused.stderr
-    assert (f"ValueError: checkpoint {tmp_path}/checkpoints/last.ckpt was saved at parallel=tp2 trainer.devices=2 "
+    assert (f"error: checkpoint {tmp_path}/checkpoints/last.ckpt was saved at parallel=tp2 trainer.devices=2 "
             "(MegatronStrategy: tp 2, cp 1, ep 1, pp 1, vpp 1, 2 devices), this run asks for parallel=none "
             "trainer.devices=1 (no parallel strategy, 1 device)") in refused.stderr
     offered = re.search(r"\(add (.*) to the resume command\)", refused.stderr)[1]
@@ -380,8 +380,8 @@ def test_a_run_name_cannot_put_the_run_dir_outside_the_outputs_dir(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     done = _cli(cwd, "run_name='../../../../escaped'")
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert done.stderr.strip() == f"[topp_rl] config run_name='../../../../escaped': {NAME_RULE}"
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == f"error: config run_name='../../../../escaped': {NAME_RULE}"
     assert list(cwd.iterdir()) == [] and not (tmp_path / "escaped").exists()  # nothing was created
 
     from topp_rl.api import compose
@@ -403,8 +403,8 @@ def test_an_unwritable_run_dir_is_a_clear_error_naming_it(tmp_path):
     (tmp_path / "file").write_text("a file where a dir of the run dir's path should be")
     inside_a_file = tmp_path / "file" / "run"
     done = _cli(tmp_path, f"hydra.run.dir={inside_a_file}")
-    assert done.returncode == 1
-    assert done.stderr.strip() == (f"[topp_rl] run dir {inside_a_file} is not writable (NotADirectoryError: [Errno "
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"error: run dir {inside_a_file} is not writable (NotADirectoryError: [Errno "
                                    f"20] Not a directory: '{inside_a_file}'); {fix}")
     from topp_rl.api import fit
 
@@ -417,9 +417,9 @@ def test_an_unwritable_run_dir_is_a_clear_error_naming_it(tmp_path):
         return  # no way to make a dir unwritable for root here; the case above still ran
     try:
         done = _cli(tmp_path, f"hydra.run.dir={locked}")
-        assert done.returncode == 1
+        assert done.returncode == 2
         assert "Unable to configure handler" not in done.stderr
-        assert re.fullmatch(rf"\[topp_rl\] run dir {locked} is not writable \((PermissionError|OSError): .*\); "
+        assert re.fullmatch(rf"error: run dir {locked} is not writable \((PermissionError|OSError): .*\); "
                             f"{re.escape(fix)}", done.stderr.strip()), done.stderr[-2000:]
     finally:
         undo()

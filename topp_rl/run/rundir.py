@@ -129,7 +129,7 @@ def check_run_name(name: Any) -> None:
 class RunDirCheck(Callback):
     """Hydra callback (conf/config.yaml `hydra.callbacks`): the run name and the run dir are checked before Hydra
     creates the dir and opens the log file in it. Hydra turns a callback's exception into a warning and goes on,
-    so a refusal prints its message and exits with status 1 here."""
+    so a refusal prints its message and exits with status 2 here, as every refusal does (`topp_rl.run.errors`)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         with _exit_on_refusal():
@@ -146,8 +146,8 @@ def _exit_on_refusal() -> Iterator[None]:
     try:
         yield
     except ValueError as err:
-        print(f"[topp_rl] {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _pid_alive(pid: int) -> bool:
