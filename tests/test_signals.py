@@ -142,8 +142,8 @@ def test_every_signal_kind_stops_all_ranks_after_one_step_then_resumes(tmp_path,
     assert run.saved == saved_before
     assert ("rank 0: SIGTERM came and this rank has not finished stopping within checkpoint.stop_timeout_s=3 s: "
             "another rank is hung, dead or still in a long step. Exiting now (status 143) without a new checkpoint; "
-            f"the last complete checkpoint, {run.last} (step {saved_before}), is kept: resume with the same "
-            f"overrides plus hydra.run.dir={run.out} ckpt_path=last") in run.err()
+            f"the last complete checkpoint, {run.last} (step {saved_before}), is kept: resume with "
+            f"hydra.run.dir={run.out} ckpt_path=last (the run's overrides come from its dir)") in run.err()
 
     proc = run.start(max_steps=run.saved + 2)
     run.finish(proc)
