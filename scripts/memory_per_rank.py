@@ -1,6 +1,7 @@
 """Weights + gradients + AdamW bytes per rank of real model sizes at the layouts a user would pick for 8, 16 and 64
-GPUs: the table of docs/scale.md ("Which layout"). Arithmetic from each model's config (the numbers of its HF
-config.json, written out below: nothing is downloaded); every layout is checked by the project's own
+GPUs (docs/evidence/scale.md, "Memory per rank by layout"; with --recipes, "Memory per GPU of the one-node
+recipes"). Arithmetic from each model's config (the numbers of its HF config.json, written out below: nothing is
+downloaded); every layout is checked by the project's own
 `ParallelPlan` (and its layer split), so the table lists only layouts `train.py` accepts.
 
     .venv/bin/python scripts/memory_per_rank.py            # markdown table on stdout
