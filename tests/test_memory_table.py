@@ -1,5 +1,5 @@
-"""scripts/memory_per_rank.py (docs/evidence/scale.md, "Memory per rank by layout"): its parameter counts agree with the published sizes
-of the Qwen3 models, its per-rank bytes with a hand count, and it lists only layouts the project accepts; with
+"""scripts/memory_per_rank.py (docs/evidence/scale.md, "Memory per rank by layout"): its parameter counts agree
+with the published sizes of the Qwen3 models, its per-rank bytes with a hand count, and it lists only layouts the project accepts; with
 --recipes, the one-node recipes' memory per GPU follows from the arithmetic and their GPU roles from their plans."""
 
 import runpy
