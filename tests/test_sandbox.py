@@ -279,13 +279,14 @@ def test_a_fork_bomb_is_bounded_by_the_process_cap():
 
 def test_memory_is_bounded_for_all_processes_together():
     """Four forks of 100 MB each fit the per-process bound (256 MB) but not the total: the kernel kills one, the
-    parent sees it die (the others would hold theirs for a minute)."""
+    parent sees it die (the others would hold theirs for a minute). How many print "held" is not bounded by 2: the
+    kill frees room, so a later fork may then allocate and print before the parent sees the death (3 under load)."""
     code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        blob = b'x' * (100 * 2**20)\n"
             "        print('held', flush=True)\n        time.sleep(60)\n        os._exit(0)\n"
             "pid, status = os.wait()\nprint('died', os.WTERMSIG(status))")
     result = run(code, SandboxLimits(cpu_s=5, memory_mb=256, wall_s=20))
     assert result.outcome == Outcome.MEMORY_LIMIT and result.exit_code is None and result.wall_s < 20
-    assert result.stdout.count("held") <= 2 and "died 9\n" in result.stdout  # SIGKILL (a survivor may print after)
+    assert "died 9\n" in result.stdout  # SIGKILL
 
 
 def test_files_are_bounded_in_total():
