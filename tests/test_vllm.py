@@ -161,3 +161,13 @@ class sync_checkpoint:
 
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)
+
+
+def test_an_engine_by_url_shares_the_running_server_and_leaves_it_running(served):
+    engine, model = served
+    params = SamplingParams(top_p=0.9, top_k=20, max_new_tokens=4)
+    with VLLMEngine(urls=[engine.urls[0]], model_path=engine.model_path, progress=False) as by_url:
+        assert by_url.shared_by_ranks is True and by_url.servers == [] and by_url.vocab_size == model.config.vocab_size
+        check_vllm_sets(by_url.generate(PROMPTS, params, seed=8), model, params)
+    assert engine.server.returncode is None  # closing a connected engine stops nothing
+    check_vllm_sets(engine.generate(PROMPTS[:1], params, seed=8), model, params)
