@@ -23,6 +23,7 @@ from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.data.params import SamplingParams
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Timeouts
+from topp_rl.engines.vllm import VLLMEngine
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -659,8 +660,6 @@ def validate_vllm(cfg: DictConfig) -> None:
     engine = cfg.rollout.get("engine")
     if not isinstance(engine, DictConfig) or "_target_" not in engine:
         return
-    from topp_rl.engines.vllm import VLLMEngine
-
     engine_class = target_class(engine)
     if not (isinstance(engine_class, type) and issubclass(engine_class, VLLMEngine)):
         return
