@@ -41,7 +41,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 class VLLMEngine(RolloutEngine):
     """Rollouts from vLLM workers: launched here on `model_path` (one CPU server, `server_kwargs` to
     `VLLMServer`), or running ones at `urls` (then `model_path` or `vocab_size` names the model; `model_path` is
-    also where a disk weight sync finds the config). `max_candidates`: the largest kept set recorded (top_k must
+    also where a disk weight sync finds the config, and the servers must read the engine's work dir by path). `max_candidates`: the largest kept set recorded (top_k must
     not exceed it). `timeouts` / `retries`: as `SGLangEngine`'s (`rollout.engine.timeouts` / `retries`)."""
 
     shares_trainer_weights = False  # a server always holds its own copy
