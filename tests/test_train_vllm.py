@@ -1,8 +1,7 @@
 """End to end with `rollout=vllm`: a real vLLM server on CPU samples (top_p 0.9, top_k 20), the trainer scores over
 the kept sets read from its processed log-probs, and weights are synced to the server from disk after each step:
 the trainer's float32 pass matches the server's recorded log-probs at SGLang's bar; with rollout.overlap=true it
-generates one update behind. The tiny model with 2 heads
-(head size 32: vLLM's CPU attention has no 16)."""
+generates one update behind. The tiny model with 2 heads (head size 32: vLLM's CPU attention has no 16)."""
 
 import re
 
