@@ -1,6 +1,7 @@
 """The `RolloutEngine` contract, one suite run against every engine: the embedded engine always (static and
 continuous batching), the real
-SGLang server (one for the module, float32) under the `sglang` marker.
+SGLang server (one for the module, float32) under the `sglang` marker, the real vLLM server (one, float32, CPU)
+under the `vllm` marker.
 
 Each engine samples from the tiny float32 Qwen2 its own tests use (tests/test_embedded_engine.py,
 tests/sglang_checks.py), and every sample is checked against a dense HF recomputation of that model's logits:
@@ -8,7 +9,8 @@ n samples per prompt, prompt-major; each sampled token in its recorded kept set,
 (`sampling_candidates`) on those logits; the recorded log-prob renormalised over exactly the kept set.
 Tolerances are each engine's own (the embedded engine replays the same float32 forward: 1e-5, as
 tests/test_embedded_engine.py; SGLang runs another float32 kernel: `TOL`, and a set may differ only at the
-top-p boundary, as tests/test_sglang.py). Then: a weight update is reflected by the next rollout, capabilities
+top-p boundary, as tests/test_sglang.py; vLLM follows its own order, `convention="vllm"`, and its sets match
+exactly: tests/vllm_checks.py). Then: a weight update is reflected by the next rollout, capabilities
 answer, bad parameters are refused naming the value, and `close` is idempotent.
 """
 
@@ -46,6 +48,7 @@ class Subject:
     model: torch.nn.Module
     tol: float  # on the recorded log-probs against the HF recomputation
     exact_sets: bool  # False: a set may differ where float32 rounding decides the top-p boundary
+    convention: str = "sglang"  # the engine's truncation order (`sampling_candidates(convention=...)`)
 
 
 def _embedded() -> Subject:
@@ -76,12 +79,27 @@ def _sglang(tmp_path_factory) -> Subject:
     return Subject("sglang", engine, model, tol=TOL, exact_sets=False)
 
 
+def _vllm(tmp_path_factory) -> Subject:
+    """vLLM's CPU attention has no head size 16: its own tiny Qwen2 (head size 32, otherwise the SGLang one's)."""
+    import vllm_checks
+
+    vllm_checks.require_vllm()
+    from topp_rl.engines.vllm import VLLMEngine
+
+    model = vllm_checks.tiny_model()
+    model_dir = save_model(model, None, tmp_path_factory.mktemp("contract-qwen2-vllm"))
+    engine = VLLMEngine(model_path=model_dir, progress=False)
+    return Subject("vllm", engine, model, tol=vllm_checks.TOL, exact_sets=True, convention="vllm")
+
+
 @pytest.fixture(scope="module", params=["embedded", "embedded_continuous",
-                                        pytest.param("sglang", marks=pytest.mark.sglang)])
+                                        pytest.param("sglang", marks=pytest.mark.sglang),
+                                        pytest.param("vllm", marks=pytest.mark.vllm)])
 def subject(request, tmp_path_factory):
-    """One engine per kind for the module (pytest runs the module's tests per kind, so one SGLang server)."""
+    """One engine per kind for the module (pytest runs the module's tests per kind, so one server at a time)."""
     makers = {"embedded": _embedded, "embedded_continuous": _embedded_continuous}
-    built = makers[request.param]() if request.param in makers else _sglang(tmp_path_factory)
+    servers = {"sglang": _sglang, "vllm": _vllm}
+    built = makers[request.param]() if request.param in makers else servers[request.param](tmp_path_factory)
     yield built
     built.engine.close()
 
@@ -96,7 +114,7 @@ def check_against(subject: Subject, samples, model, params: SamplingParams) -> l
         assert s.response_length <= params.max_new_tokens and s.candidates.num_rows == s.response_length
         logits = hf_logits(model, s)
         ref = sampling_candidates(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                  min_p=params.min_p)  # fmt: skip
+                                  min_p=params.min_p, convention=subject.convention)  # fmt: skip
         scaled = torch.log_softmax(logits / params.temperature, dim=-1)
         for i, tok in enumerate(s.response_ids):
             kept = s.candidates.ids[s.candidates.offsets[i] : s.candidates.offsets[i + 1]].long()
@@ -183,9 +201,10 @@ def test_close_is_idempotent(subject):
     """Last in the module: closes the module's engine (the fixture's teardown closes it once more)."""
     from topp_rl.engines.serving.process import group_alive
 
-    groups = [srv.pid for srv in subject.engine.servers] if subject.name == "sglang" else []  # its process group
+    served = subject.name in ("sglang", "vllm")
+    groups = [srv.pid for srv in subject.engine.servers] if served else []  # its process group
     subject.engine.close()
     subject.engine.close()
     assert all(not group_alive(pgid) for pgid in groups)
-    if subject.name == "sglang":
+    if served:
         assert len(groups) == 1 and subject.engine.servers == [] and not subject.engine.workdir.exists()

@@ -23,6 +23,7 @@ from topp_rl.config_keys import parallel_keys, validate_known_keys
 from topp_rl.data.params import SamplingParams
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Timeouts
+from topp_rl.engines.vllm import VLLMEngine
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -652,6 +653,30 @@ def validate_staleness(cfg: DictConfig) -> None:
                     "algo.loss.icepop_high=2.0) to correct it per token", k, k)
 
 
+def validate_vllm(cfg: DictConfig) -> None:
+    """rollout=vllm (`VLLMEngine`) reads each kept set from vLLM's top-(top_k + 1) processed log-probs: truncated
+    sampling needs 0 < top_k <= max_candidates (`topp_rl.engines.vllm.protocol.check_params`, the same rule at
+    generate time), checked here before the model loads and the server starts. Partial rollouts need an engine whose
+    updates land with requests in flight, which VLLMEngine does not do yet."""
+    engine = cfg.rollout.get("engine")
+    if not isinstance(engine, DictConfig) or "_target_" not in engine:
+        return
+    engine_class = target_class(engine)
+    if not (isinstance(engine_class, type) and issubclass(engine_class, VLLMEngine)):
+        return
+    r = cfg.rollout
+    cap = engine.get("max_candidates", r.get("max_candidates", VLLMEngine.max_candidates))
+    if SamplingParams(top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).truncates and not 0 < r.top_k <= cap:
+        _fail("rollout.top_k", r.top_k, f"in [1, rollout.max_candidates={cap}] with rollout=vllm and top_p={r.top_p}, "
+              f"min_p={r.min_p} (the kept set is read from vLLM's top-(top_k + 1) processed log-probs, which an "
+              "unbounded set does not fit)", "set rollout.top_k (e.g. rollout.top_k=20), or use rollout=sglang "
+              "(native masks up to max_candidates) or rollout=embedded")
+    if r.get("partial_rollouts", False):
+        _fail("rollout.partial_rollouts", True, "false with rollout=vllm (its weight updates pause and abort the "
+              "requests in flight; updates that land mid-request are not supported by VLLMEngine yet)",
+              "set rollout.partial_rollouts=false, or use rollout=sglang or rollout=embedded")
+
+
 def validate_refill(cfg: DictConfig) -> None:
     """data.refill / data.max_refill_factor (dynamic sampling), checked as the datamodule checks them."""
     data = cfg.data
@@ -736,6 +761,7 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
     validate_staleness(cfg)
+    validate_vllm(cfg)
     validate_refill(cfg)
     validate_turns(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads

@@ -261,6 +261,11 @@ class Waits:
             with self._lock:
                 del self._calls[id(key)]
 
+    def pending(self) -> int:
+        """How many calls are in flight now."""
+        with self._lock:
+            return len(self._calls)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             for line in self.lines():

@@ -36,6 +36,7 @@ import torch
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample, SampleStatus
+from topp_rl.engines.serving.answers import overflow_sample, spans_to_versions
 from topp_rl.engines.serving.client import error_message, parse_answer
 from topp_rl.engines.serving.wire import IDS_KEY, decode_candidates
 from topp_rl.engines.sglang.routes import decode_routes
@@ -48,7 +49,6 @@ SGLANG_OVERFLOW = "Sampling support exceeds --sampling-mask-max-tokens"
 _VOCAB_PROBE_ID = 2**31 - 1  # SGLang rejects it in token_ids_logprob, naming its vocab size (checked before
 # the scheduler: an out-of-vocabulary *input* id would crash the server instead)
 _VOCAB_RANGE = re.compile(r"valid range is \[0, (\d+)\)")
-LAUNCH_VERSION = "default"  # SGLang's weight_version of the weights a server was launched with
 
 
 @dataclass(frozen=True)
@@ -166,42 +166,9 @@ class Codec:
 
 
 def token_versions(meta: Mapping[str, Any], *, num_tokens: int, start_version: int, name: str) -> list[int]:
-    """The weight version of each of an answer's `num_tokens` output tokens: from its `weight_versions` spans
-    (contiguous, from 0 to `num_tokens`), or without spans its `weight_version` for all; a tag is
-    `weight_version_of`. RuntimeError naming `name` when the spans do not tile the output."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [weight_version_of(meta.get("weight_version"), start_version, name=name)] * num_tokens
-    versions: list[int] = []
-    for span in spans:
-        start, end = int(span["start"]), int(span["end"])
-        if start != len(versions) or end < start:
-            raise RuntimeError(
-                f"{name}: weight version spans {list(spans)} do not tile its {num_tokens} output tokens (span "
-                f"[{start}, {end}) after {len(versions)} tokens: a gap or an overlap); this client expects "
-                "SGLang 0.5.23's spans"
-            )
-        versions += [weight_version_of(span["version"], start_version, name=name)] * (end - start)
-    if len(versions) != num_tokens:
-        raise RuntimeError(
-            f"{name}: weight version spans {list(spans)} cover {len(versions)} tokens, not its {num_tokens} output "
-            "tokens; this client expects SGLang 0.5.23's spans"
-        )
-    return versions
-
-
-def weight_version_of(tag: str | None, start_version: int, *, name: str) -> int:
-    """An SGLang weight_version tag as the trainer's version: the integer this engine pushed, `start_version`
-    for the launch weights ("default", or no tag at all)."""
-    if tag is None or tag == LAUNCH_VERSION:
-        return start_version
-    try:
-        return int(tag)
-    except ValueError:
-        raise RuntimeError(
-            f"{name}: the server's weight_version {tag!r} is neither {LAUNCH_VERSION!r} nor an integer; its weights "
-            "were pushed by something else than this engine (which tags each push with the trainer's version)"
-        ) from None
+    """The weight version of each output token of an answer's `meta_info` (`serving.answers.spans_to_versions`)."""
+    return spans_to_versions(meta.get("weight_versions"), meta.get("weight_version"), num_tokens=num_tokens,
+                             start_version=start_version, name=name, expects="SGLang 0.5.23's")
 
 
 def generate_answer(url: str, status: int, text: str) -> dict[str, Any] | ServerOverflow:
@@ -209,20 +176,6 @@ def generate_answer(url: str, status: int, text: str) -> dict[str, Any] | Server
     if status == 400 and SGLANG_OVERFLOW in text:
         return ServerOverflow(error_message(text))
     return parse_answer("POST", url, "/generate", status, text, label="SGLang")
-
-
-def overflow_sample(prompt: list[int], message: str, *, weight_version: str | None) -> Sample:
-    """The rule for a kept set larger than max_candidates: the sample is aborted (never trained on, never cut to
-    the cap) and flagged, so the datamodule counts it (`rollout/candidate_overflow_frac`)."""
-    return Sample(
-        prompt_ids=prompt,
-        status=SampleStatus.ABORTED,
-        metadata={
-            "candidate_overflow": True,
-            "finish_reason": {"type": "abort", "message": message},
-            "weight_version": weight_version,
-        },
-    )
 
 
 # ---- connect-time probes (sent by fleet.py) -------------------------------------------------------------------

@@ -25,11 +25,8 @@ colocated server, the memory saver.
 """
 
 import os
-import secrets
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,10 +35,11 @@ import requests
 
 from topp_rl.engines.serving.net import LOOPBACK_IFNAME, free_port, is_loopback
 from topp_rl.engines.serving.process import LoggedProcessGroup, signal_group, spawn_group
+from topp_rl.engines.serving.workdir import make_workdir as make_owned_workdir
+from topp_rl.engines.serving.workdir import remove_workdir  # noqa: F401 - the fleet imports it from here
 
 SGLANG_PYTHON_ENV = "TOPP_RL_SGLANG_PYTHON"
 WORKDIR_PREFIX = "topp_rl-sglang-"
-_OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the work dir
 
 def sglang_python() -> Path | None:
     """`$TOPP_RL_SGLANG_PYTHON` when it names a file, else None (tests skip on None)."""
@@ -67,60 +65,8 @@ def require_sglang_python(python: str | os.PathLike | None = None) -> Path:
 
 # ---- work dirs ----------------------------------------------------------------------------------------------
 def make_workdir(root: str | os.PathLike | None = None) -> Path:
-    """A fresh dir `root/topp_rl-sglang-<pid>-<random>` (root: the system temp dir) owned by this process.
-
-    First cleans what engines of dead processes left under `root` (weight copies, rendezvous files), keeping
-    their `server.log`, the evidence of why they died."""
-    root = Path(root) if root is not None else Path(tempfile.gettempdir())
-    root.mkdir(parents=True, exist_ok=True)
-    sweep_stale_workdirs(root)
-    path = root / f"{WORKDIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-    path.mkdir()
-    (path / _OWNER_FILE).write_text(_owner_id(os.getpid()))
-    return path
-
-
-def remove_workdir(path: Path, *, keep_log: bool) -> None:
-    """Remove the work dir; with `keep_log`, everything but the logs (`server.log`, `server-<k>/server.log` of
-    several servers, `router.log`) and the dirs holding them."""
-    logs = [p for p in path.rglob("*.log") if p.is_file()] if keep_log and path.is_dir() else []
-    if not logs:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for entry in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
-        if entry in logs or (entry.is_dir() and any(log.is_relative_to(entry) for log in logs)):
-            continue
-        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-
-
-def sweep_stale_workdirs(root: Path) -> list[Path]:
-    """Clean the work dirs under `root` whose owner process is gone (pid dead, or reused by another process)."""
-    stale = []
-    for path in root.glob(f"{WORKDIR_PREFIX}*"):
-        try:
-            pid_s, start = (path / _OWNER_FILE).read_text().split()
-        except (OSError, ValueError):
-            continue  # not ours, or only a kept log left
-        if _owner_id(int(pid_s)) != f"{pid_s} {start}":
-            remove_workdir(path, keep_log=True)
-            stale.append(path)
-    return stale
-
-
-def _owner_id(pid: int) -> str:
-    """'<pid> <start time in clock ticks>' (a reused pid has another start time); '' when pid is gone."""
-    try:
-        return f"{pid} {Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
-    except (OSError, IndexError):
-        if sys.platform == "linux":
-            return ""
-    try:  # no /proc: the pid alone
-        os.kill(pid, 0)
-        return f"{pid} 0"
-    except ProcessLookupError:
-        return ""
-    except PermissionError:
-        return f"{pid} 0"
+    """A fresh work dir `root/topp_rl-sglang-<pid>-<random>` (`serving.workdir.make_workdir`)."""
+    return make_owned_workdir(root, prefix=WORKDIR_PREFIX)
 
 
 # ---- GPU launch settings (the placement plan's, `topp_rl.parallel.placement`) ---------------------------------
