@@ -1,7 +1,7 @@
 """Engines: prompts in, samples with their recorded kept sets out (the `RolloutEngine` protocol).
 
-The embedded engine (in-process HF generation) and the SGLang engine (servers, optionally behind a router) load
-lazily on first attribute access, so importing the protocol stays cheap.
+The embedded engine (in-process HF generation), the SGLang engine (servers, optionally behind a router) and the
+vLLM engine (servers) load lazily on first attribute access, so importing the protocol stays cheap.
 """
 
 from importlib import import_module
@@ -10,7 +10,8 @@ from typing import Any
 from topp_rl.engines.base import RolloutEngine, check_prompts
 from topp_rl.engines.versioned import VersionedEngine
 
-_LAZY = {"EmbeddedEngine": "topp_rl.engines.embedded", "SGLangEngine": "topp_rl.engines.sglang"}
+_LAZY = {"EmbeddedEngine": "topp_rl.engines.embedded", "SGLangEngine": "topp_rl.engines.sglang",
+         "VLLMEngine": "topp_rl.engines.vllm"}
 
 __all__ = ["RolloutEngine", "VersionedEngine", "check_prompts", *_LAZY]
 
