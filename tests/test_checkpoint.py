@@ -259,7 +259,7 @@ def test_sigterm_saves_exits_143_and_resumes_with_the_same_rollouts(tmp_path, re
     done = len(_lines(dump))  # the step under way when the signal came is finished, then saved
     assert 1 <= done < 6, "the signal came too late for the resume below to train anything"
     assert f"[topp_rl] stopped by SIGTERM after step {done}; checkpoint saved to {last}" in stderr
-    assert f"hydra.run.dir={out} ckpt_path=last (exit status 143)" in stderr
+    assert f"hydra.run.dir={out} ckpt_path=last (the run's overrides come from its dir; exit status 143)" in stderr
     assert torch.load(last, weights_only=True, mmap=True)["global_step"] == done
 
     resumed = subprocess.run(_cmd(out, dump, "checkpoint.every_n_steps=0", "ckpt_path=last"), cwd=ROOT,

@@ -308,13 +308,16 @@ def test_every_layout_change_a_checkpoint_restores_across_is_let_through(tmp_pat
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_tp2_checkpoint_resumed_without_its_layout_is_refused_at_start_and_the_offered_command_works(tmp_path):
-    """Was a raw `Missing key(s) in state_dict` from Lightning's load once the model was built."""
+    """Was a raw `Missing key(s) in state_dict` from Lightning's load once the model was built. A resume takes the
+    run's recorded layout by itself (`topp_rl.run.resume_args`); one that asks for another (`parallel=none` on its
+    command line, which wins over the record) is refused, offering the overrides of the saved layout instead."""
     env = train_env()
     base = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "trainer.max_steps=1"]
     first = subprocess.run([*base, "parallel=tp2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     resume = [*base[:-1], "trainer.max_steps=2", "ckpt_path=last"]
-    refused = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run([*resume, "parallel=none"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
     assert refused.returncode == 2
     assert "Missing key" not in refused.stderr
     assert (f"error: checkpoint {tmp_path}/checkpoints/last.ckpt was saved at parallel=tp2 trainer.devices=2 "
