@@ -78,6 +78,10 @@ def test_a_refused_setting_prints_one_clean_message_and_exits_2(tmp_path):
     reward = _train("task=gsm8k", "task.reward_fn=nowhere.py:score", cwd=tmp_path)
     assert reward.returncode == 2 and "Traceback" not in reward.stderr
     assert reward.stderr.startswith("error: reward_fn 'nowhere.py:score': file ") and "does not exist" in reward.stderr
+    agent = _train("task=agent", f"task.agent={ROOT}/tests/endpoint_agents.py:other_temperature", "trainer.max_steps=1",
+                   "logger=csv", cwd=tmp_path)  # every trajectory refused by the endpoint (HTTP 400)
+    assert agent.returncode == 2 and "Traceback" not in agent.stderr, agent.stderr[-3000:]
+    assert "error: " in agent.stderr and "trajectories failed" in agent.stderr and "agent_timeout_s" not in agent.stderr
     full = _train("rollout.top_p=1.2", cwd=tmp_path, HYDRA_FULL_ERROR="1")
     assert full.returncode == 1 and "Traceback" in full.stderr and "must be in (0, 1]" in full.stderr
 
