@@ -14,7 +14,11 @@
 #      GPUs two disaggregated servers behind the router (GPUs 1-2);
 #   5. rollout routing replay live: a tiny Qwen3-MoE fed by a colocated CUDA SGLang server with
 #      --enable-return-routed-experts (rollout.record_routes=true rollout.routing_replay=true): SGLang's
-#      routed_experts payload decodes into every sample, the HF backbone replays it, the mismatch keeps the bounds.
+#      routed_experts payload decodes into every sample, the HF backbone replays it, the mismatch keeps the bounds;
+#   with a CUDA vLLM venv (TOPP_RL_VLLM_PYTHON from `scripts/setup_vllm.sh --gpu`):
+#   6. scripts/gpu_vllm_check.py: native sampling masks (--return-sampling-mask, V2 runner) equal the top-(k+1)
+#      log-prob sets of the same forward, the engine picks them by itself and its sets equal HF float32's; a weight
+#      update with a tied head, checked the same way.
 # Each step prints its time; the last line gives the total. Needs a Python with CUDA torch, megatron-core 0.16.x
 # and this project's deps: PY=/path/to/python (default .venv/bin/python). TP/CP > 1 need several GPUs; with one
 # GPU they stay covered by the CPU gloo tests.
@@ -108,6 +112,12 @@ agree = [float(r["train/routing_agreement"]) for r in csv.DictReader(open(path))
 print(f"gpu_check: routing agreement SGLang (CUDA) vs HF trainer per step: {agree}")
 assert len(agree) == 4, f"expected train/routing_agreement at 4 steps, got {agree}"
 PYEOF
+fi
+if [ -z "${TOPP_RL_VLLM_PYTHON:-}" ]; then
+  echo "gpu_check: TOPP_RL_VLLM_PYTHON is not set: skipping the CUDA vLLM check (6)" >&2
+else
+  step "vLLM on GPU 0: native sampling masks against the log-prob sets, and a weight update with a tied head"
+  timeout 420 "$PY" scripts/gpu_vllm_check.py
 fi
 step "done"
 echo "gpu_check: OK in ${SECONDS} s"

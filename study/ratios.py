@@ -46,9 +46,10 @@ def scorer(backbone: HFBackbone, temperature: float) -> PolicyModule:
 
 
 class _NoLoss:
-    """`score` needs no loss; PolicyModule only asks whether one needs a reference model."""
+    """`score` needs no loss; PolicyModule only asks whether one needs a reference model or a teacher."""
 
     needs_ref_logprobs = False
+    needs_teacher_logprobs = False
 
 
 @torch.no_grad()

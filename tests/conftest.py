@@ -48,18 +48,9 @@ def tiny_sglang_url(tmp_path_factory) -> str:
     `rollout=sglang` run launches one (same factory and server settings, on the tiny policy's initial weights).
     What an earlier run left on it does not matter: a run pushes its policy's weights at train start (WeightSync,
     with an explicit weight version) and every push flushes the server's prefix cache."""
-    from helpers import compose_cfg
-    from hydra.utils import instantiate
+    from helpers import launched_server_url
     from sglang_checks import require_sglang
 
-    from topp_rl.train import engine_for
-
     require_sglang()
-    tmp = tmp_path_factory.mktemp("tiny-sglang")
-    cfg = compose_cfg(tmp, "rollout=sglang")
-    model, tokenizer = instantiate(cfg.model)
-    engine = engine_for(cfg, model.float(), tokenizer, tmp)(0)
-    try:
-        yield engine.urls[0]
-    finally:
-        engine.close()
+    with launched_server_url(tmp_path_factory.mktemp("tiny-sglang"), "rollout=sglang") as url:
+        yield url

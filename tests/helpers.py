@@ -2,10 +2,13 @@
 sys.path): the tiny training config every short run starts from, its metrics.csv, and the environment of a
 `train.py` subprocess. Fixtures live in conftest.py."""
 
+import contextlib
+import copy
 import csv
 import os
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,3 +51,78 @@ def metric_columns(output_dir: Path) -> dict[str, list[float]]:
 def train_env(**extra: str) -> dict[str, str]:
     """This process's environment for a `train.py` subprocess: W&B offline, no hub downloads, plus `extra`."""
     return dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", **extra)
+
+
+def hf_logits(model, sample) -> torch.Tensor:
+    """Logits [R, V] that produced each response token of `sample` (float32, HF eager): the reference the real
+    server tests compare kept sets and log-probs against."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    p = len(sample.prompt_ids)
+    return logits[p - 1 : p - 1 + sample.response_length]
+
+
+def perturbed(model, *, seed: int, scale: float = 0.1):
+    """A copy of `model` with every weight moved by `scale` times its tensor's std (the attention too: its KV
+    changes; a one-element tensor by `scale`): a weight update that misses any layer shows."""
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * (float(p.std()) if p.numel() > 1 else 1.0))
+    return new
+
+
+def by_version(old_model, new_model, at: int):
+    """The reference logits [R, V] of a sample whose tokens switch versions at `at`: rows before it from
+    `old_model`, the others from `new_model` (HF float32)."""
+    return lambda s: torch.cat([hf_logits(old_model, s)[:at], hf_logits(new_model, s)[at:]])
+
+
+@contextlib.contextmanager
+def launched_server_url(tmp: Path, *overrides: str):
+    """The URL of one inference server launched the way a run with `overrides` launches it (the same factory and
+    server settings, on the config's initial policy), stopped on exit: runs connect with `rollout.engine.urls=[url]`
+    instead of launching their own. What an earlier run left on it does not matter: a run pushes its policy's
+    weights at train start."""
+    from hydra.utils import instantiate
+
+    from topp_rl.train import engine_for
+
+    cfg = compose_cfg(tmp, *overrides)
+    model, tokenizer = instantiate(cfg.model)
+    engine = engine_for(cfg, model.float(), tokenizer, tmp)(0)
+    try:
+        yield engine.urls[0]
+    finally:
+        engine.close()
+
+
+def in_flight_rounds(run_round, restore, *, old: int, rounds: int = 3) -> list:
+    """The samples of the first of `rounds` calls of `run_round()` whose weight update reached every request (each
+    has a token of a version other than `old`). The requests are held by the server's pause, but the pause after a
+    brief resume is a message from this process, and on a loaded machine every process stalls for seconds at a time
+    (4-10 s measured with two busy processes on 2 cores) while the engine decodes: a request can finish first. Such
+    a round is followed by `restore()` (the old weights back, nothing in flight) and runs again; only a round's own
+    samples are ever checked."""
+    for _ in range(rounds):
+        samples = run_round()
+        if all(set(s.token_versions()) != {old} for s in samples):
+            return samples
+        restore()
+    raise AssertionError(f"in {rounds} rounds a request finished before the pause reached its server")
+
+
+def version_switch(sample, old: int, new: int, *, length: int) -> int:
+    """The first token of version `new` in a `length`-token sample that is `old` up to it and `new` from it (both
+    non-empty; no abort)."""
+    from topp_rl.data.sample import SampleStatus
+
+    assert sample.status is SampleStatus.TRUNCATED and sample.response_length == length
+    versions = sample.token_versions()
+    assert new in versions, f"no token of version {new}: all {set(versions)} (the update missed the requests)"
+    at = versions.index(new)
+    assert 0 < at < sample.response_length and versions == [old] * at + [new] * (sample.response_length - at)
+    assert sample.spans_versions and sample.weight_version == old
+    return at

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import by_version, hf_logits, perturbed  # noqa: F401 - the server tests import them from here
 
 from topp_rl.engines.serving.weights import in_threads
 from topp_rl.engines.sglang.server import sglang_python
@@ -45,29 +46,24 @@ def changed_model(model):
     return changed
 
 
-def hf_logits(model, sample) -> torch.Tensor:
-    """Logits [R, V] that produced each response token (float32, HF eager)."""
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    p = len(sample.prompt_ids)
-    return logits[p - 1 : p - 1 + sample.response_length]
-
-
-def boundary_explained(probs_row: torch.Tensor, got: set[int], want: set[int], top_p: float) -> bool:
-    """True when every id kept by one side only (`got` against `want`) sits where float32 rounding can flip SGLang's
-    top-p rule: its mass-before is within TOL of top_p, or it is in a near-tie swapped across the cut (an id the
-    other side alone kept whose log-prob is within 2 TOL of its own: each engine's log-probs are within TOL of the
-    reference, so the two can order such a pair either way)."""
+def boundary_explained(
+    probs_row: torch.Tensor, got: set[int], want: set[int], top_p: float, *, tol: float = TOL,
+    logp_row: torch.Tensor | None = None,
+) -> bool:  # fmt: skip
+    """True when every id kept by one side only (`got` against `want`) sits where float32 rounding can flip the
+    top-p rule on `probs_row` (SGLang's and vLLM's alike: an id is kept while the mass before it is below top_p):
+    its mass-before is within `tol` of top_p, or it is in a near-tie swapped across the cut (an id the other side
+    alone kept whose log-prob, `logp_row` or log(probs_row), is within 2 `tol` of its own: each engine's log-probs
+    are within `tol` of the reference, so the two can order such a pair either way)."""
     order = torch.sort(probs_row, descending=True, stable=True).indices
     before = torch.cumsum(probs_row[order], 0) - probs_row[order]
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel())
-    logp = probs_row.log()
+    logp = probs_row.log() if logp_row is None else logp_row
 
     def explained(i: int, other_side: set[int]) -> bool:
-        return abs(float(before[rank[i]]) - top_p) < TOL or any(
-            abs(float(logp[i] - logp[j])) <= 2 * TOL for j in other_side)
+        return abs(float(before[rank[i]]) - top_p) < tol or any(
+            abs(float(logp[i] - logp[j])) <= 2 * tol for j in other_side)
 
     return all(explained(i, want - got) for i in got - want) and all(explained(i, got - want) for i in want - got)
 
@@ -170,36 +166,39 @@ def wait_for_prefills(path: Path, *, offset: int, seqs: int, timeout_s: float = 
 
 
 # ---- partial rollouts: an update with requests in flight ------------------------------------------------------
-def perturbed(model, *, seed: int, scale: float = 0.1):
-    """`model` with every weight moved by `scale` times its tensor's std (the attention too: its KV changes)."""
-    new = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    return new
-
-
 def generate_across_update(engine, prompts, params, new_model, *, version: int, timeout_s: float = 300.0):
     """`engine.generate(prompts, params)` in a thread, with `new_model` pushed as `version`
-    (`update_weights_in_flight`) once every server has logged the prefill of every request: each response then
-    has at least its first token from the old weights. Returns the samples."""
-    logs = [srv.log_path for srv in engine.servers]
-    offsets = [log_size(p) for p in logs]
+    (`update_weights_in_flight`) while every request is held by its server after its prefill (so each response has
+    at least its first token from the old weights). The hold is the servers' own pause: paused in place before the
+    requests are sent (SGLang's tokenizer manager queues what arrives while paused), then resumed and paused again
+    at once (`decode_briefly`) until every server has logged the prefill of every request; the update's own pause
+    finds them paused. Returns the samples."""
+    servers = engine.servers
+    logs = [srv.log_path for srv in servers]
+    offsets = [log_size(log) for log in logs]
     wanted, out = len(prompts) * params.n, {}
+    for srv in servers:
+        engine.weights.control(srv.url, "/pause_generation", {"mode": "in_place"})
     with in_threads([lambda: out.update(samples=engine.generate(prompts, params))]):
         deadline = time.monotonic() + timeout_s  # reaching it means a hung server
-        while (seen := sum(prefills_logged(p, offset=o) for p, o in zip(logs, offsets, strict=True))) < wanted:
+        while (seen := sum(prefills_logged(log, offset=o) for log, o in zip(logs, offsets, strict=True))) < wanted:
             assert time.monotonic() < deadline and not out, f"prefills for {seen} of {wanted} requests"
-            time.sleep(0.05)
+            decode_briefly(engine, [srv.url for srv in servers])
+            time.sleep(0.2)  # the scheduler logs a prefill as it runs it: a read before that costs one more round
         engine.update_weights_in_flight(new_model.named_parameters(), version=version)
     return out["samples"]
 
 
-def by_version(old_model, new_model, at: int):
-    """The reference logits [R, V] of a sample whose tokens switch versions at `at`: rows before it from
-    `old_model`, the others from `new_model` (HF float32)."""
-    return lambda s: torch.cat([hf_logits(old_model, s)[:at], hf_logits(new_model, s)[at:]])
+def decode_briefly(engine, urls: list[str]) -> None:
+    """Resume the paused servers and pause them (in place) again 0.02 s later, without waiting for the resumes'
+    answers: the queued requests reach the scheduler, which prefills them and decodes a few tokens. The 0.02 s lets
+    the resumes go first; a stall of this process in between lets the requests decode longer (a round in which one
+    finished runs again: `helpers.in_flight_rounds`)."""
+    resume = [lambda url=url: engine.weights.control(url, "/continue_generation", {}) for url in urls]
+    with in_threads(resume):
+        time.sleep(0.02)
+        for url in urls:
+            engine.weights.control(url, "/pause_generation", {"mode": "in_place"})
 
 
 def deviation(sample, logits: torch.Tensor, *, temperature: float) -> torch.Tensor:

@@ -225,7 +225,7 @@ def test_help_lists_the_groups_and_the_most_used_keys(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert top.returncode == 0, top.stderr
     assert "train   train a policy" in top.stdout and "export  write" in top.stdout and "plan    print" in top.stdout
-    assert "algo: cispo, dr_grpo, grpo, gspo, reinforce_pp" in top.stdout
+    assert "algo: cispo, dr_grpo, grpo, gspo, opd, reinforce_pp, rloo" in top.stdout
     assert "task: agent, arithmetic, copy_digit, countdown, dataset, gsm8k, jsonl, lookup, python_tool" in top.stdout
     train = subprocess.run([sys.executable, str(ROOT / "train.py"), "rollout.top_p=0.9", "--help"], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=120)

@@ -13,7 +13,7 @@ from topp_rl.config import validate_config
 
 CONF = ROOT / "conf"
 GROUPS = ("algo", "rollout", "rollout/step", "model", "task", "trainer", "logger", "callbacks", "parallel",
-          "experiment")
+          "experiment", "teacher")
 
 
 def _compose(overrides: list[str], tmp_path: Path) -> DictConfig:
@@ -47,10 +47,12 @@ def test_every_option_composes_and_targets_resolve(group, option, tmp_path):
     for target in targets:
         _locate(target)  # raises ImportError / AttributeError on a mistyped _target_
     # parallel / experiment may need several ranks / other venvs; the agent loop alone has no environment, the
-    # endpoint no agent function, the dataset task no reward (refused at start, test_invalid_values_fail_at_start_
-    # naming_the_key, test_agent_docs.py)
+    # endpoint no agent function, the dataset task no reward, the replay no recording (refused at start, test_invalid_
+    # values_fail_at_start_naming_the_key, test_agent_docs.py, test_replay.py); algo=opd has no teacher, the teachers
+    # no path (test_teacher.py)
     if group not in ("parallel", "experiment") and key not in ("rollout/step=agent", "rollout/step=endpoint",
-                                                               "task=agent", "task=dataset"):
+                                                               "task=agent", "task=dataset", "rollout=replay",
+                                                               "algo=opd", "teacher=hf_path", "teacher=sglang"):
         validate_config(cfg)
 
 
@@ -563,7 +565,7 @@ def test_an_unknown_rollout_key_lists_the_known_ones(tmp_path):
     assert str(info.value) == (
         "config rollout.topp=0.9: must be a key the shipped config defines (in rollout: engine, max_new_tokens, "
         "max_staleness, max_trajectory_tokens, max_turns, min_p, n_samples, overlap, partial_rollouts, prompts_per_step, "
-        "record_routes, routing_replay, sampling, step, stop_token_ids, "
+        "record, record_routes, routing_replay, sampling, step, stop_token_ids, "
         "temperature, top_k, top_p); "
         "did you mean rollout.top_p? fix the spelling, or drop the key (Hydra's + adds any key, and nothing reads "
         "this one)"

@@ -9,12 +9,13 @@ reference replaying the samples the four ranks drew (tests/test_fsdp_train.py's 
 import csv
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from topp_rl.engines.serving.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -31,17 +32,11 @@ NO_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                  reason="megatron-core (the `megatron` extra) is not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run_dir: Path, *, nnodes: int, nproc: int, job: tuple[str, ...] = tuple(JOB),
             extra: tuple[str, ...] = ()) -> None:
     """Start every node's torchrun (all on this machine), wait for all, fail with their logs on error. tests/ is on
     the ranks' PYTHONPATH (a callback of a test module can be added with `+callbacks.<name>._target_=...`)."""
-    port = _free_port()
+    port = free_port()  # torchrun's store binds it later: drawn below the kernel's ephemeral range
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1", PYTHONPATH=path)
     procs = []

@@ -2,11 +2,15 @@
 flight, which are neither aborted nor waited for and continue under the new weights, every token recording the
 version that sampled it (SGLang's `weight_versions` spans).
 
-Each generation runs in a thread; the update lands once every server has logged the prefill of its requests (an
-event, never a fixed sleep: `sglang_checks.generate_across_update`), so each response has at least its first token
-from the old weights; the pause follows within a few decode steps (2-15 of the 200 tokens measured here, which take
-seconds) and holds the requests while the weights load. The reference is HF transformers in float32 on prompt +
-response, each token under the weights of its recorded version, with `topp_rl.ops` over the recorded kept set:
+The requests are held in flight by the servers' own pause, not by a race against their decoding
+(`sglang_checks.generate_across_update`): the servers are paused in place before the requests are sent (they queue),
+then resumed and paused again right after, until every server has logged the prefill of every request; each response
+then has at least its first token from the old weights, and the update runs on the paused servers. A stall of this
+process between a resume and its pause can still let a request finish: such a round puts the old weights back and
+runs again, at most 3 rounds (`helpers.in_flight_rounds`). Measured: the first round lands, 1-6 tokens in, on a
+quiet machine and with two or three busy processes beside the test on 2 cores. The reference is HF transformers in
+float32 on prompt + response, each token under the weights of its recorded version, with `topp_rl.ops` over the
+recorded kept set:
 - pause_mode="retract" (the default; two servers behind the router, distributed sync): every token is exact under
   its own version, the ones after the switch included (their KV is recomputed), and so are later requests sharing
   the prompt (the update flushed the prefix cache);
@@ -21,6 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from helpers import in_flight_rounds, version_switch
 from sglang_checks import (
     PROMPTS,
     TOL,
@@ -34,7 +39,7 @@ from sglang_checks import (
 )
 
 from topp_rl.models import save_model
-from topp_rl.rollout import SampleStatus, SamplingParams
+from topp_rl.rollout import SamplingParams
 
 pytestmark = pytest.mark.sglang
 require_sglang(module=True)
@@ -58,13 +63,7 @@ def model_dir(model, tmp_path_factory) -> Path:
 
 
 def switch(sample, old: int, new: int) -> int:
-    """The first token of version `new`: the sample is `old` up to it and `new` from it, both non-empty."""
-    assert sample.status is SampleStatus.TRUNCATED and sample.response_length == PARAMS.max_new_tokens  # no abort
-    versions = sample.token_versions()
-    at = versions.index(new)
-    assert 0 < at < sample.response_length and versions == [old] * at + [new] * (sample.response_length - at)
-    assert sample.spans_versions and sample.weight_version == old
-    return at
+    return version_switch(sample, old, new, length=PARAMS.max_new_tokens)
 
 
 def test_retract_continues_every_request_exact_under_each_tokens_version(model_dir, model):
@@ -77,7 +76,8 @@ def test_retract_continues_every_request_exact_under_each_tokens_version(model_d
         eng.start_version(3)  # e.g. a resumed run: the launch weights ("default") are the trainer's version 3
         versions = [requests.get(f"{url}/model_info", timeout=10).json()["weight_version"] for url in eng.urls]
         assert versions == ["3", "3"]
-        samples = generate_across_update(eng, PROMPTS2, PARAMS, new, version=4)
+        samples = in_flight_rounds(lambda: generate_across_update(eng, PROMPTS2, PARAMS, new, version=4),
+                                   lambda: eng.update_weights_in_flight(model.named_parameters(), version=3), old=3)
         for s in samples:
             check_candidates([s], None, PARAMS, logits_of=by_version(model, new, switch(s, 3, 4)))
         assert eng.last_sync.version == "4" and len(eng.last_sync.workers) == 2  # both workers, directly
@@ -93,7 +93,9 @@ def test_in_place_keeps_old_kv_and_runs_without_a_prefix_cache(model_dir, model)
     with SGLangEngine(model_path=model_dir, pause_mode="in_place", progress=False, max_concurrency=4,
                       server_kwargs={"max_total_tokens": 16384}, **IGNORE_EOS) as eng:  # fmt: skip
         assert requests.get(f"{eng.urls[0]}/server_info", timeout=10).json()["disable_radix_cache"] is True
-        samples = generate_across_update(eng, PROMPTS2, PARAMS, new, version=1)  # no start_version: launch weights 0
+        samples = in_flight_rounds(  # no start_version: the launch weights are version 0
+            lambda: generate_across_update(eng, PROMPTS2, PARAMS, new, version=1),
+            lambda: eng.update_weights_in_flight(model.named_parameters(), version=0), old=0)
         later = eng.generate(PROMPTS2, AFTER)
     after_switch = []
     for s in samples:

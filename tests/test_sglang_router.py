@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from sglang_checks import (
     wait_for_prefills,
 )
 
+from topp_rl.engines.serving.net import free_port
 from topp_rl.engines.serving.process import group_alive
 from topp_rl.engines.serving.weights import iter_buckets
 from topp_rl.models import save_model
@@ -169,6 +171,24 @@ def test_weight_sync_reaches_every_worker_in_buckets(engine, model):
     assert stats.method == "disk" and stats.bytes == nbytes and stats.workers == tuple(engine.urls)
     for url in engine.urls:
         assert torch.allclose(_prompt_log_probs(url), old, atol=TOL)
+
+
+def test_a_router_whose_drawn_port_another_process_bound_starts_on_another(engine, tmp_path, monkeypatch, capfd):
+    """The race `_start_on_port` answers, forced: the first port drawn for a router is bound (and listened on) by
+    this process before smg binds it; smg fails its bind, and the router starts again on a fresh port."""
+    from topp_rl.engines.serving import process
+    from topp_rl.engines.sglang.router import SGLangRouter
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = iter([taken])
+        monkeypatch.setattr(process, "free_port", lambda host: next(draws, None) or free_port(host))
+        with SGLangRouter(engine.urls, workdir=tmp_path, startup_timeout_s=120) as router:
+            assert router.port != taken and not router.failed
+            assert requests.get(f"{router.url}/readiness", timeout=30).json()["healthy_workers"] == 2
+    assert f"another process bound port {taken} first; starting again on another port" in capfd.readouterr().err
 
 
 def test_killing_a_worker_mid_rollout_finishes_through_the_other(engine, model, capfd):

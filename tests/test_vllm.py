@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from vllm_checks import PROMPTS, check_vllm_sets, hf_logits, require_vllm, tiny_model
+from vllm_checks import PROMPTS, check_vllm_sets, hf_logits, perturbed, require_vllm, tiny_model
 
 from topp_rl.engines.vllm import VLLMEngine
 from topp_rl.models import save_model
@@ -29,16 +29,6 @@ def served(tmp_path_factory):
     engine = VLLMEngine(model_path=model_dir, progress=False)
     yield engine, model
     engine.close()
-
-
-def perturbed(model, seed: int = 11):
-    """`model` with every parameter changed (noise of 0.3 x its std): a reload that misses any layer shows."""
-    changed = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in changed.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (float(p.std()) if p.numel() > 1 else 1.0))
-    return changed
 
 
 @pytest.mark.parametrize("params", [
@@ -77,7 +67,7 @@ def test_weight_update_reaches_every_layer_and_the_tied_head_past_the_prefix_cac
     engine, model = served
     params = SamplingParams(top_p=0.9, top_k=20, max_new_tokens=6, n=2)
     check_vllm_sets(engine.generate([LONG], params, seed=3), model, params)  # the old weights' KV is cached now
-    changed = perturbed(model)
+    changed = perturbed(model, seed=11, scale=0.3)
     try:
         stats = engine.update_weights(changed.named_parameters())
         assert stats.method == "disk" and stats.bytes == sum(p.numel() * 4 for p in changed.parameters())
@@ -91,13 +81,39 @@ def test_weight_update_reaches_every_layer_and_the_tied_head_past_the_prefix_cac
     check_vllm_sets(engine.generate([LONG], params, seed=5), model, params)
 
 
+def test_a_broadcast_weight_update_reaches_every_layer_and_the_tied_head(served):
+    """rollout.engine.weight_sync=distributed: the tensors travel over a gloo group with the server's worker (no
+    file), in several buckets, and load through the same in-place reload and head refresh as a disk update."""
+    engine, model = served
+    params = SamplingParams(top_p=0.9, top_k=20, max_new_tokens=6, n=2)
+    check_vllm_sets(engine.generate([LONG], params, seed=3), model, params)
+    changed = perturbed(model, seed=13, scale=0.3)
+    sync = engine.weights
+    sync.method, sync.bucket_bytes = "distributed", 64 << 10  # the tiny model's 0.4 MB in several buckets
+    try:
+        stats = engine.update_weights(changed.named_parameters())
+        assert stats.method == "distributed" and stats.buckets > 2
+        assert stats.bytes == sum(p.numel() * 4 for p in changed.parameters())
+        samples = engine.generate([LONG, *PROMPTS], params, seed=4)
+        assert {s.weight_version for s in samples} == {int(stats.version)}
+        check_vllm_sets(samples, changed, params)
+        group = sync.broadcast
+        engine.update_weights(model.named_parameters())  # the group is kept between updates
+        assert sync.broadcast is group
+        check_vllm_sets(engine.generate([LONG], params, seed=5), model, params)
+    finally:
+        sync.close()
+        sync.method = "disk"
+        engine.update_weights(model.named_parameters())
+
+
 def test_a_request_sent_during_an_update_waits_and_samples_only_the_new_weights(served):
     """The update's order (pause, push, resume) holds a request that arrives meanwhile in vLLM's queue: it is first
     scheduled after the resume, so no forward pass runs while weights load (vLLM's worker crashed when one did)."""
     engine, model = served
     url, sync = engine.urls[0], engine.weights
     params = SamplingParams(top_p=0.9, top_k=20, max_new_tokens=6)
-    changed = perturbed(model, seed=12)
+    changed = perturbed(model, seed=12, scale=0.3)
     with sync_checkpoint(engine, changed) as checkpoint:
         sync.pause(url)
         result: dict = {}

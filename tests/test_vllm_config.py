@@ -1,6 +1,6 @@
-"""rollout=vllm's config: it composes and validates; truncated sampling without a bounded top_k, a top_k above
-max_candidates and partial rollouts are refused at start naming the key and the way out (before the model loads
-and the server starts); every numeric key it ships has a range."""
+"""rollout=vllm's config: it composes and validates (partial rollouts included); truncated sampling without a
+bounded top_k and a top_k above max_candidates are refused at start naming the key and the way out (before the model
+loads and the server starts); every numeric key it ships has a range."""
 
 import pytest
 from helpers import compose_config
@@ -10,8 +10,9 @@ from topp_rl.config import ENGINE_NUMBERS, validate_config
 
 @pytest.mark.parametrize("overrides", [
     [], ["rollout.top_p=0.9", "rollout.top_k=20"], ["rollout.top_k=1"], ["rollout.min_p=0.1", "rollout.top_k=50"],
-    ["rollout.temperature=0.7"],
-], ids=["default", "top_p_top_k", "greedy", "min_p_top_k", "untruncated"])
+    ["rollout.temperature=0.7"], ["rollout.max_staleness=1", "rollout.partial_rollouts=true", "rollout.top_k=20"],
+    ["rollout.engine.weight_sync=distributed"],
+], ids=["default", "top_p_top_k", "greedy", "min_p_top_k", "untruncated", "partial_rollouts", "distributed"])
 def test_vllm_configs_that_can_work_pass(overrides, tmp_path):
     validate_config(compose_config(tmp_path, "rollout=vllm", *overrides))
 
@@ -22,8 +23,14 @@ def test_vllm_configs_that_can_work_pass(overrides, tmp_path):
     (["rollout.min_p=0.1"], r"config rollout.top_k=0: must be in \[1, rollout.max_candidates=4096\]"),
     (["rollout.top_p=0.9", "rollout.top_k=64", "rollout.max_candidates=32"],
      r"config rollout.top_k=64: must be in \[1, rollout.max_candidates=32\]"),
-    (["rollout.max_staleness=1", "rollout.partial_rollouts=true", "rollout.top_k=20"],
-     r"config rollout.partial_rollouts=True: must be false with rollout=vllm"),
+    (["rollout.engine.kept_sets=native", "rollout.top_k=20"],
+     r"kept_sets=native with a launched server: the launched servers are vLLM's CPU build"),
+    (["rollout.engine.kept_sets=native", "rollout.engine.urls=[http://127.0.0.1:1]"],
+     r"config rollout.top_k=0: must be in \[1, rollout.max_candidates=4096\] with rollout.engine.kept_sets=native"),
+    (["rollout.engine.kept_sets=masks"], r"rollout.engine.kept_sets='masks': choose one of auto, native, logprobs"),
+    (["rollout.engine.num_servers=0"], r"config rollout.engine.num_servers=0"),
+    (["rollout.engine.weight_sync=tensor"], r"config rollout.engine.weight_sync='tensor': must be null or one of disk, "
+     r"distributed with rollout=vllm"),
 ])
 def test_what_vllm_cannot_do_is_refused_at_start(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):

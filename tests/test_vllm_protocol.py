@@ -7,7 +7,7 @@ import pytest
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.sample import SampleStatus
 from topp_rl.engines.vllm import protocol
-from topp_rl.engines.vllm.engine import VLLMEngine, check_cpu_head_size
+from topp_rl.engines.vllm.engine import VLLMEngine, check_cpu_head_size, check_kept_sets, choose_kept_sets
 from topp_rl.models import build_tiny_model
 
 PARAMS = SamplingParams(top_p=0.9, top_k=3, max_new_tokens=2)
@@ -35,6 +35,14 @@ def test_payload_asks_top_k_plus_one_processed_log_probs_and_a_per_sample_seed()
     assert untruncated["logprobs"] == 0 and untruncated["top_k"] == -1 and "seed" not in untruncated
 
 
+def test_extra_sampling_params_reach_the_request_but_never_override_what_the_sets_rely_on():
+    extra = protocol.check_extra({"ignore_eos": True})
+    assert protocol.payload([1], PARAMS, seed=None, index=0, extra=extra)["sampling_params"]["ignore_eos"] is True
+    with pytest.raises(ValueError, match=r"extra_sampling_params sets \['logprobs', 'top_k'\], which the engine "
+                       r"derives from SamplingParams"):
+        protocol.check_extra({"top_k": 5, "logprobs": 1, "ignore_eos": True})
+
+
 def test_kept_sets_are_the_finite_entries_in_rank_order():
     # token 7 sampled at rank 2 (listed first, then the top 4 without it); token 9 sampled at rank 1 (deduplicated)
     out = answer([7, 9], [
@@ -59,7 +67,7 @@ def test_a_set_that_fills_the_top_k_plus_one_list_aborts_the_sample_naming_why()
 def test_a_sampled_token_outside_its_finite_entries_is_an_error():
     out = answer([7], [[entry(7, -9999.0, 4), entry(4, -0.1, 1), entry(3, -2.5, 2), entry(8, -9999.0, 3),
                         entry(5, -9999.0, 4)]])
-    with pytest.raises(RuntimeError, match="sampled token 7 at response position 0 is not among its finite"):
+    with pytest.raises(RuntimeError, match="sampled token 7 at response position 0 is not among its kept ids"):
         protocol.Codec(vocab_size=16).sample([1], out, PARAMS)
 
 
@@ -97,6 +105,12 @@ def test_start_refusals_name_the_fix(tmp_path):
         VLLMEngine()
     with pytest.raises(ValueError, match="needs vocab_size= or model_path="):
         VLLMEngine(urls=["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="server_kwargs.device='cuda': the engine launches CPU servers only"):
+        VLLMEngine(model_path=tmp_path, vocab_size=8, server_kwargs={"device": "cuda"})
+    with pytest.raises(ValueError, match="server_kwargs.port=8000 with num_servers=2: servers need ports of their own"):
+        VLLMEngine(model_path=tmp_path, vocab_size=8, num_servers=2, server_kwargs={"port": 8000})
+    with pytest.raises(ValueError, match=r"num_servers=2: .*with urls= the servers are the 1 given"):
+        VLLMEngine(urls=["http://127.0.0.1:1"], vocab_size=8, num_servers=2)
     with pytest.raises(ValueError, match="head sizes .*this model's is 16.*model.heads=2 model.kv_heads=1"):
         check_cpu_head_size(build_tiny_model("qwen2").config)  # hidden 64 / 4 heads
     check_cpu_head_size(build_tiny_model("qwen2", heads=2, kv_heads=1).config)
@@ -105,3 +119,49 @@ def test_start_refusals_name_the_fix(tmp_path):
         VLLMEngine.for_policy(model=model, tokenizer=None, workdir=tmp_path, record_routes=True)
     with pytest.raises(ValueError, match="share_weights=true"):
         VLLMEngine.for_policy(model=model, tokenizer=None, workdir=tmp_path, share_weights=True)
+
+
+def native_answer(tokens, sampled_logprobs, mask) -> dict:
+    """An answer of a --return-sampling-mask server: the sampled log-prob only, the kept ids in `sampling_mask`."""
+    content = [{**entry(t, lp, 1), "top_logprobs": [entry(t, lp, 1)]} for t, lp in zip(tokens, sampled_logprobs, strict=True)]
+    return {"request_id": "r2", "choices": [{"finish_reason": "stop", "token_ids": tokens, "logprobs": {"content": content},
+            "sampling_mask": mask, "weight_versions": None}]}  # fmt: skip
+
+
+def test_native_masks_are_the_sets_and_the_request_asks_only_the_sampled_log_prob():
+    body = protocol.payload([1], PARAMS, seed=None, index=0, native_masks=True)["sampling_params"]
+    assert (body["logprobs"], body["top_k"]) == (0, 3)
+    codec = protocol.Codec(vocab_size=16, native_masks=True, max_candidates=4)
+    sample = codec.sample([1], native_answer([7, 9], [-0.7, -0.05], [[4, 7, 3, 2], [9]]), PARAMS)
+    assert sample.status is SampleStatus.COMPLETED and sample.rollout_log_probs == [-0.7, -0.05]
+    assert sample.candidates.ids.tolist() == [4, 7, 3, 2, 9] and sample.candidates.offsets.tolist() == [0, 4, 5]
+    # ties may make a native set larger than top_k; above max_candidates it is aborted as an overflow, never cut
+    big = protocol.Codec(vocab_size=16, native_masks=True, max_candidates=3).sample(
+        [1], native_answer([7], [-0.7], [[4, 7, 3, 2]]), PARAMS)
+    assert big.status is SampleStatus.ABORTED and big.metadata["candidate_overflow"]
+    assert "holds 4 ids, above rollout.max_candidates=3" in big.metadata["finish_reason"]["message"]
+    with pytest.raises(RuntimeError, match="sampling_mask=None for 1 output tokens; .*--return-sampling-mask"):
+        codec.sample([1], native_answer([7], [-0.7], None), PARAMS)
+    with pytest.raises(RuntimeError, match="sampled token 7 at response position 0 is not among its kept ids"):
+        codec.sample([1], native_answer([7], [-0.7], [[4, 3]]), PARAMS)
+
+
+def test_native_mask_servers_refuse_unbounded_sampling_before_any_request():
+    for params in (SamplingParams(top_p=1.0), SamplingParams(top_p=0.9, top_k=100)):
+        with pytest.raises(ValueError, match=f"top_k={params.top_k}: .* serves only 0 < top_k <= max_candidates"):
+            protocol.check_params(params, max_candidates=64, vocab_size=512, native_masks=True)
+    protocol.check_params(SamplingParams(top_k=5), max_candidates=64, vocab_size=512, native_masks=True)
+
+
+def test_the_kept_set_route_is_chosen_from_what_every_server_answers():
+    both, neither = {"a": True, "b": True}, {"a": False, "b": False}
+    assert choose_kept_sets("auto", both) and not choose_kept_sets("auto", neither)
+    assert choose_kept_sets("native", both) and not choose_kept_sets("logprobs", both)
+    with pytest.raises(ValueError, match=r"kept_sets=native, but the vLLM servers \['a', 'b'\] return no sampling"):
+        choose_kept_sets("native", neither)
+    with pytest.raises(ValueError, match=r"servers \['a'\] return native sampling masks and \['b'\] do not"):
+        choose_kept_sets("auto", {"a": True, "b": False})
+    with pytest.raises(ValueError, match="kept_sets=native with a launched server: .*CPU build"):
+        check_kept_sets("native", launched=True)
+    with pytest.raises(ValueError, match="kept_sets='mask': choose one of auto, native, logprobs"):
+        check_kept_sets("mask", launched=False)

@@ -5,7 +5,10 @@ log-probs against HF transformers in float32 under vLLM's convention (`sampling_
 from pathlib import Path
 
 import pytest
+import requests
 import torch
+from helpers import by_version, hf_logits, perturbed  # noqa: F401 - the server tests import them from here
+from sglang_checks import boundary_explained
 
 from topp_rl.engines.vllm.server import vllm_python
 from topp_rl.models import build_tiny_model
@@ -31,31 +34,73 @@ def tiny_model(*, tie_embeddings: bool = False, seed: int = 3):
                             tie_embeddings=tie_embeddings, max_positions=4096, initializer_range=0.4, seed=seed)  # fmt: skip
 
 
-def hf_logits(model, sample) -> torch.Tensor:
-    """Logits [R, V] that produced each response token (float32, HF eager)."""
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    p = len(sample.prompt_ids)
-    return logits[p - 1 : p - 1 + sample.response_length]
+def first_tokens_served(url: str) -> int:
+    """Requests that have received their first token on the server at `url`, from its Prometheus metrics (the
+    count of vLLM's time-to-first-token histogram)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:time_to_first_token_seconds_count")))  # fmt: skip
 
 
-def check_vllm_sets(samples, model, params, *, tol: float = TOL) -> list[int]:
-    """Every sample against `model`'s float32 logits: its kept sets equal `sampling_candidates(convention="vllm")`
-    exactly and hold the sampled token, and the recorded log-prob is log_softmax(logits / T) renormalised over the
-    set. Returns the set sizes seen."""
+def check_vllm_sets(
+    samples, model, params, *, tol: float | torch.Tensor = TOL, logits_of=None, first: int | None = None
+) -> list[int]:
+    """Every sample against `model`'s float32 logits (or `logits_of(sample)`, [R, V]): its kept sets equal
+    `sampling_candidates(convention="vllm")` exactly and hold the sampled token, and the recorded log-prob is
+    log_softmax(logits / T) renormalised over the set, within `tol` (one bar, or one per token: [R], which also lets
+    a set differ where that rounding can move the cut: `boundary_explained`); `first`: only its first tokens.
+    Returns the set sizes seen."""
     sizes = []
     for s in samples:
         assert s.response_length > 0 and s.candidates.num_rows == s.response_length
-        logits = hf_logits(model, s)
+        logits = hf_logits(model, s) if logits_of is None else logits_of(s)
         ref = sampling_candidates(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                   min_p=params.min_p, convention="vllm")  # fmt: skip
         scaled = torch.log_softmax(logits / params.temperature, dim=-1)
-        for i, tok in enumerate(s.response_ids):
+        for i, tok in enumerate(s.response_ids[:first]):
             kept = s.candidates.ids[s.candidates.offsets[i] : s.candidates.offsets[i + 1]].long()
-            assert sorted(kept.tolist()) == sorted(ref.ids[ref.offsets[i] : ref.offsets[i + 1]].tolist()), f"token {i}"
+            want = ref.ids[ref.offsets[i] : ref.offsets[i + 1]].tolist()
+            if sorted(kept.tolist()) != sorted(want):  # exact, but where a per-token bar lets rounding move the cut
+                assert isinstance(tol, torch.Tensor) and boundary_explained(
+                    top_k_probs(scaled[i], params.top_k), set(kept.tolist()), set(want), params.top_p,
+                    tol=float(tol[i]), logp_row=scaled[i]), f"token {i}"  # fmt: skip
             assert tok in kept.tolist()
             renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)
-            assert abs(float(renorm) - s.rollout_log_probs[i]) <= tol, (float(renorm), s.rollout_log_probs[i])
+            bar = float(tol[i]) if isinstance(tol, torch.Tensor) else tol
+            assert abs(float(renorm) - s.rollout_log_probs[i]) <= bar, (i, float(renorm), s.rollout_log_probs[i], bar)
             sizes.append(kept.numel())
     return sizes
+
+
+def top_k_probs(logp_row: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The distribution vLLM's top-p cut sees: renormalised over the ids at or above the k-th largest log-prob."""
+    if not 0 < top_k < logp_row.numel():
+        return logp_row.exp()
+    kth = torch.topk(logp_row, top_k).values[-1]
+    return torch.softmax(logp_row.masked_fill(logp_row < kth, float("-inf")), dim=-1)
+
+
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+def fp32_bars(config, sample, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """How far two float32 evaluations of one model (vLLM's CPU kernels, HF eager) may put a long response's
+    recorded log-probs apart, from the arithmetic: (a bar per token [R], a bar on their mean).
+
+    A float32 sum of n products lies within gamma_n = n*u / (1 - n*u) of the exact one, relative to its terms'
+    magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.4; u = 2^-24), and the bounds of
+    sequential reductions add (to first order). Response token i is predicted at position p = prompt + i, through
+    per layer: the input RMSNorm (d), q/k/v (d), the attention's softmax and value sums over p positions (2p), o_proj
+    (d), the MLP's RMSNorm (d), gate/up (d) and down (intermediate); then the final norm (d), the head (d) and the
+    log-softmax over the vocabulary: n = L * (2p + 5d + intermediate) + 2d + vocab. The terms' scale is the row's
+    largest |logit| (RMSNorm keeps the hidden states of order one). Each engine is within gamma_n of exact, and a
+    log-prob is a logit minus a log-sum-exp of logits: 4 gamma_n max|z| per token. Their mean over many tokens
+    follows the probabilistic bound instead (independent roundings: sqrt(n) * u, Higham and Mary, SIAM J. Sci.
+    Comput. 2019), times the rows' mean scale. Measured on a 3000-token response: per token at most 0.04 of its bar,
+    the mean 0.12 of its bar; a token sampled from the wrong version or over stale KV moves them by 0.1-1 nats."""
+    positions = torch.arange(sample.response_length, dtype=torch.float64) + len(sample.prompt_ids)
+    d, layers = config.hidden_size, config.num_hidden_layers
+    n = layers * (2 * positions + 5 * d + config.intermediate_size) + 2 * d + config.vocab_size
+    gamma = n * U32 / (1 - n * U32)
+    scale = logits.detach().double().abs().amax(dim=-1)
+    return 4 * gamma * scale, float((n.sqrt() * U32 * scale).mean())

@@ -8,6 +8,7 @@ can do is asked of its class (`_target_`), never guessed from names.
 import dataclasses
 import difflib
 import inspect
+import json
 import logging
 import math
 import typing
@@ -24,6 +25,8 @@ from topp_rl.data.params import SamplingParams
 from topp_rl.engines.base import RolloutEngine
 from topp_rl.engines.serving.client import MAX_RETRIES, MAX_WAIT_S, Retries, Timeouts
 from topp_rl.engines.vllm import VLLMEngine
+from topp_rl.engines.vllm.engine import check_kept_sets
+from topp_rl.engines.vllm.weights import SYNC_METHODS as VLLM_SYNC_METHODS
 from topp_rl.models.moe import moe_routing
 from topp_rl.ops import SAMPLING_RULES, check_sampling_value
 from topp_rl.parallel.capabilities import StrategyCapabilities, capabilities_of
@@ -31,12 +34,16 @@ from topp_rl.parallel.placement import ENGINE_KEYS, Placement, plan_placement
 from topp_rl.parallel.plan import ParallelPlan
 from topp_rl.rollout.agent_step import AgentLoopStep
 from topp_rl.rollout.endpoint.step import EndpointStep
+from topp_rl.rollout.overlong import Overlong
+from topp_rl.rollout.record import Manifest, PolicyIdentity, recorded_settings
 from topp_rl.rollout.refill import check_refill
+from topp_rl.rollout.replay import ReplayEngine, recorded_steps
 from topp_rl.rollout.scheduler.staleness import check_staleness_key
 from topp_rl.rollout.trajectory import check_context
 from topp_rl.tasks.agent_task import resolve_agent
 from topp_rl.tasks.environment import check_environment_config
 from topp_rl.tasks.reward_import import check_reward_config
+from topp_rl.teacher.sglang import SGLangTeacher
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,8 @@ BOOLEAN_KEYS = (
     "export.on_checkpoint", "resume.allow_config_change", "data.drop_zero_variance_groups",
     "data.refill", "rollout.partial_rollouts",
     "trainer.enable_progress_bar", "rollout.record_routes", "rollout.routing_replay", "host_memory_reuse",
+    "rollout.record",
+    "teacher.use_candidate_mask",
 )
 # Below this, a capped engine (SGLangEngine) aborts every sample a truncating sampler keeps two ids for
 # (`validate_sglang_candidates`).
@@ -656,8 +665,7 @@ def validate_staleness(cfg: DictConfig) -> None:
 def validate_vllm(cfg: DictConfig) -> None:
     """rollout=vllm (`VLLMEngine`) reads each kept set from vLLM's top-(top_k + 1) processed log-probs: truncated
     sampling needs 0 < top_k <= max_candidates (`topp_rl.engines.vllm.protocol.check_params`, the same rule at
-    generate time), checked here before the model loads and the server starts. Partial rollouts need an engine whose
-    updates land with requests in flight, which VLLMEngine does not do yet."""
+    generate time), checked here before the model loads and the server starts."""
     engine = cfg.rollout.get("engine")
     if not isinstance(engine, DictConfig) or "_target_" not in engine:
         return
@@ -666,15 +674,21 @@ def validate_vllm(cfg: DictConfig) -> None:
         return
     r = cfg.rollout
     cap = engine.get("max_candidates", r.get("max_candidates", VLLMEngine.max_candidates))
+    if engine.get("weight_sync") not in (None, *VLLM_SYNC_METHODS):
+        _fail("rollout.engine.weight_sync", engine.weight_sync, f"null or one of {', '.join(VLLM_SYNC_METHODS)} with "
+              "rollout=vllm (tensor handles are rollout=sglang's colocated mode)", "set rollout.engine.weight_sync="
+              "distributed, or null (from disk)")
+    kept_sets = engine.get("kept_sets", "auto")
+    check_kept_sets(kept_sets, launched=not engine.get("urls"))
+    if kept_sets == "native" and not 0 < r.top_k <= cap:
+        _fail("rollout.top_k", r.top_k, f"in [1, rollout.max_candidates={cap}] with rollout.engine.kept_sets=native "
+              "(vLLM serves a --return-sampling-mask server only with top_k > 0: it bounds the mask)",
+              "set rollout.top_k (e.g. rollout.top_k=20)")
     if SamplingParams(top_p=r.top_p, top_k=r.top_k, min_p=r.min_p).truncates and not 0 < r.top_k <= cap:
         _fail("rollout.top_k", r.top_k, f"in [1, rollout.max_candidates={cap}] with rollout=vllm and top_p={r.top_p}, "
               f"min_p={r.min_p} (the kept set is read from vLLM's top-(top_k + 1) processed log-probs, which an "
               "unbounded set does not fit)", "set rollout.top_k (e.g. rollout.top_k=20), or use rollout=sglang "
               "(native masks up to max_candidates) or rollout=embedded")
-    if r.get("partial_rollouts", False):
-        _fail("rollout.partial_rollouts", True, "false with rollout=vllm (its weight updates pause and abort the "
-              "requests in flight; updates that land mid-request are not supported by VLLMEngine yet)",
-              "set rollout.partial_rollouts=false, or use rollout=sglang or rollout=embedded")
 
 
 def validate_refill(cfg: DictConfig) -> None:
@@ -705,6 +719,33 @@ def validate_turns(cfg: DictConfig) -> None:
               "function (task=agent task.agent=pkg.mod:fn), or set rollout.max_turns=1")
 
 
+def validate_overlong(cfg: DictConfig) -> None:
+    """algo.overlong (`Overlong.check`: the soft penalty's buffer inside rollout.max_new_tokens, both set or
+    neither); the penalty reads a sample's length against one answer's budget, so multi-turn steps refuse it."""
+    node = cfg.algo.get("overlong")
+    if node is None:
+        return
+    from hydra.utils import instantiate
+
+    overlong = instantiate(node)
+    if not isinstance(overlong, Overlong):
+        _fail("algo.overlong._target_", node._target_, "topp_rl.rollout.overlong.Overlong or a subclass",
+              "set algo.overlong._target_=topp_rl.rollout.overlong.Overlong")
+    overlong.check(max_new_tokens=cfg.rollout.max_new_tokens)
+    step = target_class(cfg.rollout.step)
+    if overlong.penalises and issubclass(step, AgentLoopStep | EndpointStep):
+        _fail("algo.overlong.penalty", overlong.penalty, f"0 with rollout.step={cfg.rollout.step._target_} (the "
+              "penalty compares one response with rollout.max_new_tokens; a trajectory spans several turns)",
+              "set algo.overlong.penalty=0 algo.overlong.buffer=0 (algo.overlong.filter=true still leaves the "
+              "trajectories ended by a budget out of the loss)")
+
+
+def validate_entropy_bonus(cfg: DictConfig) -> None:
+    coeff = _number(cfg, "algo.entropy_coeff") if "entropy_coeff" in cfg.algo else 0.0
+    if not (math.isfinite(coeff) and coeff >= 0):
+        _fail("algo.entropy_coeff", coeff, "a finite number >= 0", "use e.g. algo.entropy_coeff=1e-3, or 0 (off)")
+
+
 def _check_agent_fn(cfg: DictConfig) -> None:
     """rollout/step=endpoint: its agent function must import and be `async def`, refused now naming it."""
     try:
@@ -716,6 +757,72 @@ def _check_agent_fn(cfg: DictConfig) -> None:
               "fn(client, record) -> float | dict)", "set task.agent=<your function> (e.g. "
               "task.agent=topp_rl.tasks.agents.lookup:lookup_agent); without task=agent: rollout.step.agent=...")
     resolve_agent(str(spec), key="task.agent" if "agent" in cfg.task else "rollout.step.agent")
+
+
+def is_replay(cfg: DictConfig) -> bool:
+    """rollout=replay: the engine hands back a recording's samples."""
+    engine = cfg.rollout.get("engine")
+    if not isinstance(engine, DictConfig) or "_target_" not in engine:
+        return False
+    engine_class = target_class(engine)
+    return isinstance(engine_class, type) and issubclass(engine_class, ReplayEngine)
+
+
+def validate_replay_keys(cfg: DictConfig) -> None:
+    """rollout=replay trains each recorded step as it comes, with no engine: what needs one is refused, and so is a
+    recording that cannot give this run's steps (another data stream, fewer steps, rollouts ahead)."""
+    if not is_replay(cfg):
+        return
+    r = cfg.rollout
+    if r.get("record", False):
+        _fail("rollout.record", True, "false with rollout=replay (the replayed samples are on disk already)",
+              "set rollout.record=false")
+    k = check_staleness_key(r.get("max_staleness", 0), overlap=r.get("overlap", False))
+    if k or r.get("partial_rollouts", False):
+        key, value = ("rollout.partial_rollouts", True) if not k else ("rollout.max_staleness", k)
+        _fail(key, value, "0 / false with rollout=replay (rollouts ahead schedule generations beside training; a "
+              "replay has none, and trains each recorded step in order)", "set rollout.max_staleness=0 "
+              "rollout.overlap=false rollout.partial_rollouts=false")
+    every = (cfg.get("eval") or {}).get("every_n_steps", 0)
+    if every:  # validate_callback_settings: an Evaluation callback acts on it
+        _fail("eval.every_n_steps", every, "0 with rollout=replay (evaluation samples the current policy, which "
+              "needs an engine; a replay has only recorded samples)", "set eval.every_n_steps=0, and evaluate "
+              "a checkpoint of the replay with an engine (ckpt_path=... rollout=embedded)")
+    if OmegaConf.is_missing(r, "path"):
+        _fail("rollout.path", "???", "the directory of a recording (rollout.record=true writes <run dir>/rollouts)",
+              "set rollout.path=<the recording run's dir>/rollouts")
+    manifest = Manifest.read(r.path)
+    if manifest.max_staleness:
+        _fail("rollout.path", r.path, f"an on-policy recording (this one was recorded with rollout.max_staleness="
+              f"{manifest.max_staleness}: its steps were trained on weights that a replay does not reproduce)",
+              "record the run with rollout.max_staleness=0")
+    mine = json.loads(json.dumps(recorded_settings(cfg)))
+    changed = {k: (v, mine.get(k)) for k, v in manifest.settings.items() if mine.get(k) != v}
+    if changed:
+        detail = "; ".join(f"{k}: recorded {old!r}, this run {new!r}" for k, (old, new) in changed.items())
+        _fail("rollout.path", r.path, f"replayed with the settings it was recorded with (they decide each step's "
+              f"prompts and scores); these differ: {detail}",
+              "set them to the recorded values (" + " ".join(f"{k}={json.dumps(v[0])}" for k, v in changed.items())
+              + ")")
+    held = recorded_steps(r.path)
+    steps = cfg.trainer.max_steps
+    if held < steps:
+        _fail("trainer.max_steps", steps, f"<= {held} with rollout.path={r.path!r} (it holds {held} complete steps, "
+              f"0..{held - 1}, for each of its {manifest.dp_size} data-parallel ranks)",
+              f"set trainer.max_steps={held} or fewer, or record a longer run")
+
+
+def validate_replay(cfg: DictConfig, model, tokenizer) -> None:
+    """rollout=replay: the recording's token ids must mean the same tokens to this run's policy (the same
+    tokenizer vocabulary, vocab size and model family), refused naming both."""
+    if not is_replay(cfg):
+        return
+    recorded = Manifest.read(cfg.rollout.path).identity
+    differences = recorded.differences(PolicyIdentity.of(model, tokenizer))
+    if differences:
+        _fail("rollout.path", cfg.rollout.path, f"a recording of this run's policy; {'; '.join(differences)}",
+              "replay with the model and tokenizer the recording was sampled with (the model=... keys of its "
+              "config.yaml)")
 
 
 def validate_with_model(cfg: DictConfig, model) -> None:
@@ -749,6 +856,37 @@ def validate_routing(cfg: DictConfig, model) -> None:
               "(e.g. model=tiny model.family=qwen3_moe)")
 
 
+def validate_teacher(cfg: DictConfig) -> None:
+    """The teacher group (`topp_rl.teacher`, docs/distillation.md): algo=opd and algo.teacher_kl_coeff > 0 need a
+    teacher; teacher keys need a teacher; a kept-set teacher needs the kept-set student (module.use_mask)."""
+    teacher = cfg.get("teacher")
+    coeff = _number(cfg, "algo.teacher_kl_coeff") if "teacher_kl_coeff" in cfg.algo else 0.0
+    if not coeff >= 0:
+        _fail("algo.teacher_kl_coeff", coeff, ">= 0", "use 0 to train without the teacher's KL")
+    if not teacher:
+        if cfg.algo.name == "opd" or coeff > 0:
+            raise ValueError(f"config algo={cfg.algo.name} with algo.teacher_kl_coeff={coeff} needs a teacher, but "
+                             "teacher=none: add teacher=hf_path teacher.path=DIR, or set algo.teacher_kl_coeff=0 with "
+                             "an RL algo")
+        return
+    if "_target_" not in teacher:
+        raise ValueError(f"config teacher.* keys {sorted(teacher)} are set with teacher=none (nothing reads them): "
+                         "choose a teacher (teacher=hf_path teacher.path=DIR) or drop the teacher.* overrides")
+    if issubclass(target_class(teacher), SGLangTeacher):
+        if teacher.get("use_candidate_mask"):
+            _fail("teacher.use_candidate_mask", True, "false with teacher=sglang (the server returns each token's "
+                  "log-prob over the full vocabulary, not over the student's kept set)",
+                  "set teacher.use_candidate_mask=false, or use teacher=hf_path for a kept-set teacher")
+        if cfg.rollout.temperature != 1:
+            _fail("rollout.temperature", cfg.rollout.temperature, "1 with teacher=sglang (SGLang's prompt log-probs "
+                  "are at temperature 1, the student's at the rollout temperature)",
+                  "set rollout.temperature=1, or use teacher=hf_path (scored at the rollout temperature)")
+    if teacher.get("use_candidate_mask") and not cfg.module.use_mask:
+        _fail("teacher.use_candidate_mask", True, "false when module.use_mask=false (the student is then scored "
+              "over the full vocabulary, so there is no kept set to score the teacher on)",
+              "set teacher.use_candidate_mask=false, or module.use_mask=true")
+
+
 def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     """Raise ValueError on the first invalid setting (see module docstring). `check_rewards=False`: the task's
     rewards are Python callables given to `topp_rl.fit` (the config records their names, which need not import)."""
@@ -760,10 +898,14 @@ def validate_config(cfg: DictConfig, *, check_rewards: bool = True) -> None:
     validate_weight_sync(cfg)
     validate_callback_settings(cfg)
     validate_eval_source(cfg)
+    validate_replay_keys(cfg)  # before the staleness and refill rules: under replay their keys are refused
     validate_staleness(cfg)
     validate_vllm(cfg)
     validate_refill(cfg)
     validate_turns(cfg)
+    validate_overlong(cfg)
+    validate_entropy_bonus(cfg)
+    validate_teacher(cfg)
     if check_rewards:  # imports each named reward: a wrong module name fails before the model loads
         # The multi-turn steps take their rewards from the environment or the agent, never from the task.
         step = target_class(cfg.rollout.step)

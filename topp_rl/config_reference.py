@@ -27,7 +27,7 @@ from topp_rl.paths import CHECKOUT_ROOT, config_dir
 INSTANTIATE_KEYS = ("_target_", "_partial_", "_recursive_")
 # Sub-groups documented as groups of their own; Hydra's own groups (hydra/help, hydra/job_logging) are Hydra's.
 GROUPS = ("algo", "rollout", "rollout/step", "model", "task", "trainer", "logger", "callbacks", "parallel",
-          "experiment")
+          "experiment", "teacher")
 _FOLLOWER = re.compile(r"\$\{([\w.]+)\}")
 PAGE = Path("docs/config.md")
 

@@ -27,11 +27,13 @@ from topp_rl.config import (
     engine_placement_mode,
     placement_of,
     validate_config,
+    validate_replay,
     validate_with_model,
     weight_sync_of,
 )
 from topp_rl.parallel.placement import ENGINE_KEYS, render
 from topp_rl.rollout import RolloutDataModule, RolloutEngine, SamplingParams
+from topp_rl.rollout.record import rollout_recorder
 from topp_rl.run import loggers as run_loggers
 from topp_rl.run.checkpoint import AtomicCheckpointIO, RunRecord
 from topp_rl.run.console import StepTimer, route_lightning_logs
@@ -164,6 +166,7 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     policy, tokenizer = instantiate(cfg.model)
     policy.float()
     validate_with_model(cfg, policy)
+    validate_replay(cfg, policy, tokenizer)
     lora = check_lora_config(cfg)
     # Built before the engine: with LoRA on (module.lora.rank > 0) it injects the adapters into `policy`.
     backbone = build_policy_backbone(policy, lora, gradient_checkpointing=cfg.module.gradient_checkpointing,
@@ -175,12 +178,15 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
     params: SamplingParams = instantiate(cfg.rollout.sampling, _convert_="all")
     # Runtime objects go to partials: instantiate() would turn a dataclass kwarg into a DictConfig.
     datamodule = instantiate(cfg.data, _partial_=True)(engine=engine_factory, task=task, tokenizer=tokenizer,
-                                                       params=params)
+                                                       params=params,
+                                                       recorder=rollout_recorder(cfg, policy, tokenizer))
     loss = instantiate(cfg.algo.loss)
     hook = ToppLogProb(use_mask=cfg.module.use_mask, temperature=params.temperature)
+    teacher = instantiate(cfg.teacher) if cfg.get("teacher") else None
     # A parallel strategy (MegatronStrategy) swaps in its sharded backbones at setup, from these weights.
     module = PolicyModule(
         policy=backbone, loss=loss, optimizer=instantiate(cfg.optimizer), hook=hook,
+        **(teacher.module_parts(policy=policy, tokenizer=tokenizer, policy_name=_model_name(cfg)) if teacher else {}),
         ppo_epochs=cfg.module.ppo_epochs, grad_clip=cfg.module.grad_clip,
         lr_schedule=LRSchedule(**cfg.lr_schedule, total_steps=cfg.trainer.max_steps),
     )
@@ -196,6 +202,11 @@ def build_run(cfg: DictConfig, *, rewards: list[dict] | None = None) -> Run:
         enable_checkpointing=True, enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
     )
     return Run(cfg=cfg, module=module, datamodule=datamodule, trainer=trainer, summary=summary, loggers=loggers)
+
+
+def _model_name(cfg: DictConfig) -> str:
+    """The policy as a user named it: its checkpoint path, else the model config's builder."""
+    return str(cfg.model.get("path") or cfg.model.get("_target_"))
 
 
 def train(cfg: DictConfig) -> dict[str, float | str]:

@@ -52,7 +52,7 @@ from topp_rl.run.sharded_checkpoint import (
 )
 from topp_rl.trainer.backbone import HFBackbone
 
-_SLOTS = ("policy", "reference")
+_SLOTS = ("policy", "reference", "teacher")
 
 
 def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:

@@ -1,12 +1,19 @@
 """`PolicyLoss`: the skeleton every RL loss shares; subclasses supply only the per-token policy term.
 
 loss = aggregate(policy_term * correction weights) + kl_coef * aggregate(KL(pi || pi_ref))
+       - entropy_coeff * aggregate(H)
+The policy term's advantage is the algorithm's plus teacher_kl_coef times the teacher's per-token reverse-KL
+advantage (`topp_rl.losses.distill`), so the teacher term is importance-weighted and clipped like the reward's.
 The corrections (TIS, ICEPOP) scale only the policy term; the KL term (when the algorithm keeps it in the loss)
-is aggregated the same way. Metrics are (sum, count) pairs: per-token figures count loss tokens; the loss
-values count this micro-batch's share of the global denominator, so the reduced `train/loss` is the whole-step
-loss however the step was split.
+and the entropy bonus are aggregated the same way. H is the entropy of the full-vocabulary, temperature-scaled
+policy per token (`LossInputs.entropy`), not of the sampler's kept set: a bonus is there to keep the policy from
+collapsing, and the kept-set entropy cannot see a collapse (when the kept set shrinks to one token it is 0, with no
+gradient to widen it), while the full one still pushes mass back to the tokens a truncating sampler cut off.
+Metrics are (sum, count) pairs: per-token figures count loss tokens; the loss values count this micro-batch's
+share of the global denominator, so the reduced `train/loss` is the whole-step loss however the step was split.
 """
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -16,6 +23,7 @@ from topp_rl.losses.aggregate import aggregate, check_aggregation, denominator_s
 from topp_rl.losses.correction import TIS, IcePop, Pairs
 from topp_rl.losses.inputs import LossInputs
 from topp_rl.losses.kl import KLPenalty
+from topp_rl.losses.teacher import TeacherKL
 
 
 def to_floats(pairs: Pairs) -> dict[str, tuple[float, float]]:
@@ -49,6 +57,8 @@ class PolicyLoss(ABC):
         tis_cap: float | None = None,
         icepop_low: float | None = None,
         icepop_high: float | None = None,
+        entropy_coeff: float = 0.0,
+        teacher_kl_coef: float = 0.0,
     ) -> None:
         self.eps_clip = eps_clip
         self.eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
@@ -62,6 +72,10 @@ class PolicyLoss(ABC):
             raise ValueError(
                 f"icepop_low={icepop_low} and icepop_high={icepop_high}: set both to enable ICEPOP, or neither"
             )
+        if not (math.isfinite(entropy_coeff) and entropy_coeff >= 0):
+            raise ValueError(f"entropy_coeff={entropy_coeff} must be a finite number >= 0 (algo.entropy_coeff; 0: off)")
+        self.entropy_coeff = float(entropy_coeff)
+        self.teacher = TeacherKL(coef=teacher_kl_coef)
         self.corrections = [TIS(cap=tis_cap)] if tis_cap is not None else []
         if icepop_low is not None:
             self.corrections.append(IcePop(low=icepop_low, high=icepop_high))
@@ -74,6 +88,15 @@ class PolicyLoss(ABC):
     @property
     def needs_ref_logprobs(self) -> bool:
         return self.kl.enabled
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the gradient pass must compute each token's full-vocabulary entropy (the entropy bonus)."""
+        return self.entropy_coeff > 0
+
+    @property
+    def needs_teacher_logprobs(self) -> bool:
+        return self.teacher.enabled
 
     @property
     def corrects_staleness(self) -> bool:
@@ -91,6 +114,8 @@ class PolicyLoss(ABC):
 
     def __call__(self, inputs: LossInputs) -> tuple[Tensor, dict[str, tuple[float, float]]]:
         advantages, pairs = self.shaped_advantages(inputs)
+        advantages, teacher_pairs = self.teacher.shaped(inputs, advantages)  # + the teacher's reverse KL, if on
+        pairs.update(teacher_pairs)
         term, term_pairs = self.policy_term(inputs, advantages=advantages)
         pairs.update(term_pairs)
         for correction in self.corrections:
@@ -106,6 +131,13 @@ class PolicyLoss(ABC):
             loss = loss + self.kl.coef * kl_loss
             pairs["train/kl_ref"] = ((kl_tok.detach() * inputs.loss_mask).sum(), inputs.loss_mask.sum())
             pairs["train/kl_loss"] = (kl_loss.detach(), share)
+        if self.needs_entropy:
+            if inputs.entropy is None:
+                raise ValueError(f"entropy_coeff={self.entropy_coeff} needs LossInputs.entropy (the full-vocabulary "
+                                 "entropy per token, with grad); score the tokens with return_entropy=True")
+            bonus = aggregate(inputs.entropy, inputs, mode=self.aggregation)
+            loss = loss - self.entropy_coeff * bonus
+            pairs["train/entropy_bonus"] = (bonus.detach(), share)  # the aggregated entropy, before the coefficient
         pairs["train/pg_loss"] = (pg_loss.detach(), share)
         pairs["train/loss"] = (loss.detach(), share)
         return loss, to_floats(pairs)

@@ -30,6 +30,8 @@ class LossInputs:
     num_sequences_global: int
     ref_logprobs: Tensor | None = None  # [R] float, reference model (no grad)
     rollout_logprobs: Tensor | None = None  # [R] float, as recorded by the engine
+    entropy: Tensor | None = None  # [R] float, full-vocabulary entropy, with grad (only for an entropy bonus)
+    teacher_logprobs: Tensor | None = None  # [R] float, the teacher's (no grad; topp_rl.losses.distill)
 
     def __post_init__(self) -> None:
         if self.logprobs.ndim != 1:
@@ -45,6 +47,8 @@ class LossInputs:
             "seq_index",
             "ref_logprobs",
             "rollout_logprobs",
+            "entropy",
+            "teacher_logprobs",
         ):
             t = getattr(self, name)
             if t is not None and t.shape != (r,):

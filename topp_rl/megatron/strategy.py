@@ -64,7 +64,7 @@ from topp_rl.parallel.plan import ParallelPlan, check_sizes, check_virtual_stage
 from topp_rl.trainer.backbone import HFBackbone
 from topp_rl.trainer.precision import LossScaledFP16
 
-_MODEL_SLOTS = ("policy", "reference")
+_MODEL_SLOTS = ("policy", "reference", "teacher")
 
 
 VPP_DIST_OPT_REFUSAL = (
@@ -173,7 +173,8 @@ class MegatronStrategy(StrategyCapabilities, DDPStrategy):
         self.layout = ParallelLayout.from_megatron(module.policy.layout.vocab_size, cp_mode=self.cp_mode)
         policy = self._megatron(module.policy, "policy")
         reference = self._megatron(module.reference, "reference") if module.reference is not None else None
-        module.use_backbones(policy=policy, reference=reference)
+        teacher = self._megatron(module.teacher, "teacher") if module.teacher is not None else None
+        module.use_backbones(policy=policy, reference=reference, teacher=teacher)
 
     def _megatron(self, backbone, slot: str) -> MegatronBackbone:
         if isinstance(backbone, MegatronBackbone):

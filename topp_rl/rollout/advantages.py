@@ -2,7 +2,8 @@
 
 - `GroupAdvantage` (GRPO; Dr. GRPO with `normalize_std=False`): r - mean(group), optionally / (std(group) + eps),
   std with Bessel's correction as in the GRPO reference implementations; a group of one gets 0.
-- `RLOOAdvantage`: r_i - mean of the other samples of its group (leave-one-out baseline).
+- `RLOOAdvantage` (RLOO): r_i - mean of the other samples of its group (leave-one-out baseline), optionally /
+  (std(group) + eps).
 - `BatchAdvantage` (REINFORCE++): r - mean(batch), optionally / (std(batch) + eps); the batch statistics span
   every DP rank through `reduce` (a sum over ranks).
 - `NoBaseline`: the raw reward.
@@ -72,14 +73,21 @@ class GroupAdvantage:
 @dataclass(frozen=True)
 class RLOOAdvantage:
     group_relative: ClassVar[bool] = True
+    normalize_std: bool = False
+    eps: float = 1e-6
+
     def __call__(
         self, rewards: torch.Tensor, groups: torch.Tensor, *, reduce: Reduce = _identity
     ) -> torch.Tensor:
         r = rewards.double()
-        count, mean, _ = _group_stats(r, groups)
+        count, mean, ss = _group_stats(r, groups)
         # r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); a group of one has no baseline: 0.
         scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-        return (scale * (r - mean)).float()
+        adv = scale * (r - mean)
+        if self.normalize_std:
+            std = (ss / (count - 1).clamp(min=1)).sqrt()
+            adv = torch.where(std > 0, adv / (std + self.eps), torch.zeros_like(adv))  # constant group -> 0
+        return adv.float()
 
 
 @dataclass(frozen=True)
@@ -111,19 +119,22 @@ class NoBaseline:
         return rewards.float()
 
 
-def trajectory_advantages(estimator: AdvantageEstimator, samples: list[Sample], *,
-                          reduce: Reduce = _identity) -> torch.Tensor:
+def trajectory_advantages(estimator: AdvantageEstimator, samples: list[Sample], *, reduce: Reduce = _identity,
+                          shaping: torch.Tensor | None = None) -> torch.Tensor:
     """One advantage per sample, computed over trajectories: the samples that share `metadata["trajectory"]`
     (a multi-turn step's, `topp_rl.rollout.trajectory`) count once in the estimator's group or batch statistics
-    and all get that trajectory's advantage; a sample without it is a trajectory of its own."""
+    and all get that trajectory's advantage; a sample without it is a trajectory of its own. `shaping` [N]: added
+    to each sample's reward before the estimator sees it (the overlong penalty, `topp_rl.rollout.overlong`)."""
     position: dict[object, int] = {}  # trajectory key -> its place among `heads`
     heads: list[Sample] = []  # each trajectory's first sample
+    first: list[int] = []  # and its place in `samples`
     owner = []
     for i, s in enumerate(samples):
         key = ("trajectory", s.metadata["trajectory"]) if "trajectory" in s.metadata else ("sample", i)
         if key not in position:
             position[key] = len(heads)
             heads.append(s)
+            first.append(i)
         head = heads[position[key]]
         if head.reward != s.reward or head.group_index != s.group_index:
             raise ValueError(f"samples {head.index} and {s.index} of trajectory {key[1]} differ in reward "
@@ -132,6 +143,12 @@ def trajectory_advantages(estimator: AdvantageEstimator, samples: list[Sample], 
     rewards = torch.tensor([float(s.reward) for s in heads], dtype=torch.float64)
     groups = torch.tensor([s.group_index for s in heads], dtype=torch.long)
     owner_t = torch.tensor(owner, dtype=torch.long)
+    if shaping is not None:
+        per_head = shaping.double()[torch.tensor(first, dtype=torch.long)]
+        if not torch.equal(shaping.double(), per_head[owner_t]):
+            raise ValueError("the reward shaping differs between samples of one trajectory; a trajectory's samples "
+                             "share one reward")
+        rewards = rewards + per_head
     return estimator(rewards, groups, reduce=reduce)[owner_t]
 
 

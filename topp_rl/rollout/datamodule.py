@@ -27,6 +27,9 @@ Dynamic sampling (`refill=True`, with `drop_zero_variance_groups`): after the st
 rounds on the next prompts until each DP rank holds its share of groups whose rewards differ, or generated
 `max_refill_factor` times that share (`topp_rl.rollout.refill`); on-policy only (K = 0).
 
+Overlong samples (`overlong`, `topp_rl.rollout.overlong`): DAPO's filtering of truncated samples out of the loss
+and its soft length penalty, applied to the selected samples before their advantages.
+
 State (`state_dict`): the next step to generate, the seed and the prompts refill rounds drew (they move the data
 position on); prompts and generation seeds are functions of (seed, step, DP rank, that count), so a resumed run
 continues identically. Aborted samples are kept in
@@ -57,8 +60,11 @@ from topp_rl.rollout.advantages import (
     trajectory_advantages,
 )
 from topp_rl.rollout.broadcast import share_object, share_samples
+from topp_rl.rollout.overlong import Overlong
 from topp_rl.rollout.packing import pack_samples
+from topp_rl.rollout.record import RolloutRecorder
 from topp_rl.rollout.refill import RefillPlan, check_refill, continue_indices
+from topp_rl.rollout.replay import ReplaysRollouts
 from topp_rl.rollout.scheduler import (
     RolloutScheduler,
     check_staleness_key,
@@ -111,6 +117,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_staleness: int = 0,
         partial_rollouts: bool = False,
         rollout_step: RolloutStep | None = None,
+        recorder: RolloutRecorder | None = None,
+        overlong: Overlong | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -153,6 +161,9 @@ class RolloutDataModule(L.LightningDataModule):
                 "SingleTurnStep() (in config: rollout.step._target_)"
             )
         self.rollout_step: RolloutStep = rollout_step if rollout_step is not None else SingleTurnStep()
+        self.recorder = recorder  # rollout.record=true: every generation call's scored samples to disk
+        self.overlong = overlong if overlong is not None else Overlong()
+        self.overlong.check(max_new_tokens=params.max_new_tokens)
         self.drop_zero_variance_groups = drop_zero_variance_groups
         self.refill, self.max_refill_factor = refill, max_refill_factor
         self.seed = seed
@@ -255,11 +266,18 @@ class RolloutDataModule(L.LightningDataModule):
         if self._ahead is not None:  # also after the last step: the final checkpoint holds them (extensible runs)
             self._ahead.start_ahead(ticket.step, lambda step: self._sample(self.ticket(step)),
                                     concurrent=self.ensure_engine().concurrent)
-        return self.rollout_step.score(samples, ticket.records, self.params, task=self.task,
-                                       tokenizer=self.tokenizer, first_group=ticket.first_group)
+        scored = self.rollout_step.score(samples, ticket.records, self.params, task=self.task,
+                                         tokenizer=self.tokenizer, first_group=ticket.first_group)
+        if self.recorder is not None:
+            self.recorder.write(scored, prompts=[r.prompt_ids for r in ticket.records], step=ticket.step,
+                                seed=ticket.seed, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        return scored
 
     def _sample(self, ticket: RolloutTicket) -> list[Sample]:
-        return self.rollout_step.generate(self.ensure_engine(), ticket.records, self.params, seed=ticket.seed,
+        engine = self.ensure_engine()
+        if isinstance(engine, ReplaysRollouts):  # rollout=replay: the recorded samples instead of a generation
+            return engine.replay(ticket)
+        return self.rollout_step.generate(engine, ticket.records, self.params, seed=ticket.seed,
                                           tokenizer=self.tokenizer)
 
     def rollout(self, ticket: RolloutTicket) -> RolloutBatch:
@@ -274,13 +292,14 @@ class RolloutDataModule(L.LightningDataModule):
             share_seconds, shared_bytes = share_seconds + more_s, shared_bytes + more_bytes
         gen_seconds = time.perf_counter() - start  # on a peer: the wait for its source's samples
         trained_version = self._trained_version()
-        micro, selection, groups, ahead_figures = self._pack(ticket.step, samples, trained_version=trained_version,
-                                                             most=len(ticket.records) if self.refill else None)
+        micro, selection, groups, ahead_figures, overlong_figures = self._pack(
+            ticket.step, samples, trained_version=trained_version, most=len(ticket.records) if self.refill else None)
         self.step, self.refill_prompts = ticket.step + 1, self.refill_prompts + drawn
         # Ahead: the generation's own time (it ran beside earlier steps), not the wait for it.
         stats = step_stats(samples, micro, generate_s=self.last_generate_s if ahead else gen_seconds,
                            dropped=selection.filtered, groups=selection.groups) | self.rollout_step.stats(samples)
         stats["rollout/trained_tokens"] = (groups["loss_tokens"], 1.0)  # DP-global: the throughput benchmarks' count
+        stats |= overlong_figures
         stats["perf/decode_batch_mean"] = self._decode_batch()
         if self.drop_zero_variance_groups:
             stats |= group_stats(groups, refill_rounds=rounds if self.refill else None)
@@ -362,10 +381,10 @@ class RolloutDataModule(L.LightningDataModule):
         return [int(v) for v in self.collectives.sum(mine).tolist()]
 
     def _pack(self, step: int, samples: list[Sample], *, trained_version: int | None,
-              most: int | None = None) -> tuple[list[PackedBatch], GroupSelection, dict[str, float], dict]:
-        """(micro-batches, this rank's groups, the DP-global group counts, the staleness metrics): whole groups
-        selected (none with a token older than max_staleness updates; at most `most` informative ones),
-        advantages, DP-global denominators, packing."""
+              most: int | None = None) -> tuple[list[PackedBatch], GroupSelection, dict[str, float], dict, dict]:
+        """(micro-batches, this rank's groups, the DP-global group counts, the staleness and overlong metrics):
+        whole groups selected (none with a token older than max_staleness updates; at most `most` informative
+        ones), overlong filtering and penalty, advantages, DP-global denominators, packing."""
         live = [s for s in samples if s.status != SampleStatus.ABORTED]
         stale = 0
         if trained_version is not None:
@@ -374,21 +393,25 @@ class RolloutDataModule(L.LightningDataModule):
         train = selection.train
         dp = self.collectives
         # Per trajectory: a multi-turn trajectory split into several samples is one reward in its group's statistics.
-        adv = trajectory_advantages(self.advantage, train, reduce=dp.sum)
+        filtered = self.overlong.filter_truncated(train)  # before the denominators: its tokens leave the loss
+        penalties = self.overlong.penalties(train, max_new_tokens=self.params.max_new_tokens)
+        adv = trajectory_advantages(self.advantage, train, reduce=dp.sum,
+                                    shaping=penalties if self.overlong.penalises else None)
         short = most is not None and selection.informative < most  # a refilled rank stopped at its budget
         totals = dp.sum(torch.tensor(
             [float(sum(sum(s.loss_mask) for s in train)), float(len(train)), float(not train), selection.groups,
              selection.filtered, selection.surplus, selection.trained, float(short)], dtype=torch.float64))
         if totals[2] > 0:  # reduced: every DP rank raises alike instead of hanging in the next collective
             _fail_without_samples(step, samples)
-        micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]),
+        # A step whose every token was filtered out trains on nothing: any denominator gives the zero loss.
+        micro = pack_samples(train, adv, max_tokens=self.max_tokens, num_loss_tokens_global=float(totals[0]) or 1.0,
                              num_sequences_global=int(totals[1]), trained_version=trained_version,
                              most=lambda count: max(dp.max(count), self.min_micro_batches))
         groups = dict(zip(("generated", "filtered", "surplus", "trained", "capped_ranks"), totals[3:].tolist(),
                           strict=True)) | {"loss_tokens": float(totals[0])}
         figures = {} if trained_version is None else staleness_stats(train, trained_version=trained_version,
                                                                      dropped=stale, dp=dp)
-        return micro, selection, groups, figures
+        return micro, selection, groups, figures, self.overlong.stats(filtered=filtered, penalties=penalties)
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict[str, Any]:

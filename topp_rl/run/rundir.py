@@ -341,6 +341,9 @@ ADDED_KEYS = {
     "rollout.step._target_": "topp_rl.rollout.step.SingleTurnStep",  # issue 36: one answer per prompt
     "rollout.max_turns": 1,  # issue 37: the single-turn step's one turn
     "rollout.max_trajectory_tokens": _UNREAD,  # read only by the agent loop, which rollout.step still guards
+    "algo.teacher_kl_coeff": 0.0,  # on-policy distillation: no teacher term
+    "algo.loss.teacher_kl_coef": 0.0,
+    "teacher": {},  # teacher=none: an empty node
 }
 
 

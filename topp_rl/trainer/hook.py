@@ -5,7 +5,8 @@ response token (`cp_local_positions` + `response_rows`), the sampled tokens, and
 those tokens. Empty candidate rows mean "unrestricted" (no candidate data, or a non-trainable token) and are
 dropped before the ops, which reject them. Default path: `candidate_head_logprobs` on hidden states and the
 output-layer weight, which never forms [T, V] logits for rows with candidates; `token_logprobs` when only
-logits exist or entropy is asked for (entropy needs the full distribution anyway).
+logits exist or entropy is asked for (entropy needs the full distribution anyway); there, under TP, the hidden
+states' gradient is summed over the TP group (`_SumGrad`), as `candidate_head_logprobs` does inside.
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,26 @@ class TokenLogProbs:
     token_index: torch.Tensor  # int64 index into the micro-batch's R response tokens (for scatter/gather)
     support_size: torch.Tensor  # int64 candidate-set size, 0 = unrestricted
     entropy: torch.Tensor | None = None  # unrestricted, temperature-scaled
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group`. Hidden states are replicated over TP and each rank's
+    vocabulary shard of the logits gives only its part of their gradient (Megatron's copy-to-TP-region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_grad(hidden: torch.Tensor, group) -> torch.Tensor:
+    return _SumGrad.apply(hidden, group) if group is not None and hidden.requires_grad else hidden
 
 
 class ToppLogProb:
@@ -88,7 +109,7 @@ class ToppLogProb:
         if logits is None and not return_entropy:
             logprobs = candidate_head_logprobs(hidden[rows], weight, tokens, **common)
         else:
-            row_logits = logits[rows] if logits is not None else hidden[rows] @ weight.T
+            row_logits = logits[rows] if logits is not None else _sum_grad(hidden[rows], layout.tp_group) @ weight.T
             out = token_logprobs(row_logits, tokens, return_entropy=return_entropy, **common)
             logprobs, entropy = out if return_entropy else (out, None)
         return TokenLogProbs(logprobs=logprobs, token_index=token_index, support_size=sizes, entropy=entropy)

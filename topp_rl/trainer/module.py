@@ -6,7 +6,8 @@ One `training_step` per rollout step:
    that the mismatch callbacks read): masked and unmasked log-probs and entropy -> `OnPolicyRecord`; with
    `ppo_epochs=1` it reads the gradient pass's own forward (`accumulate_gradients`: one forward fewer, same
    values);
-2. optional reference-model pass (frozen copy) for the KL term;
+2. optional reference-model pass (frozen copy) for the KL term, and teacher pass (a frozen model of another
+   checkpoint, `topp_rl.teacher`) for on-policy distillation: both score the same packed micro-batches;
 3. `ppo_epochs` optimizer steps. Each step accumulates gradients over ALL micro-batches of the rollout step
    (one step per epoch, not one per micro-batch): the losses divide by the rollout step's global token / sequence
    counts, so the accumulated gradient equals that of one large batch, whatever the token budget per micro-batch.
@@ -30,6 +31,7 @@ import functools
 import math
 import resource
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import lightning as L
 import torch
@@ -52,6 +54,15 @@ from topp_rl.trainer.timer import PhaseTimer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+class TeacherServer(Protocol):
+    """A teacher outside the process (`topp_rl.teacher.SGLangTeacher`): its log-probs [R] of a micro-batch's
+    response tokens, in sample order, over the full vocabulary."""
+
+    def logprobs(self, batch: PackedBatch) -> Tensor: ...
+
+    def close(self) -> None: ...
+
+
 def _check_backbone(model, slot: str) -> Backbone:
     if not isinstance(model, BackboneBase) or not isinstance(model, Backbone):
         hint = " wrap an HF causal LM as HFBackbone(model);" if isinstance(model, nn.Module) else ""
@@ -65,8 +76,9 @@ def _check_backbone(model, slot: str) -> Backbone:
 class PolicyModule(L.LightningModule):
     """Policy-gradient training over rollout steps (`RolloutBatch`), exact over the rollout's candidate sets.
 
-    `policy` (and `reference`) are `Backbone`s; a strategy that shards them hands its own versions over
-    through `use_backbones`. `loss` is a `topp_rl.losses.PolicyLoss`; when it needs reference log-probs and no
+    `policy` (and `reference`, `teacher`) are `Backbone`s; a strategy that shards them hands its own versions over
+    through `use_backbones`. The teacher is scored over the sampler's kept sets (`teacher_use_mask`, with
+    `module.use_mask`) or over the full vocabulary (`topp_rl.losses.distill` states the KL exactly). `loss` is a `topp_rl.losses.PolicyLoss`; when it needs reference log-probs and no
     `reference` is given, the reference is a frozen copy of the initial policy. `optimizer` is a factory
     (Hydra `_partial_`).
     """
@@ -79,6 +91,9 @@ class PolicyModule(L.LightningModule):
         optimizer: OptimizerFactory,
         hook: ToppLogProb,
         reference: Backbone | None = None,
+        teacher: Backbone | None = None,
+        teacher_use_mask: bool = False,
+        teacher_server: TeacherServer | None = None,
         ppo_epochs: int = 1,
         grad_clip: float | None = 1.0,
         lr_schedule: LRSchedule | None = None,
@@ -91,7 +106,16 @@ class PolicyModule(L.LightningModule):
         self.automatic_optimization = False
         if reference is None and loss.needs_ref_logprobs and not _check_backbone(policy, "policy").has_frozen_base:
             reference = copy.deepcopy(policy)  # a frozen base (LoRA) is its own reference: its base, adapters off
-        self.use_backbones(policy=policy, reference=reference)
+        if teacher is not None and teacher_server is not None:
+            raise ValueError("PolicyModule takes a teacher backbone or a teacher server, not both")
+        if loss.needs_teacher_logprobs and teacher is None and teacher_server is None:
+            raise ValueError(
+                f"the loss {type(loss).__name__} has teacher_kl_coeff={loss.teacher.coef} but no teacher is given; "
+                "configure one (teacher=hf_path teacher.path=DIR) or set algo.teacher_kl_coeff=0"
+            )
+        self.use_backbones(policy=policy, reference=reference, teacher=teacher)
+        self.teacher_use_mask = teacher_use_mask
+        self.teacher_server = teacher_server
         self.loss_fn = loss
         self.optimizer_factory = optimizer
         self.hook = hook
@@ -99,17 +123,11 @@ class PolicyModule(L.LightningModule):
         self.grad_clip = grad_clip
         self.lr_schedule = lr_schedule or LRSchedule()
 
-    def use_backbones(self, *, policy: Backbone, reference: Backbone | None) -> None:
-        """Install the policy (and frozen reference) backbones: the one hand-over point for strategies."""
+    def use_backbones(self, *, policy: Backbone, reference: Backbone | None, teacher: Backbone | None) -> None:
+        """Install the policy (and frozen reference and teacher) backbones: the one hand-over point for strategies."""
         self.policy = _check_backbone(policy, "policy")
-        self.reference = None
-        if reference is not None:
-            self.reference = _check_backbone(reference, "reference").requires_grad_(False).eval()
-            if reference.layout != policy.layout:
-                raise ValueError(
-                    f"reference layout {reference.layout} differs from the policy's {policy.layout}; build both "
-                    "backbones from the same parallel config"
-                )
+        self.reference = _frozen(reference, "reference", policy=policy)
+        self.teacher = _frozen(teacher, "teacher", policy=policy)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -131,6 +149,10 @@ class PolicyModule(L.LightningModule):
                 f"the policy holds non-finite weights (NaN or inf) at train start ({where}); a resumed checkpoint "
                 "may be corrupt: resume from an earlier one, or start over"
             )
+
+    def teardown(self, stage: str) -> None:
+        if self.teacher_server is not None:  # its connections and threads; the server itself is not ours
+            self.teacher_server.close()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # LoRA: the adapters only, the base is rebuilt from the run config
@@ -200,8 +222,20 @@ class PolicyModule(L.LightningModule):
         with weights:
             return model.forward_only(micro, functools.partial(self.score_hidden, use_mask=use_mask))
 
+    @torch.no_grad()
+    def teacher_pass(self, micro: list[PackedBatch]) -> list[Tensor | None]:
+        """Teacher log-probs [R] per micro-batch (None without a teacher), over the kept sets where
+        `teacher_use_mask` (and `module.use_mask`) say so, else over the full vocabulary."""
+        if self.teacher_server is not None:
+            return [self.teacher_server.logprobs(mb).to(mb.tokens.device) for mb in micro]
+        if self.teacher is None:
+            return [None] * len(micro)
+        use_mask = self.hook.use_mask and self.teacher_use_mask
+        return self.teacher.forward_only(micro, functools.partial(self.score_hidden, use_mask=use_mask))
+
     def accumulate_gradients(self, micro: list[PackedBatch], refs: list[Tensor | None], *,
-                             old: list[Tensor] | None, timer: PhaseTimer) -> tuple[dict[str, SumCount], list[OnPolicyRecord]]:
+                             old: list[Tensor] | None, timer: PhaseTimer,
+                             teachers: list[Tensor | None] | None = None) -> tuple[dict[str, SumCount], list[OnPolicyRecord]]:
         """Backward of the loss over every micro-batch into .grad, in the backbone's schedule
         (`Backbone.forward_backward`): the loss divides by the step's global counts, so the accumulated gradient
         equals that of one batch holding all micro-batches. Returns the loss sums and the on-policy records made here.
@@ -212,7 +246,8 @@ class PolicyModule(L.LightningModule):
         exactly 1); their time is the `old_logprob` phase's."""
 
         def loss_step(i: int, mb: PackedBatch, hidden: Tensor, weight: Tensor):
-            scored = self.hook(mb, layout=self.layout, hidden=hidden, weight=weight)
+            scored = self.hook(mb, layout=self.layout, hidden=hidden, weight=weight,
+                               return_entropy=self.loss_fn.needs_entropy)
             if old is None:
                 with timer.phase("old_logprob"):
                     masked = scored.logprobs if self.hook.use_mask else None
@@ -220,7 +255,9 @@ class PolicyModule(L.LightningModule):
             else:
                 mb_old, record = old[i], None
             logprobs = self._gather(scored.logprobs, scored.token_index, mb)
-            loss, sums = self.loss_fn(_loss_inputs(mb, logprobs, mb_old, refs[i]))
+            entropy = None if scored.entropy is None else self._gather(scored.entropy, scored.token_index, mb)
+            teacher = teachers[i] if teachers is not None else None
+            loss, sums = self.loss_fn(_loss_inputs(mb, logprobs, mb_old, refs[i], teacher=teacher, entropy=entropy))
             # this micro-batch's MoE routing figures: averaged over micro-batches and ranks
             moe = {f"train/{k}": (float(v), 1.0) for k, v in self.policy.moe_stats().items()}
             return loss, (sums | moe, record)
@@ -240,13 +277,18 @@ class PolicyModule(L.LightningModule):
             if self.ppo_epochs > 1:  # one epoch: the gradient pass makes them (`accumulate_gradients`)
                 old, records = map(list, zip(*self.policy.forward_only(micro, self.onpolicy_from_hidden), strict=True))
             refs = self.reference_pass(micro)
+        if self.teacher is not None or self.teacher_server is not None:
+            with timer.phase("teacher"):
+                teachers = self.teacher_pass(micro)
+        else:
+            teachers = None
         opt = self.optimizers()
         lr = float(opt.param_groups[0]["lr"])  # the lr this step's updates use
         metrics: dict[str, SumCount] = {}
         with timer.phase("optim"):
             for _ in range(self.ppo_epochs):
                 opt.zero_grad(set_to_none=True)
-                sums, made = self.accumulate_gradients(micro, refs, old=old, timer=timer)
+                sums, made = self.accumulate_gradients(micro, refs, old=old, timer=timer, teachers=teachers)
                 records += made
                 add_sums(metrics, sums | self.optimizer_update(opt))
                 if self._trainer is not None:
@@ -294,13 +336,27 @@ class PolicyModule(L.LightningModule):
 __all__ = ["Backbone", "HFBackbone", "PolicyModule"]
 
 
-def _loss_inputs(batch: PackedBatch, logprobs: Tensor, old: Tensor, ref: Tensor | None) -> LossInputs:
+def _frozen(backbone: Backbone | None, slot: str, *, policy: Backbone) -> Backbone | None:
+    """`backbone` frozen in eval mode, checked to share the policy's layout (the scorer's vocabulary split)."""
+    if backbone is None:
+        return None
+    backbone = _check_backbone(backbone, slot).requires_grad_(False).eval()
+    if backbone.layout != policy.layout:
+        raise ValueError(
+            f"{slot} layout {backbone.layout} differs from the policy's {policy.layout}; build both backbones from "
+            "the same parallel config (and, for a teacher, the same vocabulary size)"
+        )
+    return backbone
+
+
+def _loss_inputs(batch: PackedBatch, logprobs: Tensor, old: Tensor, ref: Tensor | None, *,
+                 teacher: Tensor | None = None, entropy: Tensor | None = None) -> LossInputs:
     seq_index = torch.repeat_interleave(batch.sample_index, batch.response_lengths)
     return LossInputs(
         logprobs=logprobs, old_logprobs=old, advantages=batch.advantages, loss_mask=batch.loss_mask,
         seq_index=seq_index, num_loss_tokens_global=float(batch.num_loss_tokens_global),
         num_sequences_global=int(batch.num_sequences_global), ref_logprobs=ref,
-        rollout_logprobs=batch.rollout_log_probs,
+        rollout_logprobs=batch.rollout_log_probs, teacher_logprobs=teacher, entropy=entropy,
     )
 
 
@@ -320,4 +376,4 @@ def _perf_metrics(timer: PhaseTimer, *, tokens: int) -> dict[str, SumCount]:
         "perf/optim_s": (optim_s, 1.0),
         "perf/train_tokens_per_s": (tokens / max(optim_s, 1e-9), 1.0),
         "perf/peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1.0),
-    }
+    } | ({"perf/teacher_s": (timer.seconds["teacher"], 1.0)} if "teacher" in timer.seconds else {})

@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import requests
 import urllib3
+from tqdm.auto import tqdm
 
 
 class RequestError(RuntimeError):
@@ -337,3 +338,19 @@ def error_message(text: str) -> str:
         return str(error.get("message") if isinstance(error, dict) else error or text)
     except (ValueError, AttributeError):
         return text[:500]
+
+
+def gather(futures: list[Future], *, desc: str, progress: bool) -> list[Any]:
+    """The futures' results in submission order, behind a progress bar (`desc`, shown when `progress`) that moves as
+    they complete in any order. The first failure raises as soon as it completes, before any result is used; the
+    calls not yet started are cancelled."""
+    bar = tqdm(total=len(futures), desc=desc, unit="sample", disable=not progress)
+    try:
+        for fut in as_completed(futures):
+            fut.result()
+            bar.update(1)
+    finally:
+        bar.close()
+        for fut in futures:
+            fut.cancel()
+    return [fut.result() for fut in futures]

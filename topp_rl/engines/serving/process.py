@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from topp_rl.engines.serving.net import free_port, http_url
+
 # The group leader: runs the server as its child and kills the whole group once its parent (the trainer) is
 # gone. It polls getppid() rather than relying on PR_SET_PDEATHSIG, which fires when the *thread* that
 # spawned it exits (an engine built in a worker thread would lose its server).
@@ -32,12 +34,21 @@ sys.exit(server.returncode)
 """
 
 
+PORT_TAKEN = "address already in use"  # the bind error of uvicorn (SGLang, vLLM) and smg, case aside
+PORT_TRIES = 3  # starts on freshly picked ports before a taken port is an error
+
+
+class PortTaken(RuntimeError):
+    """Another process bound the port before the server did."""
+
 
 class LoggedProcessGroup:
     """What a launched server and router share: a process group (`_proc`) writing to `log_path` (`_log`),
     named in messages as `label` (e.g. "SGLang server")."""
 
     url: str
+    host: str
+    port: int
     log_path: Path
     failed: bool
     label: str = "process"
@@ -62,6 +73,36 @@ class LoggedProcessGroup:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def _start_on_port(self, host: str, port: int | None, spawn: Callable[[], subprocess.Popen],
+                       wait_ready: Callable[[], None]) -> None:  # fmt: skip
+        """Set `host`, `port` (`port`, or a free one picked when None) and `url`, open the log, `spawn()` the group
+        (its command reads `self.port`) and wait for it (`_await_start`). A picked port that another process bound
+        first, in the seconds before the server's bind, is picked again: `PORT_TRIES` starts at most. A given port
+        is the caller's, so its bind failing is an error at once."""
+        for tries_left in reversed(range(PORT_TRIES)):
+            self.host, self.port = host, port or free_port(host)
+            self.url = http_url(host, self.port)
+            self.failed = False
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            self._proc = spawn()
+            try:
+                self._await_start(wait_ready)
+                return
+            except PortTaken as err:
+                if port is not None:
+                    raise PortTaken(f"{err}; port={port} was given: pass a free one, or none (one is picked)") from None
+                if not tries_left:
+                    raise PortTaken(f"{err}; {PORT_TRIES} picked ports were each taken first") from None
+                print(f"[topp_rl] {self.label} {self.url}: another process bound port {self.port} first; starting "
+                      f"again on another port", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _raise_if_port_taken(self) -> None:
+        """`PortTaken` when the log's last lines show the server's bind failing (the process may live on: SGLang
+        then waits for a shutdown, never ready)."""
+        if PORT_TAKEN in self.log_tail(5).lower():
+            raise PortTaken(f"{self.label} {self.url}: another process took port {self.port} between its choice and "
+                            f"the server's bind (address already in use); log: {self.log_path}")  # fmt: skip
 
     def _await_start(self, wait_ready: Callable[[], None]) -> None:
         """Run `wait_ready`, saying on the console that the start began and how long it took (a server start on

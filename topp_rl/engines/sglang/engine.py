@@ -11,18 +11,16 @@ and over the engine-neutral serving layer (`topp_rl.engines.serving`): bounded, 
 """
 
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from topp_rl.data.params import SamplingParams
 from topp_rl.data.routes import MoeRouting
 from topp_rl.data.sample import Sample
 from topp_rl.engines.base import InFlightUpdates, ReleasesMemory, RolloutEngine, check_prompts
-from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts, limits_from
+from topp_rl.engines.serving.client import HTTPClient, Retries, Timeouts, gather, limits_from
 from topp_rl.engines.serving.weights import WeightSyncStats
 from topp_rl.engines.sglang.colocate import MemoryCycle, without_memory_saver
 from topp_rl.engines.sglang.fleet import Fleet, WireMode, worker_mode
@@ -260,17 +258,9 @@ class SGLangEngine(RolloutEngine, InFlightUpdates):
                                codec.payload(prompt, params, seed=seed, index=i), len(prompt) + params.max_new_tokens)
             for i, (_, prompt) in enumerate(expanded)
         ]  # fmt: skip
-        bar = tqdm(total=len(futures), desc="sglang rollout", unit="sample", disable=not self.progress)
-        try:
-            for fut in as_completed(futures):  # the bar moves as responses arrive, in any order
-                fut.result()  # the first failure raises here, before any Sample is built
-                bar.update(1)
-        finally:
-            bar.close()
-            for fut in futures:
-                fut.cancel()
-        return [codec.sample(prompt, fut.result(), wants_mask=params.truncates)
-                for (_, prompt), fut in zip(expanded, futures, strict=True)]
+        answers = gather(futures, desc="sglang rollout", progress=self.progress)
+        return [codec.sample(prompt, answer, wants_mask=params.truncates)
+                for (_, prompt), answer in zip(expanded, answers, strict=True)]
 
     def _generate_one(self, url: str, body: dict[str, Any], tokens: int) -> dict[str, Any] | ServerOverflow:
         status, text = self.client.call("POST", url, "/generate", body, self.timeouts.call(tokens=tokens))

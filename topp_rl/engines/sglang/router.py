@@ -71,30 +71,30 @@ class SGLangRouter(LoggedProcessGroup):
             )
         python = require_sglang_python(python)
         self.worker_urls = list(worker_urls)
-        self.host, self.port = host, port or free_port(host)
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.log_path = Path(workdir) / "router.log"
-        self.failed = False
-        cmd = [
-            str(python), "-m", "smg", "launch",
-            "--worker-urls", *self.worker_urls,
-            "--policy", check_policy(policy),
-            "--host", host, "--port", str(self.port),
-            "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
-            "--disable-tokenizer-autoload",  # token ids in, token ids out: no tokenizer in the router
-            # Router retries: 1 + max_retries attempts, the backoff capped (smg's default cap is 30 s).
-            *(("--retry-max-retries", str(max_retries + 1)) if max_retries else ("--disable-retries",)),
-            "--retry-max-backoff-ms", str(max_backoff_ms),
-            "--health-check-interval-secs", str(health_check_interval_s),
-            *extra_args,
-        ]  # fmt: skip
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self._proc = spawn_group(python, cmd, log=self._log, env=_router_env())
-        self._await_start(lambda: self._wait_ready(startup_timeout_s))
+
+        def command() -> list[str]:  # on the port `_start_on_port` sets
+            return [
+                str(python), "-m", "smg", "launch",
+                "--worker-urls", *self.worker_urls,
+                "--policy", check_policy(policy),
+                "--host", host, "--port", str(self.port),
+                "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+                "--disable-tokenizer-autoload",  # token ids in, token ids out: no tokenizer in the router
+                # Router retries: 1 + max_retries attempts, the backoff capped (smg's default cap is 30 s).
+                *(("--retry-max-retries", str(max_retries + 1)) if max_retries else ("--disable-retries",)),
+                "--retry-max-backoff-ms", str(max_backoff_ms),
+                "--health-check-interval-secs", str(health_check_interval_s),
+                *extra_args,
+            ]  # fmt: skip
+
+        self._start_on_port(host, port, lambda: spawn_group(python, command(), log=self._log, env=_router_env()),
+                            lambda: self._wait_ready(startup_timeout_s))  # fmt: skip
 
     def _wait_ready(self, timeout_s: float) -> None:
         start, last = time.monotonic(), "no answer"
         while time.monotonic() - start < timeout_s:
+            self._raise_if_port_taken()  # smg exits when its bind fails
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"SGLang router {self.url} exited with code {self._proc.returncode} while starting; "

@@ -25,16 +25,12 @@ colocated server, the memory saver.
 """
 
 import os
-import signal
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import requests
-
-from topp_rl.engines.serving.net import LOOPBACK_IFNAME, free_port, is_loopback
-from topp_rl.engines.serving.process import LoggedProcessGroup, signal_group, spawn_group
+from topp_rl.engines.serving.launched import LaunchedServer
+from topp_rl.engines.serving.net import LOOPBACK_IFNAME, is_loopback
+from topp_rl.engines.serving.process import spawn_group
 from topp_rl.engines.serving.workdir import make_workdir as make_owned_workdir
 from topp_rl.engines.serving.workdir import remove_workdir  # noqa: F401 - the fleet imports it from here
 
@@ -105,8 +101,11 @@ def visible_devices(gpus: tuple[int, ...], inherited: str | None) -> str:
     return ",".join(seen[g] for g in gpus)
 
 
+RENDEZVOUS_FILE = "dist-init"  # in the work dir: the file rendezvous of a loopback server's process group
+
+
 # ---- the server ---------------------------------------------------------------------------------------------
-class SGLangServer(LoggedProcessGroup):
+class SGLangServer(LaunchedServer):
     """One SGLang server process group serving `model_path` at `self.url`; a context manager.
 
     `workdir` holds its log (`server.log`) and rendezvous file; without one the server makes (and on a clean
@@ -114,6 +113,7 @@ class SGLangServer(LoggedProcessGroup):
     then kept and its path printed."""
 
     label = "SGLang server"
+    health_path = "/health_generate"
 
     def __init__(
         self,
@@ -141,34 +141,38 @@ class SGLangServer(LoggedProcessGroup):
             raise ValueError(f"model_path ({self.model_path}) has no config.json; pass an HF checkpoint dir")
         self._owns_workdir = workdir is None
         self.workdir = make_workdir() if workdir is None else Path(workdir)
-        self.host, self.port = host, port or free_port(host)
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.log_path = self.workdir / "server.log"
-        self.failed = False
         self.device = device = device or ("cuda" if gpus else "cpu")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"SGLang server device={device!r} must be 'cpu' or 'cuda'")
         self.gpus = tuple(gpus or ())
         gpu_args = gpu_launch_args(device, self.gpus, mem_fraction=mem_fraction, memory_saver=memory_saver)
         cpu = ("--device", "cpu", "--attention-backend", "torch_native") if device == "cpu" else ()
-        cmd = [
-            str(python), "-m", "sglang.launch_server",
-            "--model-path", str(self.model_path),
-            *cpu,
-            "--sampling-backend", "pytorch",
-            "--skip-tokenizer-init",
-            "--host", host,
-            "--port", str(self.port),
-            "--dtype", dtype,
-            "--max-total-tokens", str(max_total_tokens),
-            "--random-seed", str(random_seed),
-            *(("--sampling-mask-max-tokens", str(sampling_mask_max_tokens)) if sampling_mask_max_tokens else ()),
-            *gpu_args,
-            *extra_args,
-        ]  # fmt: skip
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self._proc = spawn_group(python, cmd, log=self._log, env=self._env())
-        self._await_start(lambda: self._wait_ready(startup_timeout_s, progress_interval_s))
+
+        def command() -> list[str]:  # on the port `_start_on_port` sets
+            return [
+                str(python), "-m", "sglang.launch_server",
+                "--model-path", str(self.model_path),
+                *cpu,
+                "--sampling-backend", "pytorch",
+                "--skip-tokenizer-init",
+                "--host", host,
+                "--port", str(self.port),
+                "--dtype", dtype,
+                "--max-total-tokens", str(max_total_tokens),
+                "--random-seed", str(random_seed),
+                *(("--sampling-mask-max-tokens", str(sampling_mask_max_tokens)) if sampling_mask_max_tokens else ()),
+                *gpu_args,
+                *extra_args,
+            ]  # fmt: skip
+
+        self._start_on_port(host, port, lambda: self._spawn(command()),
+                            lambda: self._wait_ready(startup_timeout_s, progress_interval_s))  # fmt: skip
+
+    def _spawn(self, command: list[str]):
+        # A start again on another port (`_start_on_port`) must not meet the failed start's rendezvous file.
+        (self.workdir / RENDEZVOUS_FILE).unlink(missing_ok=True)
+        return spawn_group(self.python, command, log=self._log, env=self._env())
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -180,49 +184,7 @@ class SGLangServer(LoggedProcessGroup):
         if is_loopback(self.host):
             # A file rendezvous opens no port (torch's TCPStore master binds all interfaces, whatever host);
             # gloo / NCCL (the weight-sync group included) then bind the loopback interface only.
-            env.setdefault("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", f"file://{self.workdir / 'dist-init'}")
+            env.setdefault("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", f"file://{self.workdir / RENDEZVOUS_FILE}")
             env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
             env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         return env
-
-    def _wait_ready(self, timeout_s: float, interval_s: float) -> None:
-        start = time.monotonic()
-        said = start
-        while (waited := time.monotonic() - start) < timeout_s:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang server {self.url} exited with code {self._proc.returncode} while starting; "
-                    f"log: {self.log_path}; last lines:\n{self.log_tail()}"
-                )
-            try:
-                if requests.get(f"{self.url}/health_generate", timeout=(5, 30)).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if interval_s > 0 and time.monotonic() - said >= interval_s:
-                said = time.monotonic()
-                print(f"[topp_rl] SGLang server {self.url}: starting, {waited:.0f} s of {timeout_s:.0f} s "
-                      f"(log: {self.log_path})", file=sys.stderr, flush=True)  # fmt: skip
-            time.sleep(1.0)
-        raise TimeoutError(
-            f"SGLang server {self.url} not healthy after {timeout_s:.0f} s (startup_timeout_s); "
-            f"log: {self.log_path}; last lines:\n{self.log_tail()}"
-        )
-
-    def stop(self, *, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`; idempotent."""
-        if self._stop_group(timeout_s) and self._owns_workdir:
-            remove_workdir(self.workdir, keep_log=self.failed)
-
-    def __enter__(self) -> "SGLangServer":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def __del__(self) -> None:  # last resort; stop() is idempotent
-        try:
-            if self._proc.poll() is None:
-                signal_group(self._proc.pid, signal.SIGKILL)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

@@ -12,6 +12,11 @@ the whole set: that sample is ABORTED and flagged `candidate_overflow` with the 
 (`check_params`). An untruncated request (top_p=1, top_k=0, min_p=0) asks for the sampled token's log-prob only and
 records no candidates (the set is the whole vocabulary).
 
+Native masks (`Codec.native_masks`): a GPU server started with `--return-sampling-mask` (vLLM's V2 model runner)
+answers each token's kept ids itself (`sampling_mask`, one id list per output token); the request then asks only for
+the sampled token's processed log-prob, and ties cannot overflow (a set above `max_candidates` is aborted as one). vLLM refuses such a server's requests unless
+top_k > 0 (it bounds the mask's size), so top_k is required there (`check_params`).
+
 vLLM's order differs from SGLang's (`topp_rl.data.params`: top-k and top-p both on the unrenormalised
 probabilities, min-p last); the trainer scores over the recorded sets, so its log-probs are exact whichever
 convention the engine followed. Per-sample seeds are honoured (`seed * SEED_STRIDE + index`): a rerun reproduces
@@ -37,11 +42,21 @@ FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATE
 SEED_STRIDE = 1_000_003  # seed = seed * stride + sample index: distinct per sample, same per rerun
 NEG_INF = -9999.0  # how vLLM's JSON carries a -inf log-prob (a dropped id)
 EXPECTS = "vLLM 0.32's"
+# The sampling keys `payload` derives from SamplingParams (and the kept-set reading relies on).
+OWN_KEYS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop_token_ids", "logprobs",
+                      "detokenize", "seed"})  # fmt: skip
 
 
-def check_params(params: SamplingParams, *, max_candidates: int, vocab_size: int) -> None:
+def check_params(params: SamplingParams, *, max_candidates: int, vocab_size: int, native_masks: bool = False) -> None:
     """Refuse sampling whose kept set the top-(k+1) log-probs cannot show: truncated sampling (top_p < 1 or
-    min_p > 0) without 0 < top_k <= max_candidates, or a top_k that reaches the vocabulary."""
+    min_p > 0) without 0 < top_k <= max_candidates, or a top_k that reaches the vocabulary. With native masks:
+    what vLLM refuses on a `--return-sampling-mask` server (top_k 0; temperature 0 never reaches an engine)."""
+    if native_masks and not 0 < params.top_k <= max_candidates:
+        raise ValueError(
+            f"top_k={params.top_k}: a vLLM server that returns native sampling masks (--return-sampling-mask) "
+            f"serves only 0 < top_k <= max_candidates ({max_candidates}), vLLM's bound on the mask size; set "
+            "rollout.top_k (and the eval's top_k), or serve without the flag (sets read from log-probs)"
+        )
     if params.truncates and not 0 < params.top_k <= max_candidates:
         raise ValueError(
             f"rollout=vllm with top_p={params.top_p}, min_p={params.min_p} needs 0 < top_k <= max_candidates "
@@ -56,13 +71,28 @@ def check_params(params: SamplingParams, *, max_candidates: int, vocab_size: int
         )
 
 
-def logprobs_asked(params: SamplingParams) -> int:
-    """Log-probs asked per token: top_k + 1 when truncating (the last tells an overflow), else 0 (the sampled one)."""
-    return params.top_k + 1 if params.truncates else 0
+def logprobs_asked(params: SamplingParams, *, native_masks: bool = False) -> int:
+    """Log-probs asked per token: top_k + 1 when truncating (the last tells an overflow), else 0 (the sampled one);
+    0 with native masks (the server names the set)."""
+    return params.top_k + 1 if params.truncates and not native_masks else 0
 
 
-def payload(prompt: list[int], params: SamplingParams, *, seed: int | None, index: int) -> dict[str, Any]:
-    """The body of sample `index` of a rollout (one sample per request)."""
+def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`extra_sampling_params` as a dict; ValueError when it sets a key the engine derives from SamplingParams."""
+    extra = dict(extra or {})
+    clash = sorted(extra.keys() & OWN_KEYS)
+    if clash:
+        raise ValueError(f"extra_sampling_params sets {clash}, which the engine derives from SamplingParams (and "
+                         "the kept sets depend on); set them through SamplingParams / rollout.*, or drop them")  # fmt: skip
+    return extra
+
+
+def payload(
+    prompt: list[int], params: SamplingParams, *, seed: int | None, index: int, extra: Mapping[str, Any] | None = None,
+    native_masks: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The body of sample `index` of a rollout (one sample per request); `extra`: more vLLM sampling keys
+    (`check_extra`); `native_masks`: the server answers the sets, so only the sampled log-prob is asked for."""
     sampling = {
         "n": 1,
         "temperature": params.temperature,
@@ -71,8 +101,9 @@ def payload(prompt: list[int], params: SamplingParams, *, seed: int | None, inde
         "min_p": params.min_p,
         "max_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
-        "logprobs": logprobs_asked(params),
+        "logprobs": logprobs_asked(params, native_masks=native_masks),
         "detokenize": False,
+        **(extra or {}),
     }
     if seed is not None:
         sampling["seed"] = (seed * SEED_STRIDE + index) % (2**63)
@@ -86,6 +117,8 @@ class Codec:
     vocab_size: int
     record_candidates: bool = True
     start_version: int = 0  # the version of the launch weights (vLLM's "default")
+    native_masks: bool = False  # the sets come from the answer's `sampling_mask`, not from the top-(k+1) log-probs
+    max_candidates: int = 4096
 
     def sample(self, prompt: list[int], answer: Mapping[str, Any], params: SamplingParams) -> Sample:
         """The Sample of one answer: status from vLLM's finish reason (`stop` -> completed, `length` -> truncated,
@@ -102,7 +135,15 @@ class Codec:
             raise RuntimeError(f"{name}: log-probs for {[c['token_id'] for c in content]}, not the output {tokens}")
         log_probs = [float(c["logprob"]) for c in content]
         cands = None
-        if params.truncates:
+        if self.native_masks:
+            kept = native_sets(choice.get("sampling_mask"), num_tokens=len(tokens), name=name)
+            too_big = next((i for i, row in enumerate(kept) if len(row) > self.max_candidates), None)
+            if too_big is not None:
+                message = (f"kept set at response token {too_big} holds {len(kept[too_big])} ids, above "
+                           f"rollout.max_candidates={self.max_candidates}; raise it or lower rollout.top_k")
+                return overflow_sample(prompt, message, weight_version=None)
+            cands = candidates_of(kept, tokens, name=name)
+        elif params.truncates:
             kept, overflow_at = kept_sets(content, asked=logprobs_asked(params))
             if overflow_at is not None:
                 message = (f"kept set at response token {overflow_at} holds more than top_k={params.top_k} ids (ties at "
@@ -136,6 +177,16 @@ def kept_sets(content: list[Mapping[str, Any]], *, asked: int) -> tuple[list[lis
     return kept, None
 
 
+def native_sets(mask: Any, *, num_tokens: int, name: str) -> list[list[int]]:
+    """The kept ids per output token from a native `sampling_mask` answer; RuntimeError naming `name` when the
+    server sent none (not started with --return-sampling-mask) or a count other than one list per token."""
+    if not isinstance(mask, list) or len(mask) != num_tokens:
+        got = f"{len(mask)} mask rows" if isinstance(mask, list) else f"sampling_mask={mask!r}"
+        raise RuntimeError(f"{name}: {got} for {num_tokens} output tokens; native masks need every server started "
+                           "with --return-sampling-mask (vLLM's V2 model runner)")  # fmt: skip
+    return [[int(t) for t in row] for row in mask]
+
+
 def candidates_of(kept: list[list[int]], tokens: list[int], *, name: str) -> Candidates:
     """The CSR Candidates of the kept rows; RuntimeError naming `name` when a sampled token is not in its row."""
     lengths = torch.tensor([len(row) for row in kept], dtype=torch.int64)
@@ -145,6 +196,6 @@ def candidates_of(kept: list[list[int]], tokens: list[int], *, name: str) -> Can
     missing = rows_missing_token(cands, torch.tensor(tokens, dtype=torch.long))
     if missing.numel():
         i = int(missing[0])
-        raise RuntimeError(f"{name}: sampled token {tokens[i]} at response position {i} is not among its finite "
-                           f"processed log-probs {kept[i]}; is the server running --logprobs-mode processed_logprobs?")
+        raise RuntimeError(f"{name}: sampled token {tokens[i]} at response position {i} is not among its kept ids "
+                           f"{kept[i]}; is the server running --logprobs-mode processed_logprobs?")
     return cands

@@ -13,23 +13,20 @@ Departures from vLLM's defaults, each needed by the engine: `--skip-tokenizer-in
 entries finite, the others -inf, `topp_rl.engines.vllm.protocol`), `--max-logprobs` = max_candidates + 1,
 `--enable-scale-out` (the token-id route `/inference/v1/generate`), `VLLM_SERVER_DEV_MODE=1` (the control routes:
 `/collective_rpc`, `/reset_prefix_cache`), `--worker-extension-cls` (the weight reload with a tied-head refresh,
-`worker/topp_rl_vllm_worker.py`), float32 unless asked otherwise, and `--seed`. On CPU (`device="cpu"`, the only one
-launched here yet): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's default of 4 GiB per server fails to start on
+`worker/topp_rl_vllm_worker.py`), float32 unless asked otherwise, and `--seed`. On CPU (`device="cpu"`, what the
+engine launches; `device="cuda"` is for `scripts/gpu_vllm_check.py`, the GPU's memory then set by vLLM's own flags in
+`extra_args`): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; vLLM's default of 4 GiB per server fails to start on
 a small box), eager mode (`--enforce-eager`, `VLLM_CPU_CI_ENV=1`: no compile at start). On a loopback host vLLM's
 own sockets are pinned there too (`VLLM_HOST_IP`, gloo's interface).
 """
 
 import os
-import signal
-import sys
-import time
 from pathlib import Path
 
-import requests
-
-from topp_rl.engines.serving.net import LOOPBACK_IFNAME, free_port, is_loopback
-from topp_rl.engines.serving.process import LoggedProcessGroup, signal_group, spawn_group
-from topp_rl.engines.serving.workdir import make_workdir, remove_workdir
+from topp_rl.engines.serving.launched import LaunchedServer
+from topp_rl.engines.serving.net import LOOPBACK_IFNAME, is_loopback
+from topp_rl.engines.serving.process import spawn_group
+from topp_rl.engines.serving.workdir import make_workdir
 
 VLLM_PYTHON_ENV = "TOPP_RL_VLLM_PYTHON"
 WORKDIR_PREFIX = "topp_rl-vllm-"
@@ -61,7 +58,7 @@ def make_vllm_workdir(root: str | os.PathLike | None = None) -> Path:
     return make_workdir(root, prefix=WORKDIR_PREFIX)
 
 
-class VLLMServer(LoggedProcessGroup):
+class VLLMServer(LaunchedServer):
     """One vLLM server process group serving `model_path` at `self.url`; a context manager. `max_logprobs`: the
     most log-probs a request may ask per token (the engine's max_candidates + 1). `failed` is True once the
     server exited on its own or did not come up; its log is then kept and its path printed."""
@@ -90,88 +87,44 @@ class VLLMServer(LoggedProcessGroup):
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise ValueError(f"model_path ({self.model_path}) has no config.json; pass an HF checkpoint dir")
-        if device != "cpu":
-            raise ValueError(
-                f"vLLM server device={device!r}: this engine launches CPU servers only (vllm-cpu); run a GPU vLLM "
-                "server yourself (scripts/setup_vllm.sh --gpu builds its venv) and pass its URL (rollout.engine.urls)"
-            )
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"vLLM server device={device!r}: choose cpu (vllm-cpu's venv) or cuda (the --gpu venv)")
+        self.device = device
         if max_logprobs < 1 or not kv_cache_gib > 0:
             raise ValueError(f"max_logprobs ({max_logprobs}) must be >= 1 and kv_cache_gib ({kv_cache_gib}) > 0")
         self._owns_workdir = workdir is None
         self.workdir = make_vllm_workdir() if workdir is None else Path(workdir)
-        self.host, self.port = host, port or free_port(host)
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.log_path = self.workdir / "server.log"
-        self.failed = False
         self.kv_cache_gib = kv_cache_gib
-        cmd = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_path),
-            "--host", host,
-            "--port", str(self.port),
-            "--dtype", dtype,
-            "--skip-tokenizer-init",
-            "--logprobs-mode", "processed_logprobs",
-            "--max-logprobs", str(max_logprobs),
-            "--enable-scale-out",
-            "--enforce-eager",
-            "--worker-extension-cls", WORKER_EXTENSION,
-            "--seed", str(random_seed),
-            *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
-            *extra_args,
-        ]  # fmt: skip
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self._proc = spawn_group(python, cmd, log=self._log, env=self._env())
-        self._await_start(lambda: self._wait_ready(startup_timeout_s, progress_interval_s))
+
+        def command() -> list[str]:  # on the port `_start_on_port` sets
+            return [
+                str(python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_path),
+                "--host", host,
+                "--port", str(self.port),
+                "--dtype", dtype,
+                "--skip-tokenizer-init",
+                "--logprobs-mode", "processed_logprobs",
+                "--max-logprobs", str(max_logprobs),
+                "--enable-scale-out",
+                "--enforce-eager",
+                "--worker-extension-cls", WORKER_EXTENSION,
+                "--seed", str(random_seed),
+                *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
+                *extra_args,
+            ]  # fmt: skip
+
+        self._start_on_port(host, port, lambda: spawn_group(python, command(), log=self._log, env=self._env()),
+                            lambda: self._wait_ready(startup_timeout_s, progress_interval_s))  # fmt: skip
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_CI_ENV": "1",
-               "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_SERVER_DEV_MODE": "1"}
+        if self.device == "cpu":
+            env.update(VLLM_CPU_CI_ENV="1", VLLM_CPU_KVCACHE_SPACE=f"{self.kv_cache_gib:g}")
         # Our venv's packages must not shadow vLLM's pins: only the worker extension's folder is added.
         env["PYTHONPATH"] = str(WORKER_EXTENSION_DIR)
         if is_loopback(self.host):
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
             env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
         return env
-
-    def _wait_ready(self, timeout_s: float, interval_s: float) -> None:
-        start = time.monotonic()
-        said = start
-        while (waited := time.monotonic() - start) < timeout_s:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server {self.url} exited with code {self._proc.returncode} while starting; "
-                    f"log: {self.log_path}; last lines:\n{self.log_tail()}"
-                )
-            try:
-                if requests.get(f"{self.url}/health", timeout=(5, 30)).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if interval_s > 0 and time.monotonic() - said >= interval_s:
-                said = time.monotonic()
-                print(f"[topp_rl] vLLM server {self.url}: starting, {waited:.0f} s of {timeout_s:.0f} s "
-                      f"(log: {self.log_path})", file=sys.stderr, flush=True)  # fmt: skip
-            time.sleep(1.0)
-        raise TimeoutError(
-            f"vLLM server {self.url} not healthy after {timeout_s:.0f} s (startup_timeout_s); "
-            f"log: {self.log_path}; last lines:\n{self.log_tail()}"
-        )
-
-    def stop(self, *, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`; idempotent."""
-        if self._stop_group(timeout_s) and self._owns_workdir:
-            remove_workdir(self.workdir, keep_log=self.failed)
-
-    def __enter__(self) -> "VLLMServer":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def __del__(self) -> None:  # last resort; stop() is idempotent
-        try:
-            if self._proc.poll() is None:
-                signal_group(self._proc.pid, signal.SIGKILL)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
