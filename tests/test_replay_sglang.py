@@ -14,7 +14,8 @@ from topp_rl.train import train
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 require_sglang(module=True)
 
-RUN = ["trainer.max_steps=3", "rollout.prompts_per_step=4", "rollout.n_samples=4", "logger=csv"]
+# The entropy bonus gives every step a gradient: on CPU, whether SGLang's unseeded rollouts draw a reward is chance.
+RUN = ["trainer.max_steps=3", "rollout.prompts_per_step=4", "rollout.n_samples=4", "logger=csv", "algo.entropy_coeff=0.01"]
 
 
 def test_a_recorded_sglang_run_replays_exactly(tmp_path, tiny_sglang_url):
@@ -26,7 +27,7 @@ def test_a_recorded_sglang_run_replays_exactly(tmp_path, tiny_sglang_url):
     recorded, replayed = metric_columns(recording), metric_columns(replay)
     exact = {k: v for k, v in recorded.items() if not k.startswith("perf/")}  # perf/*: timings
     assert {k: replayed.get(k) for k in exact} == exact
-    assert len(exact["train/loss"]) == 3 and any(v > 0 for v in exact["train/grad_norm"])
+    assert len(exact["train/loss"]) == 3 and all(v > 0 for v in exact["train/grad_norm"])
     weights, again = (load_file(str(d / "hf" / "model.safetensors")) for d in (recording, replay))
     assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
     own = read_step(recording / "rollouts" / "step_000000.dp0.safetensors")
