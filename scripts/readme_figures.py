@@ -5,8 +5,11 @@
     .venv/bin/python scripts/readme_figures.py --write   # run it and write the figures into README.md
 
 Each figure sits in a phrase of README.md (`PHRASES`); `--write` replaces the numbers inside those phrases only.
-tests/test_readme_figures.py runs this and fails when the README quotes other numbers. The figures came out the same
-under AVX2 and AVX-512 CPU kernels; the wall time is printed, not checked: it depends on the machine and its load.
+tests/test_readme_figures.py runs this and fails when the README quotes other numbers for this machine's CPU kind.
+The figures depend on the CPU kind, not on its load: an Intel Xeon gives the same ones under AVX2 and AVX-512
+kernels, an AMD EPYC (AVX2) others, because its kernels round differently and a seeded run then samples other
+tokens. The README quotes both kinds (`PHRASES`, by a name in the CPU's model name). The wall time is printed, not
+checked: it depends on the machine and its load.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -24,12 +28,31 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 COMMAND = ("algo=grpo", "rollout.top_p=0.9")  # the README's main command
 
-# Phrases of README.md, each holding figures by name (whitespace matches any line break).
-PHRASES = (
-    "reward mean {reward_first} in the first fifth of the run, {reward_last} in the last fifth",
-    "match the rollout's to {masked} with the mask (`train/rollout_logprob_abs_diff`; largest {masked_max})",
-    "against {unmasked} over the full vocabulary",
-)
+# Phrases of README.md holding one CPU kind's figures by name (whitespace matches any line break), keyed by a name
+# in the CPU's model name (/proc/cpuinfo).
+PHRASES = {
+    "Intel(R) Xeon(R)": (
+        "reward mean {reward_first} in the first fifth of the run, {reward_last} in the last fifth",
+        "match the rollout's to {masked} with the mask (`train/rollout_logprob_abs_diff`; largest {masked_max})",
+        "against {unmasked} over the full vocabulary",
+    ),
+    "AMD EPYC": ("On an AMD EPYC the same run prints {reward_first} and {reward_last}, {masked} (largest {masked_max}) "
+                 "and {unmasked} unmasked",),
+}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or platform.processor() where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def cpu_kind(name: str) -> str | None:
+    """The key of `PHRASES` whose figures a CPU named `name` prints, or None for a kind the README does not quote."""
+    return next((kind for kind in PHRASES if kind in name), None)
 
 
 def run_default(run_dir: Path) -> dict[str, float]:
@@ -71,10 +94,10 @@ def phrase_pattern(phrase: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
-def quoted(text: str) -> dict[str, str]:
-    """The figures `text` quotes in `PHRASES`; a phrase found other than once is an error naming it."""
+def quoted(text: str, kind: str) -> dict[str, str]:
+    """The figures `text` quotes for CPU `kind` (`PHRASES`); a phrase found other than once is an error naming it."""
     out: dict[str, str] = {}
-    for phrase in PHRASES:
+    for phrase in PHRASES[kind]:
         matches = list(phrase_pattern(phrase).finditer(text))
         if len(matches) != 1:
             raise ValueError(f"README.md holds the phrase {phrase!r} {len(matches)} times; it must hold it once")
@@ -82,10 +105,10 @@ def quoted(text: str) -> dict[str, str]:
     return out
 
 
-def rewrite(text: str, values: dict[str, str]) -> str:
-    """`text` with the figures of each phrase replaced by `values`, everything else as it was."""
-    quoted(text)  # each phrase once
-    for phrase in PHRASES:
+def rewrite(text: str, values: dict[str, str], kind: str) -> str:
+    """`text` with the figures of CPU `kind`'s phrases replaced by `values`, everything else as it was."""
+    quoted(text, kind)  # each phrase once
+    for phrase in PHRASES[kind]:
         match = phrase_pattern(phrase).search(text)
         spans = sorted(((match.start(g), match.end(g), values[g]) for g in match.groupdict()), reverse=True)
         for start, end, value in spans:
@@ -97,19 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="write the figures into README.md")
     args = parser.parse_args(argv)
+    name = cpu_name()
+    kind = cpu_kind(name)
+    if kind is None:
+        print(f"README.md quotes the figures of {' and '.join(PHRASES)} CPUs; this one ({name or 'unnamed'}) is "
+              "neither: add its phrase to PHRASES to quote it", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_default(Path(tmp) / "run")
     values = figures(summary)
-    print(f"train.py {' '.join(COMMAND)}: {summary['steps']} steps, {summary['wall_s']:.1f} s of training")
-    for name, value in values.items():
-        print(f"  {name}: {value}")
+    print(f"train.py {' '.join(COMMAND)} on {name}: {summary['steps']} steps, {summary['wall_s']:.1f} s of training")
+    for key, value in values.items():
+        print(f"  {key}: {value}")
     text = README.read_text()
     if args.write:
-        README.write_text(rewrite(text, values))
-        print(f"written into {README}")
+        README.write_text(rewrite(text, values, kind))
+        print(f"written into {README} ({kind})")
         return 0
-    stale = {k: v for k, v in quoted(text).items() if v != values[k]}
-    print(f"README.md quotes other figures: {stale}" if stale else "README.md quotes these figures")
+    stale = {k: v for k, v in quoted(text, kind).items() if v != values[k]}
+    print(f"README.md quotes other figures for {kind}: {stale}" if stale else f"README.md quotes these ({kind})")
     return 1 if stale else 0
 
 

@@ -91,8 +91,10 @@ def check_candidates(samples, model, params, *, logits_of=None) -> list[int]:
                 )
             kept = torch.tensor(sorted(got))
             renorm = scaled[i, tok] - torch.logsumexp(scaled[i, kept], 0)
-            assert abs(float(renorm) - s.rollout_log_probs[i]) <= TOL
-            assert abs(float(scaled[i, tok]) - s.rollout_raw_log_probs[i]) <= TOL
+            where = f"sample {s.index} token {i} of {s.response_length}"
+            assert abs(float(renorm) - s.rollout_log_probs[i]) <= TOL, (where, float(renorm), s.rollout_log_probs[i])
+            assert abs(float(scaled[i, tok]) - s.rollout_raw_log_probs[i]) <= TOL, (
+                where, float(scaled[i, tok]), s.rollout_raw_log_probs[i])
             sizes.append(len(got))
     return sizes
 

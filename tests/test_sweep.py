@@ -143,7 +143,8 @@ def test_a_sweep_ends_with_a_table_of_every_job(sweep):
                       "dir"]
     for row, top_p, job in zip(rows, ("0.8", "1.0"), ("0-rollout.top_p=0.8", "1-rollout.top_p=1.0"), strict=True):
         summary = json.loads((sweep_dir / job / "summary.json").read_text())
-        assert summary["mismatch_last"] > 0
+        # the masked mismatch of float32 engine and trainer: rounding, which some CPUs' kernels make exactly 0
+        assert 0 <= summary["mismatch_last"] <= 1e-5
         assert row == [top_p, f"{summary['reward_first']:.3f}", f"{summary['reward_last']:.3f}",
                        f"{summary['mismatch_last']:.3g}", f"{summary['wall_s']:.1f}", job]
     assert lines[start + 4] == f"  plots of every job: {sys.executable} -m topp_rl.report {relative}"
