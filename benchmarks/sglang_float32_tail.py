@@ -1,5 +1,5 @@
 """How far a real SGLang CPU server's float32 log-probs lie from HF's float32 and float64 forwards over long
-responses: the per-token error tail behind `tests/sglang_checks.LONG_TOL`.
+responses: the per-token error tail that a fixed bar of 1e-4 does not cover (docs/evidence/sglang.md).
 
     TOPP_RL_SGLANG_PYTHON=... .venv/bin/python benchmarks/sglang_float32_tail.py [--rounds 3]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from helpers import by_version, hf_logits, perturbed  # noqa: F401 - the server tests import them from here
+from helpers import by_version, fp32_bars, hf_logits, perturbed  # noqa: F401 - the server tests import them from here
 from sglang_checks import boundary_explained
 
 from topp_rl.engines.vllm.server import vllm_python
@@ -80,27 +80,3 @@ def top_k_probs(logp_row: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.softmax(logp_row.masked_fill(logp_row < kth, float("-inf")), dim=-1)
 
 
-U32 = 2.0**-24  # float32 unit roundoff
-
-
-def fp32_bars(config, sample, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """How far two float32 evaluations of one model (vLLM's CPU kernels, HF eager) may put a long response's
-    recorded log-probs apart, from the arithmetic: (a bar per token [R], a bar on their mean).
-
-    A float32 sum of n products lies within gamma_n = n*u / (1 - n*u) of the exact one, relative to its terms'
-    magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.4; u = 2^-24), and the bounds of
-    sequential reductions add (to first order). Response token i is predicted at position p = prompt + i, through
-    per layer: the input RMSNorm (d), q/k/v (d), the attention's softmax and value sums over p positions (2p), o_proj
-    (d), the MLP's RMSNorm (d), gate/up (d) and down (intermediate); then the final norm (d), the head (d) and the
-    log-softmax over the vocabulary: n = L * (2p + 5d + intermediate) + 2d + vocab. The terms' scale is the row's
-    largest |logit| (RMSNorm keeps the hidden states of order one). Each engine is within gamma_n of exact, and a
-    log-prob is a logit minus a log-sum-exp of logits: 4 gamma_n max|z| per token. Their mean over many tokens
-    follows the probabilistic bound instead (independent roundings: sqrt(n) * u, Higham and Mary, SIAM J. Sci.
-    Comput. 2019), times the rows' mean scale. Measured on a 3000-token response: per token at most 0.04 of its bar,
-    the mean 0.12 of its bar; a token sampled from the wrong version or over stale KV moves them by 0.1-1 nats."""
-    positions = torch.arange(sample.response_length, dtype=torch.float64) + len(sample.prompt_ids)
-    d, layers = config.hidden_size, config.num_hidden_layers
-    n = layers * (2 * positions + 5 * d + config.intermediate_size) + 2 * d + config.vocab_size
-    gamma = n * U32 / (1 - n * U32)
-    scale = logits.detach().double().abs().amax(dim=-1)
-    return 4 * gamma * scale, float((n.sqrt() * U32 * scale).mean())
